@@ -1,0 +1,75 @@
+"""Registry of per-layer rules: plain functions computing individual gradients of a module's
+own parameters from its captured inputs and output gradient.
+
+A rule is registered for exact module types (a subclass that overrides ``forward`` must not
+inherit a rule silently; it goes to the generic torch.func fallback instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# batch_grads(module, inputs, grad_out, names, options) -> {param name: [n, *p.shape]}
+BatchGradsFn = Callable[[nn.Module, tuple[Any, ...], Tensor, frozenset[str], "RuleOptions"], dict]
+# batch_l2(module, inputs, grad_out, names, options) -> {param name: [n]} or None if not cheaper
+BatchL2Fn = Callable[..., "dict[str, Tensor] | None"]
+# workspace(module, inputs, grad_out, options) -> bytes of scratch memory per sample
+WorkspaceFn = Callable[..., int]
+
+
+@dataclass(frozen=True)
+class RuleOptions:
+    """Options forwarded to every rule.
+
+    Attributes:
+        conv_algorithm: ``"unfold"`` or ``"grouped"`` (already resolved from ``"auto"``).
+    """
+
+    conv_algorithm: str = "unfold"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The functions that make up the rule of one layer family."""
+
+    batch_grads: BatchGradsFn
+    batch_l2: BatchL2Fn | None = None
+    workspace: WorkspaceFn | None = None
+    check_input: Callable[[nn.Module, tuple[Any, ...]], str | None] | None = None
+
+
+_RULES: dict[type[nn.Module], Rule] = {}
+
+
+def register_rule(
+    *module_types: type[nn.Module],
+    batch_l2: BatchL2Fn | None = None,
+    workspace: WorkspaceFn | None = None,
+    check_input: Callable[[nn.Module, tuple[Any, ...]], str | None] | None = None,
+) -> Callable[[BatchGradsFn], BatchGradsFn]:
+    """Register ``batch_grads`` (the decorated function) as the rule of ``module_types``."""
+
+    def decorate(fn: BatchGradsFn) -> BatchGradsFn:
+        rule = Rule(fn, batch_l2, workspace, check_input)
+        for t in module_types:
+            _RULES[t] = rule
+        return fn
+
+    return decorate
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule registered for ``type(module)`` exactly, or None."""
+    from . import rules  # noqa: F401  (registers the built-in rules on first use)
+
+    return _RULES.get(type(module))
+
+
+def element_bytes(t: Tensor) -> int:
+    """Bytes of one element of ``t``'s floating dtype (indices count as float32)."""
+    return t.element_size() if t.is_floating_point() else torch.finfo(torch.float32).bits // 8

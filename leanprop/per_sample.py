@@ -1,0 +1,67 @@
+"""Public entry point for per-sample quantities."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ._capture import ConvAlgorithm, PerSample
+from .quantities import Quantity
+
+
+def per_sample(
+    model: nn.Module,
+    *quantities: Quantity,
+    conv_algorithm: ConvAlgorithm = "auto",
+    max_workspace_mib: float = 256.0,
+    check: bool = True,
+) -> PerSample:
+    """Compute per-sample quantities during the backward passes run inside the context.
+
+    Run the forward pass *and* ``backward`` inside the ``with`` block. When each backward pass
+    ends, every trainable parameter that received a gradient carries the requested quantities
+    as attributes (``grad_batch``, ``batch_l2``, ``sum_grad_squared``, ``variance``); see
+    :mod:`leanprop.quantities` for the definitions and the mean/sum scaling. Each backward
+    replaces the previous results.
+
+    Example:
+        >>> import torch, leanprop
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> x, y = torch.randn(5, 3), torch.randn(5, 2)
+        >>> with leanprop.per_sample(model, leanprop.BatchGrad(), leanprop.Variance()):
+        ...     torch.nn.functional.mse_loss(model(x), y).backward()
+        >>> model[0].weight.grad_batch.shape  # [N, O, I]
+        torch.Size([5, 2, 3])
+
+    Args:
+        model: any module graph (residual connections, modules called several times, sequence
+            inputs ``[N, T, ...]``). Linear, Conv1d/2d/3d, Embedding, LayerNorm and GroupNorm use
+            closed-form rules; other modules owning parameters use a ``torch.func`` fallback.
+            Frozen parameters (``requires_grad=False``) are skipped.
+        *quantities: instances of ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``,
+            ``Variance``.
+        conv_algorithm: individual weight gradients of convolutions: ``"unfold"`` (im2col,
+            fast), ``"grouped"`` (Rochette et al. 2019, no im2col buffer) or ``"auto"``.
+        max_workspace_mib: scratch memory per layer; samples are processed in chunks so that
+            a layer's temporary buffers stay below it (the results themselves are not bounded).
+        check: after each backward, verify that the individual gradients add up to the batch
+            gradient autograd computed, and raise if not (a use of a parameter that escaped
+            the hooks). One host synchronisation per backward.
+
+    Returns:
+        The context manager; it removes every hook and releases every captured tensor on
+        exit, also on exceptions.
+
+    Raises:
+        LeanpropValueError: unknown quantity or option.
+        BatchError: an input without batch dimension, or modules seeing different batch sizes.
+        UnsupportedModelError: BatchNorm in training mode, or a failed sum check.
+
+    ``loss.backward(create_graph=True)`` makes the quantities differentiable.
+    """
+    return PerSample(
+        model,
+        *quantities,
+        conv_algorithm=conv_algorithm,
+        max_workspace_mib=max_workspace_mib,
+        check=check,
+    )

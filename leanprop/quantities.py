@@ -1,0 +1,91 @@
+"""What can be requested from :func:`leanprop.per_sample`.
+
+Notation: N is the batch size, ``c_n`` the *contribution* of sample ``n`` to the
+batch gradient ``p.grad`` of a parameter ``p``, so that ``sum_n c_n == p.grad``.
+
+* For a loss reduced with ``reduction="sum"``, ``c_n = grad f_n`` (the gradient of sample n's loss).
+* For ``reduction="mean"``, ``c_n = grad f_n / N``.
+
+This is BackPACK's definition, so results can be compared with it directly. Multiply by N
+to get the gradients of the per-sample losses from a mean-reduced loss.
+
+Each quantity is stored on the parameter under the attribute named by ``attr``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .errors import LeanpropValueError
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """Base of the requestable quantities; use one of the subclasses."""
+
+    attr: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class BatchGrad(Quantity):
+    """Individual gradients ``[N, *p.shape]``: ``p.grad_batch[n] = c_n``; sums over N to ``p.grad``."""
+
+    attr: ClassVar[str] = "grad_batch"
+
+
+@dataclass(frozen=True)
+class BatchL2Grad(Quantity):
+    """Squared L2 norms of the individual gradients ``[N]``: ``p.batch_l2[n] = ||c_n||²``.
+
+    Computed without materialising ``c_n`` where a closed form is cheaper (Linear, Embedding).
+    """
+
+    attr: ClassVar[str] = "batch_l2"
+
+
+@dataclass(frozen=True)
+class SumGradSquared(Quantity):
+    """Sum of squared individual gradients ``p.shape``: ``p.sum_grad_squared = sum_n c_n²``."""
+
+    attr: ClassVar[str] = "sum_grad_squared"
+
+
+@dataclass(frozen=True)
+class Variance(Quantity):
+    """Elementwise variance of the individual gradients ``p.shape``.
+
+    ``p.variance = 1/N sum_n (c_n - mean_n c_n)²`` (biased, as BackPACK), computed from centred
+    values, never as ``E[c²] - E[c]²``. NaN for an empty batch.
+    """
+
+    attr: ClassVar[str] = "variance"
+
+
+ALL_QUANTITIES: tuple[type[Quantity], ...] = (BatchGrad, BatchL2Grad, SumGradSquared, Variance)
+
+
+def validate_quantities(quantities: tuple[object, ...]) -> frozenset[type[Quantity]]:
+    """Check the requested quantities and return their types.
+
+    Raises:
+        LeanpropValueError: if none is given, one is a class instead of an instance, or is unknown.
+    """
+    allowed = ", ".join(f"{q.__name__}()" for q in ALL_QUANTITIES)
+    if not quantities:
+        raise LeanpropValueError(
+            f"per_sample() got no quantity to compute; pass at least one of: {allowed}."
+        )
+    kinds: set[type[Quantity]] = set()
+    for q in quantities:
+        if isinstance(q, type) and issubclass(q, Quantity) and q in ALL_QUANTITIES:
+            raise LeanpropValueError(
+                f"per_sample() got the class {q.__name__}; pass an instance: {q.__name__}()."
+            )
+        if type(q) not in ALL_QUANTITIES:
+            raise LeanpropValueError(
+                f"per_sample() got an unknown quantity {q!r} of type {type(q).__name__}; "
+                f"allowed: {allowed}."
+            )
+        kinds.add(type(q))
+    return frozenset(kinds)

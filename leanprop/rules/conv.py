@@ -1,0 +1,117 @@
+"""Rule for ``nn.Conv1d/2d/3d`` (stride, padding incl. ``"same"``, padding modes, dilation, groups).
+
+Weight ``[O, C/G, *K]``, input ``x: [N, C, *S]``, output gradient ``g: [N, O, *S']``. The
+individual weight gradient of sample n is the cross-correlation of ``x_n`` with ``g_n``::
+
+    W_n[o, c, k] = sum_s g_n[o, s] · x_pad_n[c(o), s·stride + k·dilation]
+
+Two algorithms (``RuleOptions.conv_algorithm``):
+
+* ``"unfold"``: gather the patches ``[N, C, S', K]`` (im2col) and contract them with ``g``;
+  fast, scratch memory ``C·K·|S'|`` per sample.
+* ``"grouped"``: Rochette et al. (2019): one grouped convolution with the batch folded into
+  the groups, input and gradient swapping roles and stride swapping with dilation; no patches,
+  scratch memory about the size of the result.
+
+Both run over chunks of samples chosen by the caller to bound scratch memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._registry import RuleOptions, register_rule
+
+_CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _dims(module: nn.Module) -> int:
+    return len(module.kernel_size)
+
+
+def _check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
+    x, d = inputs[0], _dims(module)
+    if x.dim() != d + 2:
+        return (
+            f"got an input of shape {tuple(x.shape)}; expected [N, {module.in_channels}, "
+            f"{d} spatial dims] with the batch first (unbatched inputs have no per-sample meaning)"
+        )
+    return None
+
+
+def _pad(module: nn.Module, x: Tensor) -> Tensor:
+    """Pad ``x`` as the module's forward does, so the convolution itself has no padding."""
+    if module.padding_mode != "zeros":
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+    if isinstance(module.padding, str):
+        if module.padding == "valid":
+            return x
+        pads: list[int] = []  # "same": the extra element goes to the end, as torch does
+        for k, dil in zip(reversed(module.kernel_size), reversed(module.dilation), strict=True):
+            total = dil * (k - 1)
+            pads += [total // 2, total - total // 2]
+        return F.pad(x, pads)
+    if any(module.padding):
+        return F.pad(x, [p for p in reversed(module.padding) for _ in range(2)])
+    return x
+
+
+def _unfold(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    n, groups, o = x.shape[0], module.groups, g.shape[1]
+    patches = x
+    for i, (k, s, dil) in enumerate(
+        zip(module.kernel_size, module.stride, module.dilation, strict=True)
+    ):
+        patches = patches.unfold(2 + i, dil * (k - 1) + 1, s)  # appends a window dim
+        if dil > 1:
+            patches = patches[..., ::dil]
+    # patches: [N, C, *S', *K]
+    c_g = x.shape[1] // groups
+    kernel = math.prod(module.kernel_size)
+    patches = patches.reshape(n, groups, c_g, -1, kernel)  # [N, G, C/G, L, K]
+    gs = g.reshape(n, groups, o // groups, -1)  # [N, G, O/G, L]
+    w = torch.einsum("ngol,ngclk->ngock", gs, patches)  # [N, G, O/G, C/G, K]
+    return w.reshape(n, o, c_g, *module.kernel_size)
+
+
+def _grouped(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    n, groups, o = x.shape[0], module.groups, g.shape[1]
+    c_g = x.shape[1] // groups
+    spatial = x.shape[2:]
+    # input [C/G, N*G, *S]: batch of C/G, channels (sample, group)
+    inp = x.reshape(n * groups, c_g, *spatial).transpose(0, 1)
+    # weight [N*O, 1, *S']: one filter per (sample, output channel)
+    wgt = g.reshape(n * o, 1, *g.shape[2:])
+    conv = _CONV_FN[_dims(module)]
+    res = conv(inp, wgt, None, module.dilation, 0, module.stride, n * groups)  # [C/G, N*O, *K']
+    res = res[(..., *(slice(0, k) for k in module.kernel_size))]
+    return res.reshape(c_g, n, o, *module.kernel_size).transpose(0, 1).transpose(1, 2)
+
+
+def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, opts: RuleOptions) -> int:
+    kernel = math.prod(module.kernel_size)
+    result = module.weight[0].numel() * module.out_channels
+    if opts.conv_algorithm == "grouped":
+        return 2 * result * g.element_size()
+    patches = module.in_channels * kernel * g[0, 0].numel()
+    return (patches + result) * g.element_size()
+
+
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, workspace=_workspace, check_input=_check)
+def conv_batch_grads(
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], opts: RuleOptions
+) -> dict[str, Tensor]:
+    """Individual gradients ``{"weight": [N, O, C/G, *K], "bias": [N, O]}``."""
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        x = _pad(module, inputs[0])
+        algo = _grouped if opts.conv_algorithm == "grouped" else _unfold
+        out["weight"] = algo(module, x, g)
+    if "bias" in names:
+        out["bias"] = g.flatten(2).sum(2)  # [N, O]
+    return out

@@ -1,0 +1,76 @@
+"""Rule for ``nn.Linear``: ``y = x Wᵀ + b`` with ``x: [N, *T, I]``, ``y: [N, *T, O]``.
+
+Individual gradients: ``W_n = sum_t g_nt x_ntᵀ  [O, I]`` and ``b_n = sum_t g_nt  [O]``.
+Squared norms without materialising ``W_n``:
+
+* 2-D input: ``||W_n||² = ||x_n||² ||g_n||²``.
+* sequence input: ``||W_n||² = sum_{t,s} (x_nt·x_ns)(g_nt·g_ns)`` (Gram matrices ``[N, T, T]``),
+  used when ``T (I + O) < I O``, i.e. when it costs less than materialising ``W_n``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._registry import RuleOptions, register_rule
+
+
+def _check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
+    x = inputs[0]
+    if x.dim() < 2:
+        return (
+            f"got an input of shape {tuple(x.shape)}; expected [N, ..., {module.in_features}] "
+            "with the batch first"
+        )
+    return None
+
+
+def _as_sequence(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    return x.flatten(1, -2), g.flatten(1, -2)  # [N, T, I], [N, T, O]
+
+
+def linear_batch_l2(
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
+) -> dict[str, Tensor]:
+    """Squared norms ``[N]`` of the individual gradients, where a closed form is cheaper."""
+    x = inputs[0]
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        if x.dim() == 2:
+            out["weight"] = x.pow(2).sum(1) * g.pow(2).sum(1)  # [N]
+        else:
+            xs, gs = _as_sequence(x, g)
+            t, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
+            if t * (i + o) < i * o:
+                out["weight"] = (torch.bmm(xs, xs.mT) * torch.bmm(gs, gs.mT)).sum((1, 2))
+    if "bias" in names:
+        out["bias"] = (g if g.dim() == 2 else _as_sequence(x, g)[1].sum(1)).pow(2).sum(1)
+    return out
+
+
+def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, _: RuleOptions) -> int:
+    return module.in_features * module.out_features * g.element_size()
+
+
+@register_rule(nn.Linear, batch_l2=linear_batch_l2, workspace=_workspace, check_input=_check)
+def linear_batch_grads(
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
+) -> dict[str, Tensor]:
+    """Individual gradients ``{"weight": [N, O, I], "bias": [N, O]}`` (those in ``names``)."""
+    x = inputs[0]
+    out: dict[str, Tensor] = {}
+    if x.dim() == 2:
+        if "weight" in names:
+            out["weight"] = g.unsqueeze(2) * x.unsqueeze(1)  # [N, O, I]
+        if "bias" in names:
+            out["bias"] = g  # [N, O]
+        return out
+    xs, gs = _as_sequence(x, g)
+    if "weight" in names:
+        out["weight"] = torch.bmm(gs.mT, xs)  # [N, O, I]
+    if "bias" in names:
+        out["bias"] = gs.sum(1)  # [N, O]
+    return out

@@ -1,0 +1,76 @@
+"""Slow, obvious oracles for per-sample quantities, used by the tests and offered to users.
+
+They loop over the samples one at a time with ordinary autograd: nothing clever, so they are
+easy to trust and slow. Tolerances: float64 results should match leanprop to ~1e-10 relative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from .errors import LeanpropValueError
+
+LossFn = Callable[[Tensor, Tensor, str], Tensor]
+REDUCTIONS = ("mean", "sum")
+
+
+def individual_gradients(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    reduction: Literal["mean", "sum"] = "mean",
+    create_graph: bool = False,
+) -> dict[str, Tensor]:
+    """Contribution of each sample to the batch gradient, by a loop over samples.
+
+    ``c_n = grad f_n`` for ``reduction="sum"`` and ``grad f_n / N`` for ``"mean"``, where
+    ``f_n = loss_fn(model(x[n:n+1]), y[n:n+1], "sum")`` is sample n's own loss.
+
+    Args:
+        model: a module whose output for a batch is the concatenation of per-sample outputs.
+        loss_fn: ``loss_fn(output, target, reduction)`` reducing over samples with
+            ``reduction`` (``"mean"`` or ``"sum"``).
+        x: inputs ``[N, ...]``; y: targets ``[N, ...]``.
+        reduction: how the batch loss reduces over samples.
+        create_graph: keep the graph so the result can be differentiated.
+
+    Returns:
+        ``{name: [N, *p.shape]}`` for every trainable parameter (zeros where unused).
+    """
+    if reduction not in REDUCTIONS:
+        raise LeanpropValueError(
+            f"individual_gradients() got reduction={reduction!r}; allowed: 'mean', 'sum' "
+            "(the batch loss must be a mean or a sum of per-sample losses)."
+        )
+    names, params = zip(
+        *[(k, p) for k, p in model.named_parameters() if p.requires_grad], strict=True
+    )
+    n = x.shape[0]
+    rows = []
+    for i in range(n):
+        loss = loss_fn(model(x[i : i + 1]), y[i : i + 1], "sum")
+        grads = torch.autograd.grad(loss, params, create_graph=create_graph, allow_unused=True)
+        if reduction == "mean":
+            grads = [None if g is None else g / n for g in grads]
+        rows.append(
+            [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        )
+    return {
+        k: torch.stack([r[j] for r in rows]) if rows else params[j].new_zeros(0, *params[j].shape)
+        for j, k in enumerate(names)
+    }
+
+
+def quantities_from_individual(grads: Tensor) -> dict[str, Tensor]:
+    """Reference quantities from individual gradients ``[N, *shape]`` (BackPACK definitions)."""
+    return {
+        "grad_batch": grads,
+        "batch_l2": grads.flatten(1).pow(2).sum(1),
+        "sum_grad_squared": grads.pow(2).sum(0),
+        "variance": grads.var(0, unbiased=False) if grads.shape[0] else grads.sum(0) * float("nan"),
+    }

@@ -1,0 +1,95 @@
+"""Per-sample quantities against the per-sample loop oracle, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leanprop
+from leanprop import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from leanprop.testing import individual_gradients, quantities_from_individual
+
+from .cases import CASES, build
+from .helpers import assert_close
+
+ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+CONV_CASES = [name for name in CASES if build(name).convs]
+
+
+def run(case, quantities, reduction, **kwargs):
+    with leanprop.per_sample(case.model, *quantities, **kwargs):
+        case.loss(case.model(case.x), case.y, reduction).backward()
+
+
+def reference(case, reduction):
+    return individual_gradients(case.model, case.loss, case.x, case.y, reduction)
+
+
+def check_against_oracle(case, reduction, quantities=ALL, **kwargs):
+    expected = reference(case, reduction)
+    plain = {k: g.sum(0) for k, g in expected.items()}
+    run(case, quantities, reduction, **kwargs)
+    for name, p in case.model.named_parameters():
+        if not p.requires_grad:
+            assert not hasattr(p, "grad_batch") and not hasattr(p, "variance"), name
+            continue
+        assert_close(p.grad, plain[name], f"{name}.grad", 1e-10, 1e-12)
+        ref = quantities_from_individual(expected[name])
+        for q in quantities:
+            assert_close(getattr(p, q.attr), ref[q.attr], f"{name}.{q.attr}", 1e-9, 1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_all_quantities_match_oracle(name, reduction):
+    check_against_oracle(build(name), reduction)
+
+
+@pytest.mark.parametrize("quantity", ALL, ids=lambda q: type(q).__name__)
+@pytest.mark.parametrize("name", ["mlp", "tied_lm", "sequence", "conv2d", "attention", "shared"])
+def test_each_quantity_alone(name, quantity):
+    check_against_oracle(build(name), "mean", (quantity,))
+
+
+@pytest.mark.parametrize("algorithm", ["unfold", "grouped", "auto"])
+@pytest.mark.parametrize("name", CONV_CASES)
+def test_conv_algorithms(name, algorithm):
+    check_against_oracle(build(name), "sum", conv_algorithm=algorithm)
+
+
+@pytest.mark.parametrize("name", ["conv2d", "tied_lm", "sequence", "attention"])
+def test_chunked_streaming_matches(name):
+    """A tiny workspace forces one sample per chunk: streaming statistics must agree."""
+    check_against_oracle(build(name), "mean", ALL[1:], max_workspace_mib=1e-6)
+
+
+def test_sequence_l2_uses_gram_when_cheaper():
+    """Wide Linear on short sequences: the Gram form is chosen and must be exact."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    x, y = torch.randn(3, 2, 16, dtype=torch.float64), torch.randn(3, 2, 16, dtype=torch.float64)
+    model.double()
+    from .cases import Case, mse
+
+    check_against_oracle(Case(model, x, y, mse), "sum", (BatchL2Grad(),))
+
+
+def test_float32_within_documented_tolerance():
+    case = build("conv2d", torch.float32)
+    expected = reference(case, "mean")
+    run(case, ALL, "mean")
+    for name, p in case.model.named_parameters():
+        ref = quantities_from_individual(expected[name])
+        for q in ALL:
+            assert_close(getattr(p, q.attr), ref[q.attr], f"{name}.{q.attr}", 1e-4, 1e-6)
+
+
+def test_empty_batch():
+    case = build("mlp")
+    case.x, case.y = case.x[:0], case.y[:0]
+    run(case, ALL, "sum")
+    for p in case.model.parameters():
+        assert p.grad_batch.shape == (0, *p.shape)
+        assert p.batch_l2.shape == (0,)
+        assert torch.equal(p.sum_grad_squared, torch.zeros_like(p))
+        assert p.variance.isnan().all()

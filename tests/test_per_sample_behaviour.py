@@ -1,0 +1,177 @@
+"""create_graph, clean-up, and every error of per_sample."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import leanprop
+from leanprop import BatchError, BatchGrad, LeanpropValueError, UnsupportedModelError, Variance
+from leanprop.testing import individual_gradients
+
+from .cases import build
+from .helpers import assert_close
+
+
+# attention is left out: torch has no double backward for CPU flash attention
+@pytest.mark.parametrize("name", ["mlp", "conv2d", "tied_lm", "shared", "own_parameter"])
+def test_gradient_of_total_variance_matches_double_backward(name):
+    case = build(name)
+    params = [p for p in case.model.parameters() if p.requires_grad]
+    with leanprop.per_sample(case.model, Variance()):
+        loss = case.loss(case.model(case.x), case.y, "mean")
+        loss.backward(create_graph=True)
+        total = sum(p.variance.sum() for p in params)
+        got = torch.autograd.grad(total, params)
+    for p in params:
+        p.grad = None  # break the create_graph reference cycle
+
+    grads = individual_gradients(case.model, case.loss, case.x, case.y, "mean", create_graph=True)
+    ref_total = sum(g.var(0, unbiased=False).sum() for g in grads.values())
+    expected = torch.autograd.grad(ref_total, params)
+    assert_close(total.detach(), ref_total.detach(), "total variance", 1e-10, 1e-14)
+    for (k, _), a, b in zip(case.model.named_parameters(), got, expected, strict=False):
+        assert_close(a, b, f"d total variance / d {k}", 1e-8, 1e-12)
+
+
+def test_hooks_removed_and_tensors_released_on_exit():
+    case = build("mlp")
+    model = case.model
+    with leanprop.per_sample(model, BatchGrad()) as ps:
+        out = model(case.x)  # forward without backward
+        ref = weakref.ref(out)
+        assert ps._calls
+    del out
+    gc.collect()
+    assert ref() is None, "a captured tensor outlived the context"
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    for p in model.parameters():
+        assert not p._backward_hooks
+
+
+def test_hooks_removed_on_exception():
+    case = build("mlp")
+    with pytest.raises(RuntimeError, match="boom"), leanprop.per_sample(case.model, BatchGrad()):
+        case.model(case.x)
+        raise RuntimeError("boom")
+    for m in case.model.modules():
+        assert not m._forward_hooks
+    assert all(not p._backward_hooks for p in case.model.parameters())
+
+
+def test_backward_outside_context_computes_nothing():
+    case = build("mlp")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        loss = case.loss(case.model(case.x), case.y, "mean")
+    loss.backward()
+    assert all(not hasattr(p, "grad_batch") for p in case.model.parameters())
+
+
+def test_each_backward_replaces_results():
+    case = build("mlp")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        for n in (6, 3):
+            case.loss(case.model(case.x[:n]), case.y[:n], "sum").backward()
+            assert case.model[0].weight.grad_batch.shape[0] == n
+
+
+def test_second_backward_through_retained_graph_is_ignored():
+    case = build("mlp")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        loss = case.loss(case.model(case.x), case.y, "sum")
+        loss.backward(retain_graph=True)
+        first = case.model[0].weight.grad_batch
+        loss.backward()
+        assert case.model[0].weight.grad_batch is first
+
+
+def test_unknown_quantity_and_class_instead_of_instance():
+    model = nn.Linear(2, 2)
+    with pytest.raises(LeanpropValueError, match="unknown quantity 'grad'.*allowed: BatchGrad"):
+        leanprop.per_sample(model, "grad")
+    with pytest.raises(LeanpropValueError, match=r"pass an instance: BatchGrad\(\)"):
+        leanprop.per_sample(model, BatchGrad)
+    with pytest.raises(LeanpropValueError, match="got no quantity"):
+        leanprop.per_sample(model)
+
+
+def test_bad_options():
+    model = nn.Linear(2, 2)
+    with pytest.raises(LeanpropValueError, match="conv_algorithm='fast'.*'unfold'"):
+        leanprop.per_sample(model, BatchGrad(), conv_algorithm="fast")
+    with pytest.raises(LeanpropValueError, match="max_workspace_mib=0"):
+        leanprop.per_sample(model, BatchGrad(), max_workspace_mib=0)
+    with pytest.raises(LeanpropValueError, match="needs an nn.Module"):
+        leanprop.per_sample(torch.zeros(2), BatchGrad())
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with (
+        pytest.raises(LeanpropValueError, match="no trainable parameter"),
+        leanprop.per_sample(frozen, BatchGrad()),
+    ):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("module", "x"),
+    [(nn.Linear(3, 2), torch.randn(3)), (nn.Conv2d(1, 2, 3), torch.randn(1, 5, 5))],
+    ids=["linear", "conv2d"],
+)
+def test_no_batch_dimension(module, x):
+    with (
+        pytest.raises(BatchError, match=r"got an input of shape .*batch"),
+        leanprop.per_sample(module, BatchGrad()),
+    ):
+        module(x)
+
+
+def test_mismatched_batch_sizes():
+    model = build("residual").model
+    with pytest.raises(BatchError, match="batch of 3 samples, but earlier modules.* got 5"):
+        with leanprop.per_sample(model, BatchGrad()):
+            model.inp(torch.randn(5, 4).double())
+            model.head(torch.randn(3, 6).double())
+
+
+def test_batchnorm_in_training_mode():
+    model = build("batchnorm_eval").model.train()
+    x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
+    with (
+        pytest.raises(UnsupportedModelError, match="BatchNorm2d '1'.*eval"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(x)
+
+
+def test_embedding_scale_grad_by_freq():
+    emb = nn.Embedding(5, 2, scale_grad_by_freq=True)
+    with (
+        pytest.raises(BatchError, match="scale_grad_by_freq"),
+        leanprop.per_sample(emb, BatchGrad()),
+    ):
+        emb(torch.tensor([[1, 2]]))
+
+
+class EscapingUse(nn.Module):
+    """Uses a child's weight directly in its own forward: invisible to the child's hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 3)
+
+    def forward(self, tokens):
+        return F.linear(self.emb(tokens), self.emb.weight)
+
+
+def test_use_outside_owning_module_is_detected():
+    model = EscapingUse().double()
+    tokens = torch.randint(0, 6, (4, 2))
+    with pytest.raises(UnsupportedModelError, match="do not add up.*'emb.weight'"):
+        with leanprop.per_sample(model, BatchGrad()):
+            model(tokens).sum().backward()
+    assert not model.emb._forward_hooks
