@@ -103,7 +103,7 @@ class _Reducer:
             return
         k = b.shape[0]
         if BatchL2Grad in self.kinds:
-            self.l2.append(b.flatten(1).pow(2).sum(1))
+            self.l2.append(_sq_norms(b))
         if SumGradSquared in self.kinds:
             s = b.pow(2).sum(0)
             self.sgs = s if self.sgs is None else self.sgs + s
@@ -147,12 +147,17 @@ def quantities_from_batch(
     if BatchGrad in kinds:
         out[BatchGrad.attr] = b
     if BatchL2Grad in kinds:
-        out[BatchL2Grad.attr] = b.flatten(1).pow(2).sum(1)  # [N]
+        out[BatchL2Grad.attr] = _sq_norms(b)  # [N]
     if SumGradSquared in kinds:
         out[SumGradSquared.attr] = b.pow(2).sum(0)
     if Variance in kinds:
         out[Variance.attr] = (b - b.mean(0)).pow(2).mean(0)  # centred; NaN for N = 0
     return out, b.sum(0)
+
+
+def _sq_norms(b: Tensor) -> Tensor:
+    """Squared L2 norm of each row ``b[n]`` without a squared temporary: ``[N]``."""
+    return torch.linalg.vector_norm(b.flatten(1), dim=1).square()
 
 
 def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:

@@ -29,7 +29,7 @@ class Quantity:
 
 @dataclass(frozen=True)
 class BatchGrad(Quantity):
-    """Individual gradients ``[N, *p.shape]``: ``p.grad_batch[n] = c_n``; sums over N to ``p.grad``."""
+    """Individual gradients ``[N, *p.shape]``: ``p.grad_batch[n] = c_n``, summing to ``p.grad``."""
 
     attr: ClassVar[str] = "grad_batch"
 

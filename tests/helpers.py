@@ -16,8 +16,8 @@ def assert_close(actual: Tensor, expected: Tensor, what: str, rtol: float, atol:
     flat = err.flatten().nan_to_num(float("inf"))
     worst = flat.topk(min(3, flat.numel())).indices
     lines = [
-        f"  at {tuple(torch.unravel_index(i, actual.shape))}: got {actual.flatten()[i].item():.6g}, "
-        f"expected {expected.flatten()[i].item():.6g}"
+        f"  at {tuple(int(j) for j in torch.unravel_index(torch.tensor(i), actual.shape))}: "
+        f"got {actual.flatten()[i].item():.6g}, expected {expected.flatten()[i].item():.6g}"
         for i in worst.tolist()
     ]
     raise AssertionError(

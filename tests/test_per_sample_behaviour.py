@@ -57,7 +57,7 @@ def test_hooks_removed_and_tensors_released_on_exit():
 
 def test_hooks_removed_on_exception():
     case = build("mlp")
-    with pytest.raises(RuntimeError, match="boom"), leanprop.per_sample(case.model, BatchGrad()):
+    with pytest.raises(RuntimeError, match=r"boom"), leanprop.per_sample(case.model, BatchGrad()):
         case.model(case.x)
         raise RuntimeError("boom")
     for m in case.model.modules():
@@ -93,25 +93,25 @@ def test_second_backward_through_retained_graph_is_ignored():
 
 def test_unknown_quantity_and_class_instead_of_instance():
     model = nn.Linear(2, 2)
-    with pytest.raises(LeanpropValueError, match="unknown quantity 'grad'.*allowed: BatchGrad"):
+    with pytest.raises(LeanpropValueError, match=r"unknown quantity 'grad'.*allowed: BatchGrad"):
         leanprop.per_sample(model, "grad")
     with pytest.raises(LeanpropValueError, match=r"pass an instance: BatchGrad\(\)"):
         leanprop.per_sample(model, BatchGrad)
-    with pytest.raises(LeanpropValueError, match="got no quantity"):
+    with pytest.raises(LeanpropValueError, match=r"got no quantity"):
         leanprop.per_sample(model)
 
 
 def test_bad_options():
     model = nn.Linear(2, 2)
-    with pytest.raises(LeanpropValueError, match="conv_algorithm='fast'.*'unfold'"):
+    with pytest.raises(LeanpropValueError, match=r"conv_algorithm='fast'.*'unfold'"):
         leanprop.per_sample(model, BatchGrad(), conv_algorithm="fast")
-    with pytest.raises(LeanpropValueError, match="max_workspace_mib=0"):
+    with pytest.raises(LeanpropValueError, match=r"max_workspace_mib=0"):
         leanprop.per_sample(model, BatchGrad(), max_workspace_mib=0)
-    with pytest.raises(LeanpropValueError, match="needs an nn.Module"):
+    with pytest.raises(LeanpropValueError, match=r"needs an nn.Module"):
         leanprop.per_sample(torch.zeros(2), BatchGrad())
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with (
-        pytest.raises(LeanpropValueError, match="no trainable parameter"),
+        pytest.raises(LeanpropValueError, match=r"no trainable parameter"),
         leanprop.per_sample(frozen, BatchGrad()),
     ):
         pass
@@ -132,17 +132,19 @@ def test_no_batch_dimension(module, x):
 
 def test_mismatched_batch_sizes():
     model = build("residual").model
-    with pytest.raises(BatchError, match="batch of 3 samples, but earlier modules.* got 5"):
-        with leanprop.per_sample(model, BatchGrad()):
-            model.inp(torch.randn(5, 4).double())
-            model.head(torch.randn(3, 6).double())
+    with (
+        pytest.raises(BatchError, match=r"batch of 3 samples, but earlier modules.* got 5"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model.inp(torch.randn(5, 4).double())
+        model.head(torch.randn(3, 6).double())
 
 
 def test_batchnorm_in_training_mode():
     model = build("batchnorm_eval").model.train()
     x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
     with (
-        pytest.raises(UnsupportedModelError, match="BatchNorm2d '1'.*eval"),
+        pytest.raises(UnsupportedModelError, match=r"BatchNorm2d '1'.*eval"),
         leanprop.per_sample(model, BatchGrad()),
     ):
         model(x)
@@ -151,7 +153,7 @@ def test_batchnorm_in_training_mode():
 def test_embedding_scale_grad_by_freq():
     emb = nn.Embedding(5, 2, scale_grad_by_freq=True)
     with (
-        pytest.raises(BatchError, match="scale_grad_by_freq"),
+        pytest.raises(BatchError, match=r"scale_grad_by_freq"),
         leanprop.per_sample(emb, BatchGrad()),
     ):
         emb(torch.tensor([[1, 2]]))
@@ -171,7 +173,9 @@ class EscapingUse(nn.Module):
 def test_use_outside_owning_module_is_detected():
     model = EscapingUse().double()
     tokens = torch.randint(0, 6, (4, 2))
-    with pytest.raises(UnsupportedModelError, match="do not add up.*'emb.weight'"):
-        with leanprop.per_sample(model, BatchGrad()):
-            model(tokens).sum().backward()
+    with (
+        pytest.raises(UnsupportedModelError, match=r"do not add up.*'emb.weight'"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(tokens).sum().backward()
     assert not model.emb._forward_hooks

@@ -61,21 +61,31 @@ def _pad(module: nn.Module, x: Tensor) -> Tensor:
     return x
 
 
-def _unfold(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
-    n, groups, o = x.shape[0], module.groups, g.shape[1]
+def _patches(module: nn.Module, x: Tensor) -> Tensor:
+    """im2col of the padded input: ``[N, C * prod(K), L]`` (channel-major, as the weight)."""
+    n, c = x.shape[:2]
+    kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
+    if len(kernel) == 2:
+        return F.unfold(x, kernel, dilation=dilation, stride=stride)
+    if len(kernel) == 1:
+        return F.unfold(x.unsqueeze(2), (1, *kernel), dilation=(1, *dilation), stride=(1, *stride))
     patches = x
-    for i, (k, s, dil) in enumerate(
-        zip(module.kernel_size, module.stride, module.dilation, strict=True)
-    ):
+    for i, (k, s, dil) in enumerate(zip(kernel, stride, dilation, strict=True)):
         patches = patches.unfold(2 + i, dil * (k - 1) + 1, s)  # appends a window dim
         if dil > 1:
             patches = patches[..., ::dil]
-    # patches: [N, C, *S', *K]
+    d = len(kernel)  # patches: [N, C, *S', *K] -> [N, C, *K, *S']
+    order = [0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d)]
+    return patches.permute(order).reshape(n, c * math.prod(kernel), -1)
+
+
+def _unfold(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    n, groups, o = x.shape[0], module.groups, g.shape[1]
     c_g = x.shape[1] // groups
-    kernel = math.prod(module.kernel_size)
-    patches = patches.reshape(n, groups, c_g, -1, kernel)  # [N, G, C/G, L, K]
-    gs = g.reshape(n, groups, o // groups, -1)  # [N, G, O/G, L]
-    w = torch.einsum("ngol,ngclk->ngock", gs, patches)  # [N, G, O/G, C/G, K]
+    patches = _patches(module, x)  # [N, C*K, L]
+    u = patches.reshape(n * groups, -1, patches.shape[-1])  # [N*G, C/G*K, L]
+    gs = g.reshape(n * groups, o // groups, -1)  # [N*G, O/G, L]
+    w = torch.bmm(gs, u.mT)  # [N*G, O/G, C/G*K]
     return w.reshape(n, o, c_g, *module.kernel_size)
 
 

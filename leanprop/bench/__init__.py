@@ -1,0 +1,1 @@
+"""Benchmarks behind the ``leanprop bench`` command."""

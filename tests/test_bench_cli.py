@@ -1,0 +1,45 @@
+"""`leanprop bench` end to end on a tiny problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leanprop.bench import cli, per_sample_suite
+
+
+def test_per_sample_suite_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(
+        per_sample_suite, "COMPETITORS", {"torchfunc": "torch"}
+    )  # keep the test fast and independent of optional packages
+    out = tmp_path / "r.json"
+    assert cli.main(["bench", "per-sample", "in-backward", "--batch", "4", "--reps", "1",
+                     "--json", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "[in-backward] unavailable" in text
+    report = json.loads(out.read_text())
+    assert report["suites"]["in-backward"] == "unavailable"
+    rows = report["suites"]["per-sample"]
+    methods = [r["method"] for r in rows]
+    assert methods[:2] == ["plain", "leanprop_batchgrad"]
+    assert "torchfunc" in methods
+    for r in rows:
+        assert "error" not in r, r
+        if "max_rel" in r:
+            assert r["max_rel"] < 1e-4
+        else:
+            assert r["median_s"] > 0 and r["time_ratio"] > 0
+            assert r["method"] in text
+    assert report["environment"]["torch"]
+
+
+def test_unknown_suite_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "nope"])
+    assert "unknown suite(s) nope" in capsys.readouterr().err
+
+
+def test_unknown_method_error():
+    with pytest.raises(ValueError, match="unknown per-sample benchmark method 'x'"):
+        per_sample_suite.make_step("x", per_sample_suite.torch.device("cpu"), 2)
