@@ -30,7 +30,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from ._fused import Intercept
 from ._registry import Rule, RuleOptions, rule_for
+from ._stats import Reducer, quantities_from_batch
 from .errors import BatchError, LeanpropValueError, UnsupportedModelError
 from .quantities import (
     BatchGrad,
@@ -58,6 +60,9 @@ class _Site:
     inner: list[_Site] = field(default_factory=list)  # rule sites below a fallback root
     calls: int = 0  # calls seen in the current forward/backward cycle
     calls_before: list[int] = field(default_factory=list)  # inner sites' calls at entry
+    fusable: bool = False  # its op is replaced while it runs (see _fused.py)
+    running: bool = False  # between its forward pre-hook and forward hook
+    fused: bool = False  # the current call went through the replaced op
 
 
 @dataclass(eq=False)
@@ -83,81 +88,6 @@ class _ParamState:
     total: Tensor | None = None  # sum of the individual gradients, for the final check
     autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
     results: dict[str, Tensor] = field(default_factory=dict)
-
-
-class _Reducer:
-    """Streams chunks of individual gradients ``[n_chunk, *shape]`` into the quantities."""
-
-    def __init__(self, kinds: frozenset[type[Quantity]], like: Tensor) -> None:
-        self.kinds, self.like = kinds, like
-        self.parts: list[Tensor] = []
-        self.l2: list[Tensor] = []
-        self.count = 0
-        self.mean: Tensor | None = None
-        self.m2: Tensor | None = None
-        self.sgs: Tensor | None = None
-
-    def add(self, b: Tensor) -> None:
-        if BatchGrad in self.kinds:
-            self.parts.append(b)
-            return
-        k = b.shape[0]
-        if BatchL2Grad in self.kinds:
-            self.l2.append(_sq_norms(b))
-        if SumGradSquared in self.kinds:
-            s = b.pow(2).sum(0)
-            self.sgs = s if self.sgs is None else self.sgs + s
-        # running mean and centred sum of squares, combined across chunks (Chan et al.)
-        mean_c = b.mean(0)
-        m2_c = (b - mean_c).pow(2).sum(0) if Variance in self.kinds else None
-        if self.mean is None:
-            self.mean, self.m2 = mean_c, m2_c
-        else:
-            total = self.count + k
-            delta = mean_c - self.mean
-            self.mean = self.mean + delta * (k / total)
-            if m2_c is not None:
-                self.m2 = self.m2 + m2_c + delta.pow(2) * (self.count * k / total)
-        self.count += k
-
-    def result(self) -> tuple[dict[str, Tensor], Tensor | None]:
-        """The quantities and the sum of the individual gradients (None if nothing was added)."""
-        if BatchGrad in self.kinds:
-            if not self.parts:
-                return quantities_from_batch(self.like.new_zeros(0, *self.like.shape), self.kinds)
-            b = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
-            return quantities_from_batch(b, self.kinds)
-        if self.mean is None:
-            return quantities_from_batch(self.like.new_zeros(0, *self.like.shape), self.kinds)
-        out: dict[str, Tensor] = {}
-        if BatchL2Grad in self.kinds:
-            out[BatchL2Grad.attr] = torch.cat(self.l2)
-        if SumGradSquared in self.kinds:
-            out[SumGradSquared.attr] = self.sgs
-        if Variance in self.kinds:
-            out[Variance.attr] = self.m2 / self.count
-        return out, self.mean * self.count
-
-
-def quantities_from_batch(
-    b: Tensor, kinds: frozenset[type[Quantity]]
-) -> tuple[dict[str, Tensor], Tensor]:
-    """Quantities from materialised individual gradients ``b: [N, *shape]``, and their sum."""
-    out: dict[str, Tensor] = {}
-    if BatchGrad in kinds:
-        out[BatchGrad.attr] = b
-    if BatchL2Grad in kinds:
-        out[BatchL2Grad.attr] = _sq_norms(b)  # [N]
-    if SumGradSquared in kinds:
-        out[SumGradSquared.attr] = b.pow(2).sum(0)
-    if Variance in kinds:
-        out[Variance.attr] = (b - b.mean(0)).pow(2).mean(0)  # centred; NaN for N = 0
-    return out, b.sum(0)
-
-
-def _sq_norms(b: Tensor) -> Tensor:
-    """Squared L2 norm of each row ``b[n]`` without a squared temporary: ``[N]``."""
-    return torch.linalg.vector_norm(b.flatten(1), dim=1).square()
 
 
 def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
@@ -209,6 +139,7 @@ class PerSample:
         self._computing = False
         self._cycle_open = False
         self._grad_mode = False
+        self._intercept: Intercept | None = None
 
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> PerSample:
@@ -235,8 +166,15 @@ class PerSample:
                     self._handles.append(
                         site.module.register_forward_pre_hook(self._on_fallback_enter(site))
                     )
+                elif site.fusable:
+                    self._handles.append(
+                        site.module.register_forward_pre_hook(self._on_fusable_enter(site))
+                    )
             for state in self._states.values():
                 self._handles.append(state.param.register_hook(self._on_param_grad(state)))
+            if any(site.fusable for site in self._sites):
+                self._intercept = Intercept(self)
+                self._intercept.__enter__()
             self._active = True
         except BaseException:
             self._teardown()
@@ -248,6 +186,9 @@ class PerSample:
 
     def _teardown(self) -> None:
         self._active = False
+        if self._intercept is not None:
+            self._intercept.__exit__(None, None, None)
+            self._intercept = None
         for h in self._handles + self._tensor_handles:
             h.remove()
         self._handles.clear()
@@ -263,6 +204,12 @@ class PerSample:
         rule = rule_for(module)
         if direct and (rule is not None or root is None):
             site = _Site(prefix or type(module).__name__, module, rule, direct)
+            site.fusable = (
+                rule is not None
+                and rule.input_grad is not None
+                and rule.param_grads is not None
+                and (rule.can_fuse is None or rule.can_fuse(module))
+            )
             self._sites.append(site)
             if root is not None:
                 root.inner.append(site)
@@ -310,6 +257,49 @@ class PerSample:
 
         return hook
 
+    def _on_fusable_enter(self, site: _Site):
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            site.running = not self._computing
+            site.fused = False
+
+        return hook
+
+    def begin_fused(self, args: tuple[Any, ...]) -> _Call | None:
+        """Called by the op interceptor: record a call of a running fusable site whose own
+        weight is ``args[1]``; None to leave the op alone."""
+        if self._computing or not self._active or not torch.is_grad_enabled() or len(args) < 2:
+            return None
+        x, weight = args[0], args[1]
+        site = next(
+            (s for s in self._sites if s.running and s.module._parameters.get("weight") is weight),
+            None,
+        )
+        if (
+            site is None
+            or type(x) is not Tensor
+            or torch.is_autocast_enabled(x.device.type)
+            or site.fused
+        ):
+            return None
+        n = self._batch_size(site, (x,), {})
+        site.calls += 1
+        site.fused = True
+        call = _Call(site, dict(site.direct), (x,), {}, n, [None], 1)
+        for p in call.params.values():
+            self._states[p].uses += 1
+        self._calls.append(call)
+        return call
+
+    def fused_backward(self, call: _Call, grad: Tensor) -> dict[str, Tensor] | None:
+        """Output gradient of a replaced op: process the call, return its summed gradients
+        (None when the capture is over and the op must do an ordinary backward)."""
+        if not self._active or call.closed:
+            return None
+        self._open_cycle()
+        call.grads[0] = grad
+        call.pending = 0
+        return self._process(call)
+
     def _site_params(self, site: _Site) -> dict[str, nn.Parameter]:
         """Parameters a call of ``site`` is responsible for (names within the module)."""
         if site.rule is not None:
@@ -325,6 +315,10 @@ class PerSample:
 
     def _on_forward(self, site: _Site):
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any):
+            site.running = False
+            if site.fused:  # already recorded by begin_fused
+                site.fused = False
+                return None
             if self._computing or not torch.is_grad_enabled():
                 return None
             n = self._batch_size(site, args, kwargs)
@@ -402,11 +396,11 @@ class PerSample:
 
         return hook
 
-    def _process(self, call: _Call) -> None:
+    def _process(self, call: _Call) -> dict[str, Tensor]:
         call.closed = True
         try:
             self._computing = True
-            self._compute(call)
+            return self._compute(call)
         finally:
             self._computing = False
             call.args = call.kwargs = None
@@ -416,14 +410,20 @@ class PerSample:
         algo = "unfold" if self.conv_algorithm == "auto" else self.conv_algorithm
         return RuleOptions(conv_algorithm=algo)
 
-    def _compute(self, call: _Call) -> None:
+    def _compute(self, call: _Call) -> dict[str, Tensor]:
+        """Quantities of one call; returns the call's summed gradient of each parameter
+        (``{name: grad}``) where it came for free (missing where a closed form was used)."""
         site, kinds, opts = call.site, self._kinds, self._options()
         multi = frozenset(k for k, p in call.params.items() if self._states[p].uses > 1)
         single = frozenset(call.params) - multi
+        sums: dict[str, Tensor] = {}
         if call.n == 0:
             for k, p in call.params.items():
-                self._store(p, k in multi, quantities_from_batch(p.new_zeros(0, *p.shape), kinds))
-            return
+                empty = p.new_zeros(0, *p.shape)
+                sums[k] = self._store(
+                    p, k in multi, quantities_from_batch(empty, kinds | {BatchGrad})
+                )
+            return sums
         closed: dict[str, Tensor] = {}
         l2_only = kinds == frozenset({BatchL2Grad})
         if single and l2_only and site.rule is not None and site.rule.batch_l2 is not None:
@@ -432,27 +432,29 @@ class PerSample:
             for k, v in closed.items():
                 self._states[call.params[k]].results[BatchL2Grad.attr] = v
         names = (single - closed.keys()) | multi
-        if not names:
-            return
         reducers = {
-            k: _Reducer(kinds if k in single else frozenset({BatchGrad}), call.params[k])
+            k: Reducer(kinds if k in single else frozenset({BatchGrad}), call.params[k])
             for k in names
         }
-        for chunk in self._chunks(call, names, opts):
-            for k, b in chunk.items():
-                reducers[k].add(b)
+        if names:
+            for chunk in self._chunks(call, names, opts):
+                for k, b in chunk.items():
+                    reducers[k].add(b)
         for k, r in reducers.items():
-            self._store(call.params[k], k in multi, r.result())
+            sums[k] = self._store(call.params[k], k in multi, r.result())
+        return sums
 
-    def _store(self, p: nn.Parameter, multi: bool, result: tuple[dict, Tensor | None]) -> None:
+    def _store(self, p: nn.Parameter, multi: bool, result: tuple[dict, Tensor | None]) -> Tensor:
+        """Keep one call's results for ``p``; returns the call's summed gradient."""
         state = self._states[p]
         values, total = result
         if multi:
             b = values[BatchGrad.attr]
             state.batch = b if state.batch is None else state.batch + b
-            return
+            return total
         state.results.update(values)
         state.total = total
+        return total
 
     def _chunks(self, call: _Call, names: frozenset[str], opts: RuleOptions) -> Iterator[dict]:
         site, n = call.site, call.n
@@ -504,7 +506,7 @@ class PerSample:
             self._tensor_handles.clear()
             self._calls.clear()
             for site in self._sites:
-                site.calls = 0
+                site.calls, site.running, site.fused = 0, False, False
             for state in self._states.values():
                 state.uses, state.batch, state.total = 0, None, None
                 state.results, state.autograd_grad = {}, None

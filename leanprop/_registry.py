@@ -20,6 +20,10 @@ BatchGradsFn = Callable[[nn.Module, tuple[Any, ...], Tensor, frozenset[str], "Ru
 BatchL2Fn = Callable[..., "dict[str, Tensor] | None"]
 # workspace(module, inputs, grad_out, options) -> bytes of scratch memory per sample
 WorkspaceFn = Callable[..., int]
+# input_grad(module, x, grad_out) -> gradient w.r.t. the input (ordinary backward)
+InputGradFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+# param_grads(module, x, grad_out, names) -> {name: summed gradient} (ordinary backward)
+ParamGradsFn = Callable[[nn.Module, Tensor, Tensor, frozenset[str]], "dict[str, Tensor]"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,11 @@ class Rule:
     batch_l2: BatchL2Fn | None = None
     workspace: WorkspaceFn | None = None
     check_input: Callable[[nn.Module, tuple[Any, ...]], str | None] | None = None
+    # both given: the layer's op is replaced during capture so that autograd does not compute
+    # the parameter gradients a second time (they are the sums of the individual gradients)
+    input_grad: InputGradFn | None = None
+    param_grads: ParamGradsFn | None = None
+    can_fuse: Callable[[nn.Module], bool] | None = None
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
@@ -51,11 +60,22 @@ def register_rule(
     batch_l2: BatchL2Fn | None = None,
     workspace: WorkspaceFn | None = None,
     check_input: Callable[[nn.Module, tuple[Any, ...]], str | None] | None = None,
+    input_grad: InputGradFn | None = None,
+    param_grads: ParamGradsFn | None = None,
+    can_fuse: Callable[[nn.Module], bool] | None = None,
 ) -> Callable[[BatchGradsFn], BatchGradsFn]:
-    """Register ``batch_grads`` (the decorated function) as the rule of ``module_types``."""
+    """Register ``batch_grads`` (the decorated function) as the rule of ``module_types``.
+
+    Args:
+        batch_l2: squared norms ``[N]`` by a closed form, for the names where it is cheaper.
+        workspace: scratch bytes per sample of ``batch_grads`` (sets the chunk size).
+        check_input: returns a description of what is wrong with the inputs, or None.
+        input_grad, param_grads: the ordinary backward of the layer's op; with them the op is
+            replaced during capture (``can_fuse(module)`` says for which modules).
+    """
 
     def decorate(fn: BatchGradsFn) -> BatchGradsFn:
-        rule = Rule(fn, batch_l2, workspace, check_input)
+        rule = Rule(fn, batch_l2, workspace, check_input, input_grad, param_grads, can_fuse)
         for t in module_types:
             _RULES[t] = rule
         return fn

@@ -62,19 +62,25 @@ def _pad(module: nn.Module, x: Tensor) -> Tensor:
 
 
 def _patches(module: nn.Module, x: Tensor) -> Tensor:
-    """im2col of the padded input: ``[N, C * prod(K), L]`` (channel-major, as the weight)."""
-    n, c = x.shape[:2]
+    """im2col of the (unpadded) input: ``[N, C * prod(K), L]`` (channel-major, as the weight)."""
     kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
-    if len(kernel) == 2:
-        return F.unfold(x, kernel, dilation=dilation, stride=stride)
-    if len(kernel) == 1:
-        return F.unfold(x.unsqueeze(2), (1, *kernel), dilation=(1, *dilation), stride=(1, *stride))
+    d = len(kernel)
+    if d <= 2 and _can_fuse(module):  # zero padding is done inside im2col, without a copy
+        pad = tuple(module.padding)
+    else:
+        x, pad = _pad(module, x), (0,) * d
+    n, c = x.shape[:2]
+    if d == 2:
+        return F.unfold(x, kernel, dilation=dilation, padding=pad, stride=stride)
+    if d == 1:
+        one = (1, *kernel), (1, *dilation), (0, *pad), (1, *stride)
+        return F.unfold(x.unsqueeze(2), one[0], dilation=one[1], padding=one[2], stride=one[3])
     patches = x
     for i, (k, s, dil) in enumerate(zip(kernel, stride, dilation, strict=True)):
         patches = patches.unfold(2 + i, dil * (k - 1) + 1, s)  # appends a window dim
         if dil > 1:
             patches = patches[..., ::dil]
-    d = len(kernel)  # patches: [N, C, *S', *K] -> [N, C, *K, *S']
+    # patches: [N, C, *S', *K] -> [N, C, *K, *S']
     order = [0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d)]
     return patches.permute(order).reshape(n, c * math.prod(kernel), -1)
 
@@ -82,7 +88,7 @@ def _patches(module: nn.Module, x: Tensor) -> Tensor:
 def _unfold(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     n, groups, o = x.shape[0], module.groups, g.shape[1]
     c_g = x.shape[1] // groups
-    patches = _patches(module, x)  # [N, C*K, L]
+    patches = _patches(module, x)  # [N, C*K, L], x unpadded
     u = patches.reshape(n * groups, -1, patches.shape[-1])  # [N*G, C/G*K, L]
     gs = g.reshape(n * groups, o // groups, -1)  # [N*G, O/G, L]
     w = torch.bmm(gs, u.mT)  # [N*G, O/G, C/G*K]
@@ -112,16 +118,58 @@ def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, opts: Rule
     return (patches + result) * g.element_size()
 
 
-@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, workspace=_workspace, check_input=_check)
+def _can_fuse(module: nn.Module) -> bool:
+    """The op is replaced only where torch's own call is ``convN(x, w, b, stride, padding...)``
+    with explicit zero padding (string and non-zero padding modes keep autograd's backward)."""
+    return module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
+def _conv_backward(module: nn.Module, x: Tensor, g: Tensor, mask: list[bool]) -> tuple:
+    d = _dims(module)
+    return torch.ops.aten.convolution_backward(
+        g, x, module.weight.to(g.dtype), [module.out_channels] if mask[2] else None,
+        module.stride, module.padding, module.dilation, False, [0] * d, module.groups, mask,
+    )  # fmt: skip
+
+
+def conv_input_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    """Ordinary input gradient ``[N, C, *S]``."""
+    return _conv_backward(module, x, g, [True, False, False])[0]
+
+
+def conv_param_grads(
+    module: nn.Module, x: Tensor, g: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Ordinary (summed) parameter gradients."""
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        out["weight"] = _conv_backward(module, x, g, [False, True, False])[1]
+    if "bias" in names:
+        out["bias"] = g.transpose(0, 1).flatten(1).sum(1)  # [O]
+    return out
+
+
+@register_rule(
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    workspace=_workspace,
+    check_input=_check,
+    input_grad=conv_input_grad,
+    param_grads=conv_param_grads,
+    can_fuse=_can_fuse,
+)
 def conv_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], opts: RuleOptions
 ) -> dict[str, Tensor]:
     """Individual gradients ``{"weight": [N, O, C/G, *K], "bias": [N, O]}``."""
     out: dict[str, Tensor] = {}
     if "weight" in names:
-        x = _pad(module, inputs[0])
-        algo = _grouped if opts.conv_algorithm == "grouped" else _unfold
-        out["weight"] = algo(module, x, g)
+        x = inputs[0]
+        if opts.conv_algorithm == "grouped":
+            out["weight"] = _grouped(module, _pad(module, x), g)
+        else:
+            out["weight"] = _unfold(module, x, g)
     if "bias" in names:
         out["bias"] = g.flatten(2).sum(2)  # [N, O]
     return out

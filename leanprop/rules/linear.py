@@ -55,7 +55,33 @@ def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, _: RuleOpt
     return module.in_features * module.out_features * g.element_size()
 
 
-@register_rule(nn.Linear, batch_l2=linear_batch_l2, workspace=_workspace, check_input=_check)
+def linear_input_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    """Ordinary input gradient ``g W``: ``[N, *T, I]``."""
+    return g @ module.weight.to(g.dtype)
+
+
+def linear_param_grads(
+    module: nn.Module, x: Tensor, g: Tensor, names: frozenset[str]
+) -> dict[str, Tensor]:
+    """Ordinary (summed) parameter gradients."""
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])  # [N*T, O], [N*T, I]
+    out: dict[str, Tensor] = {}
+    if "weight" in names:
+        out["weight"] = g2.mT @ x2  # [O, I]
+    if "bias" in names:
+        out["bias"] = g2.sum(0)  # [O]
+    return out
+
+
+@register_rule(
+    nn.Linear,
+    batch_l2=linear_batch_l2,
+    workspace=_workspace,
+    check_input=_check,
+    input_grad=linear_input_grad,
+    param_grads=linear_param_grads,
+    can_fuse=lambda module: True,
+)
 def linear_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:

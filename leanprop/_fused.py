@@ -1,0 +1,69 @@
+"""Replacing a layer's op during capture, so autograd does not compute its parameter gradients
+twice.
+
+An ordinary backward computes ``p.grad`` itself, and per-sample methods then compute the
+individual gradients again (whose sum *is* ``p.grad``). While a :class:`PerSample` context is
+active, a ``TorchFunctionMode`` swaps the op call made by a fusable rule module's own forward
+(``F.linear`` in ``nn.Linear``, ``F.convNd`` in ``nn.ConvNd``) for :class:`FusedOp`, whose
+backward computes the input gradient, hands the output gradient to the capture, and returns the
+sums of the individual gradients as the parameter gradients. Nothing on the user's modules
+changes; only calls made while the module runs its forward are swapped.
+
+``backward`` is written with differentiable ops, so ``create_graph=True`` works through it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from ._capture import PerSample, _Call
+
+FUSABLE_OPS = frozenset({F.linear, F.conv1d, F.conv2d, F.conv3d})
+
+
+class FusedOp(torch.autograd.Function):
+    """``op(x, weight, bias, *extra)`` whose backward feeds the capture."""
+
+    @staticmethod
+    def forward(ctx: Any, capture: PerSample, call: _Call, op: Any, x: Tensor, weight: Tensor,
+                bias: Tensor | None, *extra: Any) -> Tensor:  # fmt: skip
+        ctx.capture, ctx.call, ctx.module, ctx.n_extra = capture, call, call.site.module, len(extra)
+        ctx.save_for_backward(x)
+        return op(x, weight, bias, *extra)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        module, rule = ctx.module, ctx.call.site.rule
+        want = frozenset(k for k, i in (("weight", 4), ("bias", 5)) if ctx.needs_input_grad[i])
+        sums = ctx.capture.fused_backward(ctx.call, g) or {}
+        sums = {k: v for k, v in sums.items() if k in want}
+        missing = want - sums.keys()
+        if missing:
+            sums.update(rule.param_grads(module, x, g, missing))
+        grad_x = rule.input_grad(module, x, g) if ctx.needs_input_grad[3] else None
+        return (None, None, None, grad_x, sums.get("weight"), sums.get("bias")) + (
+            None,
+        ) * ctx.n_extra
+
+
+class Intercept(TorchFunctionMode):
+    """Swaps fusable op calls made inside a fusable site's forward for :class:`FusedOp`."""
+
+    def __init__(self, capture: PerSample) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FUSABLE_OPS and not kwargs:
+            call = self.capture.begin_fused(args)
+            if call is not None:
+                return FusedOp.apply(self.capture, call, func, *args)
+        return func(*args, **kwargs)
