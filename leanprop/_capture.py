@@ -407,8 +407,7 @@ class PerSample:
             call.grads = []
 
     def _options(self) -> RuleOptions:
-        algo = "unfold" if self.conv_algorithm == "auto" else self.conv_algorithm
-        return RuleOptions(conv_algorithm=algo)
+        return RuleOptions(conv_algorithm=self.conv_algorithm, workspace_bytes=self._budget)
 
     def _compute(self, call: _Call) -> dict[str, Tensor]:
         """Quantities of one call; returns the call's summed gradient of each parameter

@@ -31,10 +31,12 @@ class RuleOptions:
     """Options forwarded to every rule.
 
     Attributes:
-        conv_algorithm: ``"unfold"`` or ``"grouped"`` (already resolved from ``"auto"``).
+        conv_algorithm: ``"auto"``, ``"unfold"`` or ``"grouped"``.
+        workspace_bytes: scratch memory a rule may use for one chunk of samples.
     """
 
-    conv_algorithm: str = "unfold"
+    conv_algorithm: str = "auto"
+    workspace_bytes: int = 256 * 2**20
 
 
 @dataclass(frozen=True)

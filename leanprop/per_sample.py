@@ -40,7 +40,8 @@ def per_sample(
         *quantities: instances of ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``,
             ``Variance``.
         conv_algorithm: individual weight gradients of convolutions: ``"unfold"`` (im2col,
-            fast), ``"grouped"`` (Rochette et al. 2019, no im2col buffer) or ``"auto"``.
+            fast), ``"grouped"`` (Rochette et al. 2019, no im2col buffer) or ``"auto"``
+            (im2col unless one sample's patches exceed ``max_workspace_mib``).
         max_workspace_mib: scratch memory per layer; samples are processed in chunks so that
             a layer's temporary buffers stay below it (the results themselves are not bounded).
         check: after each backward, verify that the individual gradients add up to the batch

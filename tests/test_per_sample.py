@@ -93,3 +93,15 @@ def test_empty_batch():
         assert p.batch_l2.shape == (0,)
         assert torch.equal(p.sum_grad_squared, torch.zeros_like(p))
         assert p.variance.isnan().all()
+
+
+def test_auto_conv_algorithm_follows_the_workspace_budget():
+    from torch import nn
+
+    from leanprop._registry import RuleOptions
+    from leanprop.rules.conv import choose_algorithm
+
+    conv, g = nn.Conv2d(2, 3, 3), torch.zeros(1, 3, 5, 5)
+    assert choose_algorithm(conv, g, RuleOptions("auto", 10**9)) == "unfold"
+    assert choose_algorithm(conv, g, RuleOptions("auto", 10)) == "grouped"
+    assert choose_algorithm(conv, g, RuleOptions("unfold", 10)) == "unfold"

@@ -109,13 +109,26 @@ def _grouped(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     return res.reshape(c_g, n, o, *module.kernel_size).transpose(0, 1).transpose(1, 2)
 
 
-def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, opts: RuleOptions) -> int:
-    kernel = math.prod(module.kernel_size)
+def _workspace_of(module: nn.Module, g: Tensor, algorithm: str) -> int:
+    """Scratch bytes per sample: the result, plus the patches for ``"unfold"``."""
     result = module.weight[0].numel() * module.out_channels
-    if opts.conv_algorithm == "grouped":
+    if algorithm == "grouped":
         return 2 * result * g.element_size()
-    patches = module.in_channels * kernel * g[0, 0].numel()
+    patches = module.in_channels * math.prod(module.kernel_size) * g[0, 0].numel()
     return (patches + result) * g.element_size()
+
+
+def choose_algorithm(module: nn.Module, g: Tensor, opts: RuleOptions) -> str:
+    """``"auto"``: im2col (fastest) unless one sample's patches alone exceed the workspace
+    budget, where the grouped algorithm needs no patches at all."""
+    if opts.conv_algorithm != "auto":
+        return opts.conv_algorithm
+    fits = _workspace_of(module, g, "unfold") <= opts.workspace_bytes
+    return "unfold" if fits else "grouped"
+
+
+def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, opts: RuleOptions) -> int:
+    return _workspace_of(module, g, choose_algorithm(module, g, opts))
 
 
 def _can_fuse(module: nn.Module) -> bool:
@@ -166,7 +179,7 @@ def conv_batch_grads(
     out: dict[str, Tensor] = {}
     if "weight" in names:
         x = inputs[0]
-        if opts.conv_algorithm == "grouped":
+        if choose_algorithm(module, g, opts) == "grouped":
             out["weight"] = _grouped(module, _pad(module, x), g)
         else:
             out["weight"] = _unfold(module, x, g)
