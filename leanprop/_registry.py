@@ -52,6 +52,8 @@ class Rule:
     input_grad: InputGradFn | None = None
     param_grads: ParamGradsFn | None = None
     can_fuse: Callable[[nn.Module], bool] | None = None
+    # batch_grads takes ``out={name: buffer or None}`` and may write its result there
+    accepts_out: bool = False
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
@@ -65,6 +67,7 @@ def register_rule(
     input_grad: InputGradFn | None = None,
     param_grads: ParamGradsFn | None = None,
     can_fuse: Callable[[nn.Module], bool] | None = None,
+    accepts_out: bool = False,
 ) -> Callable[[BatchGradsFn], BatchGradsFn]:
     """Register ``batch_grads`` (the decorated function) as the rule of ``module_types``.
 
@@ -74,10 +77,14 @@ def register_rule(
         check_input: returns a description of what is wrong with the inputs, or None.
         input_grad, param_grads: the ordinary backward of the layer's op; with them the op is
             replaced during capture (``can_fuse(module)`` says for which modules).
+        accepts_out: ``batch_grads`` takes ``out={name: buffer or None}``, contiguous
+            ``[n_chunk, *p.shape]`` slices of the result to write into (saves a copy).
     """
 
     def decorate(fn: BatchGradsFn) -> BatchGradsFn:
-        rule = Rule(fn, batch_l2, workspace, check_input, input_grad, param_grads, can_fuse)
+        rule = Rule(
+            fn, batch_l2, workspace, check_input, input_grad, param_grads, can_fuse, accepts_out
+        )
         for t in module_types:
             _RULES[t] = rule
         return fn

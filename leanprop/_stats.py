@@ -82,20 +82,38 @@ class Reducer:
     """Streams chunks of individual gradients ``[n_chunk, *shape]`` into the quantities,
     without keeping them unless ``BatchGrad`` is asked for."""
 
-    def __init__(self, kinds: frozenset[type[Quantity]], like: Tensor) -> None:
-        self.kinds, self.like = kinds, like
+    def __init__(self, kinds: frozenset[type[Quantity]], like: Tensor, n: int) -> None:
+        self.kinds, self.like, self.n = kinds, like, n
         self.parts: list[Tensor] = []
+        self.full: Tensor | None = None  # preallocated [n, *shape] when not recording
         self.l2: list[Tensor] = []
         self.count = 0
         self.mean: Tensor | None = None
         self.m2: Tensor | None = None
         self.sgs: Tensor | None = None
 
+    def target(self, start: int, stop: int, like: Tensor) -> Tensor | None:
+        """Buffer slice ``[stop - start, *shape]`` a rule may write chunk ``start:stop`` into
+        (only for ``BatchGrad`` computed in several chunks without autograd recording)."""
+        if BatchGrad not in self.kinds or stop - start == self.n or torch.is_grad_enabled():
+            return None
+        if self.full is None:
+            self.full = like.new_empty(self.n, *self.like.shape)
+        return self.full[start:stop]
+
     def add(self, b: Tensor) -> None:
-        if BatchGrad in self.kinds:
-            self.parts.append(b)
-            return
         k = b.shape[0]
+        if BatchGrad in self.kinds:
+            if k == self.n or _recording(b):
+                self.parts.append(b)
+            else:  # chunks go into one buffer: no second copy of the whole result
+                if self.full is None:
+                    self.full = b.new_empty(self.n, *b.shape[1:])
+                part = self.full[self.count : self.count + k]
+                if b.data_ptr() != part.data_ptr():  # not written in place by the rule
+                    part.copy_(b)
+            self.count += k
+            return
         if BatchL2Grad in self.kinds:
             self.l2.append(sq_norms(b))
         if SumGradSquared in self.kinds:
@@ -117,8 +135,11 @@ class Reducer:
 
     def result(self) -> tuple[dict[str, Tensor], Tensor]:
         """The quantities and the sum of the individual gradients."""
-        if BatchGrad in self.kinds and self.parts:
-            b = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+        if BatchGrad in self.kinds and (self.parts or self.full is not None):
+            if self.full is not None:
+                b = self.full
+            else:
+                b = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
             return quantities_from_batch(b, self.kinds)
         if self.mean is None:
             return quantities_from_batch(self.like.new_zeros(0, *self.like.shape), self.kinds)

@@ -12,7 +12,7 @@ def per_sample(
     model: nn.Module,
     *quantities: Quantity,
     conv_algorithm: ConvAlgorithm = "auto",
-    max_workspace_mib: float = 256.0,
+    max_workspace_mib: float | None = None,
     check: bool = True,
 ) -> PerSample:
     """Compute per-sample quantities during the backward passes run inside the context.
@@ -44,6 +44,7 @@ def per_sample(
             (im2col unless one sample's patches exceed ``max_workspace_mib``).
         max_workspace_mib: scratch memory per layer; samples are processed in chunks so that
             a layer's temporary buffers stay below it (the results themselves are not bounded).
+            Default: 32 MiB on CPU, 256 MiB on GPUs.
         check: after each backward, verify that the individual gradients add up to the batch
             gradient autograd computed, and raise if not (a use of a parameter that escaped
             the hooks). One host synchronisation per backward.

@@ -63,6 +63,12 @@ def test_chunked_streaming_matches(name):
     check_against_oracle(build(name), "mean", ALL[1:], max_workspace_mib=1e-6)
 
 
+@pytest.mark.parametrize("name", ["conv1d", "conv2d", "conv3d", "shared"])
+def test_chunked_batch_grad(name):
+    """BatchGrad over one-sample chunks, written into one buffer (im2col writes in place)."""
+    check_against_oracle(build(name), "sum", ALL, conv_algorithm="unfold", max_workspace_mib=1e-6)
+
+
 def test_sequence_l2_uses_gram_when_cheaper():
     """Wide Linear on short sequences: the Gram form is chosen and must be exact."""
     torch.manual_seed(1)

@@ -85,12 +85,15 @@ def _patches(module: nn.Module, x: Tensor) -> Tensor:
     return patches.permute(order).reshape(n, c * math.prod(kernel), -1)
 
 
-def _unfold(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+def _unfold(module: nn.Module, x: Tensor, g: Tensor, out: Tensor | None) -> Tensor:
     n, groups, o = x.shape[0], module.groups, g.shape[1]
     c_g = x.shape[1] // groups
     patches = _patches(module, x)  # [N, C*K, L], x unpadded
     u = patches.reshape(n * groups, -1, patches.shape[-1])  # [N*G, C/G*K, L]
     gs = g.reshape(n * groups, o // groups, -1)  # [N*G, O/G, L]
+    if out is not None:  # write straight into the caller's buffer
+        torch.bmm(gs, u.mT, out=out.view(n * groups, o // groups, -1))
+        return out
     w = torch.bmm(gs, u.mT)  # [N*G, O/G, C/G*K]
     return w.reshape(n, o, c_g, *module.kernel_size)
 
@@ -171,18 +174,28 @@ def conv_param_grads(
     input_grad=conv_input_grad,
     param_grads=conv_param_grads,
     can_fuse=_can_fuse,
+    accepts_out=True,
 )
 def conv_batch_grads(
-    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], opts: RuleOptions
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    g: Tensor,
+    names: frozenset[str],
+    opts: RuleOptions,
+    out: dict[str, Tensor | None] | None = None,
 ) -> dict[str, Tensor]:
-    """Individual gradients ``{"weight": [N, O, C/G, *K], "bias": [N, O]}``."""
-    out: dict[str, Tensor] = {}
+    """Individual gradients ``{"weight": [N, O, C/G, *K], "bias": [N, O]}``.
+
+    ``out["weight"]``, when given, is a contiguous buffer the im2col algorithm writes into.
+    """
+    target = (out or {}).get("weight")
+    res: dict[str, Tensor] = {}
     if "weight" in names:
         x = inputs[0]
         if choose_algorithm(module, g, opts) == "grouped":
-            out["weight"] = _grouped(module, _pad(module, x), g)
+            res["weight"] = _grouped(module, _pad(module, x), g)
         else:
-            out["weight"] = _unfold(module, x, g)
+            res["weight"] = _unfold(module, x, g, target)
     if "bias" in names:
-        out["bias"] = g.flatten(2).sum(2)  # [N, O]
-    return out
+        res["bias"] = g.flatten(2).sum(2)  # [N, O]
+    return res
