@@ -30,3 +30,11 @@ def test_errors_subclass_builtins():
     assert issubclass(leanprop.UnsupportedModelError, RuntimeError)
     for e in (leanprop.LeanpropValueError, leanprop.BatchError, leanprop.UnsupportedModelError):
         assert issubclass(e, leanprop.LeanpropError)
+
+
+def test_quickstart_example_runs():
+    import pathlib
+    import runpy
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "per_sample_quickstart.py"
+    runpy.run_path(str(path), run_name="__main__")

@@ -54,7 +54,7 @@ def format_table(rows: list[dict]) -> str:
             mem = f"{r['mem_ratio']:>9.2f}" if r.get("mem_ratio") is not None else f"{'-':>9}"
             lines.append(
                 f"{r['batch']:>5}  {r['method']:<28}{r['median_s']:>10.4f}{r['time_ratio']:>9.2f}"
-                f"{r['peak_mib']:>10.1f}{mem}"
+                f"{r['min_s']:>9.4f}{r['min_ratio']:>9.2f}{r['peak_mib']:>10.1f}{mem}"
             )
     return "\n".join(lines)
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("suites", nargs="*", default=["per-sample"], help=f"any of {', '.join(SUITES)}")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     b.add_argument("--batch", type=int, nargs="+", default=[64])
-    b.add_argument("--reps", type=int, default=5)
+    b.add_argument("--reps", type=int, default=10)
     b.add_argument("--json", help="also write the rows and the environment to this file")
     a = ap.parse_args(argv)
     unknown = [s for s in a.suites if s not in SUITES]
