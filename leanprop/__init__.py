@@ -1,14 +1,17 @@
 """leanprop: get more out of each PyTorch backward pass, with less memory."""
 
 from ._registry import register_rule
+from .compare import MismatchError, compare
 from .errors import (
     BatchError,
     LeanpropError,
     LeanpropValueError,
     UnsupportedModelError,
 )
+from .memory import track_memory
 from .per_sample import per_sample
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
+from .timing import Timing, time_fn
 
 __version__ = "0.1.0"
 
@@ -21,9 +24,15 @@ __all__ = [
     "Variance",
     "per_sample",
     "register_rule",
+    # measurement
+    "Timing",
+    "compare",
+    "time_fn",
+    "track_memory",
     # errors
     "BatchError",
     "LeanpropError",
     "LeanpropValueError",
+    "MismatchError",
     "UnsupportedModelError",
 ]

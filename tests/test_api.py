@@ -10,9 +10,14 @@ EXPECTED = {
     "Variance",
     "per_sample",
     "register_rule",
+    "Timing",
+    "compare",
+    "time_fn",
+    "track_memory",
     "BatchError",
     "LeanpropError",
     "LeanpropValueError",
+    "MismatchError",
     "UnsupportedModelError",
 }
 

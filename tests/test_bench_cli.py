@@ -17,7 +17,7 @@ def test_per_sample_suite_end_to_end(tmp_path, capsys, monkeypatch):
     assert cli.main(["bench", "per-sample", "in-backward", "--batch", "4", "--reps", "1",
                      "--json", str(out)]) == 0  # fmt: skip
     text = capsys.readouterr().out
-    assert "[in-backward] unavailable" in text
+    assert "in-backward: unavailable" in text
     report = json.loads(out.read_text())
     assert report["suites"]["in-backward"] == "unavailable"
     rows = report["suites"]["per-sample"]
@@ -32,6 +32,16 @@ def test_per_sample_suite_end_to_end(tmp_path, capsys, monkeypatch):
             assert r["median_s"] > 0 and r["time_ratio"] > 0
             assert r["method"] in text
     assert report["environment"]["torch"]
+
+
+def test_variance_suite_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    args = ["bench", "variance-of-gradients", "--batch", "4", "--reps", "1", "--plot", str(png)]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert text.count("agrees") == 2 and "DISAGREES" not in text
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_unknown_suite_is_rejected(capsys):

@@ -1,6 +1,7 @@
 """``leanprop bench``: reproduce the reference comparisons.
 
-Usage: ``leanprop bench [suite ...] [--device cpu|cuda] [--batch N ...] [--reps R] [--json PATH]``
+Usage: ``leanprop bench [suite ...] [--device cpu|cuda] [--size small|large] [--batch N ...]
+[--reps R] [--json PATH] [--plot PATH]``
 """
 
 from __future__ import annotations
@@ -10,17 +11,35 @@ import json
 import platform
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from . import per_sample_suite
+from . import per_sample_suite, variance_suite
 
-# suites not built yet are listed, never faked
-SUITES: dict[str, Callable[..., list[dict]] | None] = {
-    "per-sample": per_sample_suite.run,
-    "in-backward": None,
-    "side-losses": None,
-    "variance-of-gradients": None,
+
+@dataclass(frozen=True)
+class Suite:
+    """A benchmark suite: ``run(device, batches, reps) -> rows``, or None if not built yet."""
+
+    about: str
+    run: Callable[..., list[dict]] | None
+    batches: dict[str, tuple[int, ...]]
+
+
+SUITES: dict[str, Suite] = {
+    "per-sample": Suite(
+        "individual gradients on the reference CNN: plain, leanprop, BackPACK, Opacus, torch.func",
+        per_sample_suite.run,
+        {"small": (64,), "large": (64, 256)},
+    ),
+    "variance-of-gradients": Suite(
+        "gradient of the total gradient variance: leanprop vs the per-sample loop",
+        variance_suite.run,
+        {"small": (32,), "large": (128,)},
+    ),
+    "in-backward": Suite("optimizer step fused into backward", None, {}),
+    "side-losses": Suite("eager side losses", None, {}),
 }
 
 
@@ -38,25 +57,56 @@ def environment() -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Rows as a fixed-width table: time and peak memory with ratios to ``plain``."""
+    """Rows as a fixed-width table: time and peak memory with ratios to the suite's baseline."""
     head = (
-        f"{'batch':>5}  {'method':<28}{'median s':>10}{'x plain':>9}{'peak MiB':>10}{'x plain':>9}"
+        f"{'batch':>5}  {'method':<30}{'median s':>10}{'x base':>8}{'min s':>9}{'x base':>8}"
+        f"{'peak MiB':>10}{'x base':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
+        lead = f"{r['batch']:>5}  {r['method']:<30}"
         if "max_rel" in r:
-            lines.append(
-                f"{r['batch']:>5}  {r['method']:<28} max relative deviation {r['max_rel']:.1e}"
-            )
+            lines.append(f"{lead}max relative deviation {r['max_rel']:.1e}")
         elif "error" in r:
-            lines.append(f"{r['batch']:>5}  {r['method']:<28} failed: {' '.join(r['error'])}")
+            lines.append(f"{lead}failed: {' '.join(r['error'])}")
         else:
-            mem = f"{r['mem_ratio']:>9.2f}" if r.get("mem_ratio") is not None else f"{'-':>9}"
+            mem = f"{r['mem_ratio']:>8.2f}" if r.get("mem_ratio") is not None else f"{'-':>8}"
+            tail = {True: "  agrees", False: "  DISAGREES"}.get(r.get("agrees"), "")
             lines.append(
-                f"{r['batch']:>5}  {r['method']:<28}{r['median_s']:>10.4f}{r['time_ratio']:>9.2f}"
-                f"{r['min_s']:>9.4f}{r['min_ratio']:>9.2f}{r['peak_mib']:>10.1f}{mem}"
+                f"{lead}{r['median_s']:>10.4f}{r['time_ratio']:>8.2f}{r['min_s']:>9.4f}"
+                f"{r['min_ratio']:>8.2f}{r['peak_mib']:>10.1f}{mem}{tail}"
             )
     return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Bar charts (time and peak memory ratios) of every measured suite, saved as PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(
+            "leanprop bench --plot needs matplotlib: pip install matplotlib (or the bench extra)"
+        ) from e
+    suites = {k: v for k, v in report["suites"].items() if isinstance(v, list)}
+    fig, axes = plt.subplots(
+        len(suites), 2, figsize=(12, 3 + 0.3 * 12 * len(suites)), squeeze=False
+    )
+    for (name, rows), (ax_t, ax_m) in zip(suites.items(), axes, strict=True):
+        rows = [r for r in rows if "median_s" in r]
+        labels = [f"{r['method']} (N={r['batch']})" for r in rows]
+        ax_t.barh(labels, [r["time_ratio"] for r in rows])
+        ax_m.barh(labels, [r["mem_ratio"] or 0 for r in rows])
+        ax_t.set_title(f"{name}: time / baseline")
+        ax_m.set_title(f"{name}: peak memory / baseline")
+        for ax in (ax_t, ax_m):
+            ax.axvline(1.0, color="k", lw=0.8)
+            ax.invert_yaxis()
+        ax_m.set_yticklabels([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,32 +114,40 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="leanprop", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="measure leanprop beside plain PyTorch and competitors")
-    b.add_argument("suites", nargs="*", default=["per-sample"], help=f"any of {', '.join(SUITES)}")
+    b.add_argument("suites", nargs="*", help=f"any of {', '.join(SUITES)} (default: all)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    b.add_argument("--batch", type=int, nargs="+", default=[64])
-    b.add_argument("--reps", type=int, default=10)
+    b.add_argument("--size", default="small", choices=["small", "large"])
+    b.add_argument("--batch", type=int, nargs="+", help="batch sizes (override --size)")
+    b.add_argument("--reps", type=int, default=10, help="timed runs per method")
     b.add_argument("--json", help="also write the rows and the environment to this file")
+    b.add_argument("--plot", help="also write a bar chart PNG to this file")
     a = ap.parse_args(argv)
-    unknown = [s for s in a.suites if s not in SUITES]
+    names = a.suites or list(SUITES)
+    unknown = [s for s in names if s not in SUITES]
     if unknown:
         ap.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
     report: dict = {"environment": environment(), "suites": {}}
-    for name in a.suites:
+    for i, name in enumerate(names, 1):
         suite = SUITES[name]
-        if suite is None:
-            print(f"[{name}] unavailable: this capability is not built yet", flush=True)
+        if suite.run is None:
+            print(f"[{i}/{len(names)}] {name}: unavailable ({suite.about}: not built yet)")
             report["suites"][name] = "unavailable"
             continue
-        print(f"[{name}] device={a.device} batch={a.batch} reps={a.reps} ...", flush=True)
-        rows = suite(device=a.device, batches=tuple(a.batch), reps=a.reps)
+        batches = tuple(a.batch) if a.batch else suite.batches[a.size]
+        print(f"[{i}/{len(names)}] {name}: {suite.about}; device={a.device} batch={batches}")
+        sys.stdout.flush()
+        rows = suite.run(device=a.device, batches=batches, reps=a.reps)
         print(format_table(rows), flush=True)
         report["suites"][name] = rows
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {a.json}")
+    if a.plot:
+        plot(report, a.plot)
+        print(f"wrote {a.plot}")
     return 0
 
 

@@ -2,8 +2,10 @@
 
 Methods: ``plain`` (ordinary forward+backward), leanprop's quantities and conv algorithms, and
 BackPACK / Opacus / torch.func side by side when they are installed. Each method is measured in
-a fresh process (``python -m leanprop.bench.per_sample_suite METHOD ...``), and leanprop's
-individual gradients are checked against torch.func's on the same batch.
+a fresh process (``python -m leanprop.bench.per_sample_suite METHOD ...``): peak tensor memory
+with :class:`leanprop.track_memory` (exact tensor bytes), on CPU also the resident-set peak of
+the first call (comparable with RSS-based numbers elsewhere), and time with
+:func:`leanprop.time_fn`. leanprop's individual gradients are checked against torch.func's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from torch import Tensor, nn
 
 import leanprop
 
-from .measure import peak_mib, times
+from ..memory import track_memory
+from ..timing import time_fn
+from .measure import rss_peak_mib
 
 LEANPROP_METHODS = {
     "leanprop_batchgrad": (leanprop.BatchGrad(), "auto"),
@@ -165,7 +169,10 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (64,), reps: int = 10) -
     methods = ["plain", *LEANPROP_METHODS, *(m for m in COMPETITORS if available(m))]
     rows = []
     for batch in batches:
-        recs = [measure_in_subprocess(m, device, batch, reps) for m in methods]
+        recs = []
+        for i, m in enumerate(methods, 1):
+            print(f"  ({i}/{len(methods)}) N={batch} {m} ...", file=sys.stderr, flush=True)
+            recs.append(measure_in_subprocess(m, device, batch, reps))
         base = recs[0]
         for r in recs:
             r["batch"] = batch
@@ -188,9 +195,14 @@ def _worker() -> None:
     a = ap.parse_args()
     device = torch.device(a.device)
     step = make_step(a.method, device, a.batch)
-    peak = peak_mib(step, device)  # cold call first, in a fresh process
-    med, low = times(step, device, a.reps)
-    print(json.dumps({"method": a.method, "median_s": med, "min_s": low, "peak_mib": peak}))
+    rec: dict = {"method": a.method}
+    if device.type == "cpu":  # cold call first, in a fresh process
+        rec["rss_peak_mib"] = rss_peak_mib(step)
+    with track_memory(device) as mem:
+        step()
+    t = time_fn(step, device, reps=a.reps)
+    rec.update(median_s=t.median, min_s=t.min, peak_mib=mem.peak_mib)
+    print(json.dumps(rec))
 
 
 if __name__ == "__main__":

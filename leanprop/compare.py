@@ -1,0 +1,150 @@
+"""Side-by-side comparison of training-step variants: time, peak memory, agreement."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from .errors import LeanpropError, LeanpropValueError
+from .memory import track_memory
+from .timing import time_fn
+
+
+class MismatchError(LeanpropError, AssertionError):
+    """Variants of a comparison returned results that do not agree."""
+
+
+@dataclass
+class Row:
+    """One variant's measurements; ratios are to the baseline of the same run."""
+
+    name: str
+    median_s: float
+    min_s: float
+    peak_mib: float
+    time_ratio: float = 1.0
+    mem_ratio: float | None = 1.0
+    agrees: bool | None = None  # None: not checked (the baseline itself, or check=False)
+    max_abs_diff: float | None = None
+
+
+def _leaves(result: Any) -> list[Tensor]:
+    leaves, _ = tree_flatten(result)
+    return [t.detach() for t in leaves if isinstance(t, Tensor)]
+
+
+def _agreement(result: Any, reference: Any, rtol: float, atol: float) -> tuple[bool, float]:
+    """Tensor by tensor: ``max|a - b| <= atol + rtol * max|b|`` (scale-aware, so entries near
+    zero do not fail on rounding that is tiny relative to the tensor)."""
+    got, ref = _leaves(result), _leaves(reference)
+    if len(got) != len(ref) or any(a.shape != b.shape for a, b in zip(got, ref, strict=False)):
+        return False, float("inf")
+    ok, worst = True, 0.0
+    for a, b in zip(got, ref, strict=True):
+        if not a.numel():
+            continue
+        diff = float((a.double() - b.double()).abs().max())
+        scale = float(b.double().abs().max())
+        ok = ok and diff <= atol + rtol * scale
+        worst = max(worst, diff)
+    return ok, worst
+
+
+def format_rows(rows: list[Row]) -> str:
+    """A fixed-width table of the rows."""
+    head = (
+        f"{'variant':<28}{'median s':>10}{'x base':>8}{'min s':>10}{'peak MiB':>10}{'x base':>8}"
+        f"  agrees"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        mem = f"{r.mem_ratio:>8.2f}" if r.mem_ratio is not None else f"{'-':>8}"
+        agree = (
+            "base" if r.agrees is None else ("yes" if r.agrees else f"NO ({r.max_abs_diff:.1e})")
+        )
+        lines.append(
+            f"{r.name:<28}{r.median_s:>10.4f}{r.time_ratio:>8.2f}{r.min_s:>10.4f}"
+            f"{r.peak_mib:>10.1f}{mem}  {agree}"
+        )
+    return "\n".join(lines)
+
+
+def compare(
+    variants: Mapping[str, Callable[[], Any]],
+    *,
+    baseline: str | None = None,
+    device: str | torch.device = "cpu",
+    reps: int = 10,
+    warmup: int = 1,
+    check: bool = True,
+    rtol: float = 1e-5,
+    atol: float = 1e-7,
+    existing: tuple[Any, ...] = (),
+    show: bool = True,
+) -> list[Row]:
+    """Run variants of a training step; print and return time and peak memory with ratios to
+    ``baseline``, and check that every variant's result agrees with the baseline's.
+
+    Each variant is a callable without arguments that runs one step and returns its result
+    (a tensor, or any nesting of lists/tuples/dicts of tensors). Peak memory is measured with
+    :class:`leanprop.track_memory` on the first (cold) call, whose result is the one checked;
+    time with :func:`leanprop.time_fn` afterwards.
+
+    Example:
+        >>> import torch, leanprop
+        >>> x = torch.randn(64, 64)
+        >>> steps = {"matmul": lambda: x @ x, "einsum": lambda: torch.einsum("ij,jk->ik", x, x)}
+        >>> rows = leanprop.compare(steps, reps=2, show=False)
+        >>> rows[1].agrees
+        True
+
+    Args:
+        variants: name -> step callable; the first is the baseline unless ``baseline`` names one.
+        device: where the steps run (memory tracker and synchronisation).
+        check: compare each result tensor with the baseline's, ``max|a - b| <= atol +
+            rtol * max|b|``, and raise :class:`MismatchError` (after printing the table) if any
+            variant disagrees.
+        existing: modules/tensors alive before the steps (never counted as allocations).
+        show: print the table.
+
+    Returns:
+        One :class:`Row` per variant, in the given order.
+    """
+    if not variants:
+        raise LeanpropValueError("compare() got no variants; pass {'name': step_callable, ...}.")
+    names = list(variants)
+    base = names[0] if baseline is None else baseline
+    if base not in variants:
+        raise LeanpropValueError(
+            f"compare() got baseline={baseline!r}, which is not a variant; variants: {names}."
+        )
+    results: dict[str, Any] = {}
+    rows: dict[str, Row] = {}
+    for name in [base, *(n for n in names if n != base)]:
+        with track_memory(device, existing=existing) as mem:
+            results[name] = variants[name]()
+        t = time_fn(variants[name], device, warmup=warmup, reps=reps)
+        rows[name] = Row(name, t.median, t.min, mem.peak_mib)
+    ref = rows[base]
+    for name, row in rows.items():
+        row.time_ratio = row.median_s / ref.median_s if ref.median_s > 0 else float("nan")
+        row.mem_ratio = row.peak_mib / ref.peak_mib if ref.peak_mib > 0 else None
+        if check and name != base:
+            row.agrees, row.max_abs_diff = _agreement(results[name], results[base], rtol, atol)
+    ordered = [rows[n] for n in names]
+    if show:
+        print(format_rows(ordered), flush=True)
+    bad = [r.name for r in ordered if r.agrees is False]
+    if bad:
+        raise MismatchError(
+            f"compare(): the results of {', '.join(map(repr, bad))} do not agree with '{base}' "
+            f"(rtol={rtol}, atol={atol}); see the table's 'agrees' column for the largest "
+            "absolute difference. Fix the variant, or loosen rtol/atol if the difference is "
+            "rounding."
+        )
+    return ordered

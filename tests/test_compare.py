@@ -1,0 +1,80 @@
+"""time_fn and compare."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leanprop
+from leanprop import LeanpropValueError, MismatchError, compare, time_fn
+
+
+def test_time_fn_counts_runs_and_orders_stats():
+    calls = []
+    t = time_fn(lambda: calls.append(1), warmup=2, reps=5)
+    assert len(calls) == 7 and len(t.runs) == 5
+    assert t.min <= t.median and t.min == min(t.runs)
+
+
+def test_time_fn_rejects_bad_reps():
+    with pytest.raises(LeanpropValueError, match="reps=0"):
+        time_fn(lambda: None, reps=0)
+
+
+def test_compare_reports_ratios_memory_and_agreement(capsys):
+    x = torch.randn(128, 128)
+    rows = compare(
+        {
+            "matmul": lambda: x @ x,
+            "einsum": lambda: torch.einsum("ij,jk->ik", x, x),
+            "two": lambda: [x @ x, torch.cat([x, x])],
+        },
+        reps=2,
+        check=False,
+    )
+    names = [r.name for r in rows]
+    assert names == ["matmul", "einsum", "two"]
+    assert rows[0].time_ratio == 1.0 and rows[0].peak_mib == 128 * 128 * 4 / 2**20
+    assert rows[2].mem_ratio == pytest.approx(3.0)  # result + concatenation of two
+    out = capsys.readouterr().out
+    assert "einsum" in out and "x base" in out
+
+
+def test_compare_raises_on_disagreement_after_printing(capsys):
+    x = torch.randn(16)
+    with pytest.raises(MismatchError, match="'wrong' do not agree with 'right'"):
+        compare({"right": lambda: x * 2, "wrong": lambda: x * 2 + 1e-3}, reps=1)
+    assert "NO (" in capsys.readouterr().out
+
+
+def test_compare_checks_structure_and_baseline():
+    with pytest.raises(MismatchError):
+        compare({"a": lambda: torch.ones(2), "b": lambda: torch.ones(3)}, reps=1, show=False)
+    with pytest.raises(LeanpropValueError, match="baseline='c'"):
+        compare({"a": lambda: 1}, baseline="c")
+    with pytest.raises(LeanpropValueError, match="no variants"):
+        compare({})
+
+
+def test_compare_per_sample_against_loop():
+    """leanprop vs the per-sample loop, through the public comparison API."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+
+    def ours():
+        with leanprop.per_sample(model, leanprop.BatchGrad()):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        model.zero_grad()
+        return [p.grad_batch for p in model.parameters()]
+
+    def loop():
+        from leanprop.testing import individual_gradients
+
+        def loss(o, t, r):
+            return torch.nn.functional.cross_entropy(o, t, reduction=r)
+
+        return list(individual_gradients(model, loss, x, y, "mean").values())
+
+    rows = compare({"loop": loop, "leanprop": ours}, reps=1, rtol=1e-5, atol=1e-6, show=False)
+    assert rows[1].agrees is True

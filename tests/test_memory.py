@@ -1,0 +1,73 @@
+"""The peak-memory tracker counts exactly the tensor bytes of known allocations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import leanprop
+from leanprop import LeanpropValueError, track_memory
+
+
+def test_peak_of_known_allocations_is_exact():
+    with track_memory() as mem:
+        a = torch.empty(1000)  # 4000 B
+        b = torch.empty(500, dtype=torch.float64)  # 4000 B -> 8000 live
+        del a
+        c = torch.empty(250)  # 1000 B -> 5000 live
+        d = torch.ones(3000, dtype=torch.uint8)  # 3000 B -> 8000 live again
+    assert mem.peak_bytes == 8000
+    del b, c, d
+
+
+def test_views_inplace_and_preexisting_are_not_counted():
+    x = torch.randn(100, 100)  # 40000 B, pre-existing
+    with track_memory(existing=[x]) as mem:
+        v = x.view(-1)  # view: 0
+        x.add_(1)  # in-place: 0
+        t = x.t()  # view: 0
+        w = x * 2  # new: 40000
+        del w
+        u = t.contiguous()  # new: 40000 (w already freed)
+    assert mem.peak_bytes == 40000
+    del v, u
+
+
+def test_preexisting_registration_covers_modules():
+    model = nn.Linear(10, 10)
+    with track_memory(existing=[model]) as mem:
+        model.weight.data.mul_(1.0)
+        model.weight.detach()
+    assert mem.peak_bytes == 0
+
+
+def test_freed_memory_inside_a_training_step():
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    x = torch.randn(64, 256)
+    with track_memory(existing=[model, x]) as mem:
+        model(x).sum().backward()
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    activations = 64 * 256 * 4  # the hidden layer, at least
+    assert mem.peak_bytes >= grads + activations
+    assert mem.peak_mib == mem.peak_bytes / 2**20
+
+
+def test_bad_device():
+    with pytest.raises(LeanpropValueError, match=r"got device 'meta'"):
+        track_memory("meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_gpu():
+    with pytest.raises(LeanpropValueError, match="no CUDA device"):
+        track_memory("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_of_known_allocation():
+    with leanprop.track_memory("cuda") as mem:
+        a = torch.empty(2**20, device="cuda")  # 4 MiB, a multiple of the allocator's blocks
+        del a
+    assert mem.peak_bytes == 4 * 2**20
