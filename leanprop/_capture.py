@@ -46,7 +46,7 @@ from .rules._fallback import batch_dim_of, fallback_batch_grads
 
 ConvAlgorithm = Literal["auto", "unfold", "grouped"]
 CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped")
-DEFAULT_WORKSPACE_MIB = {"cpu": 32.0}
+DEFAULT_WORKSPACE_MIB = {"cpu": 16.0}
 _ALL_ATTRS = tuple(q.attr for q in (BatchGrad, BatchL2Grad, SumGradSquared, Variance))
 
 
@@ -408,11 +408,11 @@ class PerSample:
             call.grads = []
 
     def _budget(self, device: torch.device) -> int:
-        """Scratch bytes per layer: as given, else 32 MiB on CPU (small chunks stay in cache
-        and run faster) and 256 MiB on accelerators (fewer, larger kernels)."""
+        """Scratch bytes per layer: as given, else 16 MiB on CPU (small chunks stay in cache
+        and run as fast) and 64 MiB on accelerators (fewer, larger kernels)."""
         mib = self._workspace_mib
         if mib is None:
-            mib = DEFAULT_WORKSPACE_MIB.get(device.type, 256.0)
+            mib = DEFAULT_WORKSPACE_MIB.get(device.type, 64.0)
         return int(mib * 2**20)
 
     def _options(self, device: torch.device) -> RuleOptions:

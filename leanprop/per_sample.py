@@ -44,7 +44,7 @@ def per_sample(
             (im2col unless one sample's patches exceed ``max_workspace_mib``).
         max_workspace_mib: scratch memory per layer; samples are processed in chunks so that
             a layer's temporary buffers stay below it (the results themselves are not bounded).
-            Default: 32 MiB on CPU, 256 MiB on GPUs.
+            Default: 16 MiB on CPU, 64 MiB on GPUs.
         check: after each backward, verify that the individual gradients add up to the batch
             gradient autograd computed, and raise if not (a use of a parameter that escaped
             the hooks). One host synchronisation per backward.
