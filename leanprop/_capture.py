@@ -6,9 +6,11 @@ How it works (all state lives on the :class:`PerSample` object, never on user mo
    the registry) own their direct trainable parameters; any other module with direct trainable
    parameters becomes a *fallback root* handled by ``torch.func`` (see ``rules/_fallback.py``).
 2. A forward hook on every site records the call's inputs and registers tensor hooks on its
-   outputs. When an output's gradient arrives during backward, the site's individual gradients
-   are computed over chunks of samples (bounding scratch memory) and reduced at once into the
-   requested quantities, so at most one layer's individual gradients exist at a time.
+   outputs (for Linear/Conv the op itself is swapped instead, see ``_fused.py``, so autograd
+   does not also compute the parameter gradient). When an output's gradient arrives during
+   backward, the site's individual gradients are computed over chunks of samples (bounding
+   scratch memory) and reduced at once into the requested quantities, so at most one layer's
+   individual gradients exist at a time.
 3. A parameter used by several calls (weight sharing) accumulates its individual gradients
    over the calls; its quantities are formed when the backward pass ends.
 4. At the end of the backward pass (an autograd engine callback) the quantities are written to
@@ -123,7 +125,7 @@ class PerSample:
         if max_workspace_mib is not None and not max_workspace_mib > 0:
             raise LeanpropValueError(
                 f"per_sample() got max_workspace_mib={max_workspace_mib!r}; it must be a "
-                "positive number of MiB (scratch memory per layer, e.g. 256)."
+                "positive number of MiB (scratch memory per layer, e.g. 16), or None for the default."
             )
         self.model = model
         self.quantities = quantities
