@@ -125,7 +125,7 @@ class PerSample:
         if max_workspace_mib is not None and not max_workspace_mib > 0:
             raise LeanpropValueError(
                 f"per_sample() got max_workspace_mib={max_workspace_mib!r}; it must be a "
-                "positive number of MiB (scratch memory per layer, e.g. 16), or None for the default."
+                "positive number of MiB (scratch memory per layer, e.g. 16) or None (default)."
             )
         self.model = model
         self.quantities = quantities
