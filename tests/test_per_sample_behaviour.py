@@ -179,3 +179,19 @@ def test_use_outside_owning_module_is_detected():
     ):
         model(tokens).sum().backward()
     assert not model.emb._forward_hooks
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv2d", "tied_lm"])
+def test_bf16_autocast(name):
+    """Under autocast the layers compute in bfloat16; the results must still add up to the
+    batch gradient (within bfloat16 rounding) and match the float32 oracle loosely."""
+    case = build(name, torch.float32)
+    expected = individual_gradients(case.model, case.loss, case.x, case.y, "mean")
+    with leanprop.per_sample(case.model, BatchGrad(), Variance()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = case.loss(case.model(case.x), case.y, "mean")
+        loss.backward()
+    for k, p in case.model.named_parameters():
+        got, ref = p.grad_batch.float(), expected[k]
+        rel = float((got - ref).norm() / ref.norm())
+        assert rel < 5e-2, f"{k}: relative error {rel:.2e} against the float32 oracle"
