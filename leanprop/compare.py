@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ class Row:
     min_s: float
     peak_mib: float
     time_ratio: float = 1.0
+    min_ratio: float = 1.0
     mem_ratio: float | None = 1.0
     agrees: bool | None = None  # None: not checked (the baseline itself, or check=False)
     max_abs_diff: float | None = None
@@ -55,23 +56,44 @@ def _agreement(result: Any, reference: Any, rtol: float, atol: float) -> tuple[b
     return ok, worst
 
 
-def format_rows(rows: list[Row]) -> str:
-    """A fixed-width table of the rows."""
+def format_table(rows: list[dict]) -> str:
+    """Rows as a fixed-width table, time and peak memory with ratios to the baseline.
+
+    Each row is a dict with ``method``, ``median_s``, ``time_ratio``, ``min_s``, ``min_ratio``,
+    ``peak_mib``, ``mem_ratio``, and optionally ``batch``, ``agrees`` (with ``max_abs_diff``);
+    a row with ``max_rel`` (a check) or ``error`` (a failed method) is printed as a note.
+    """
+    batch = any("batch" in r for r in rows)
+    lead_head = f"{'batch':>5}  " if batch else ""
     head = (
-        f"{'variant':<28}{'median s':>10}{'x base':>8}{'min s':>10}{'peak MiB':>10}{'x base':>8}"
-        f"  agrees"
+        f"{lead_head}{'method':<30}{'median s':>10}{'x base':>8}{'min s':>9}{'x base':>8}"
+        f"{'peak MiB':>10}{'x base':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        mem = f"{r.mem_ratio:>8.2f}" if r.mem_ratio is not None else f"{'-':>8}"
-        agree = (
-            "base" if r.agrees is None else ("yes" if r.agrees else f"NO ({r.max_abs_diff:.1e})")
-        )
-        lines.append(
-            f"{r.name:<28}{r.median_s:>10.4f}{r.time_ratio:>8.2f}{r.min_s:>10.4f}"
-            f"{r.peak_mib:>10.1f}{mem}  {agree}"
-        )
+        lead = (f"{r.get('batch', ''):>5}  " if batch else "") + f"{r['method']:<30}"
+        if "max_rel" in r:
+            lines.append(f"{lead}max relative deviation {r['max_rel']:.1e}")
+        elif "error" in r:
+            lines.append(f"{lead}failed: {' '.join(r['error'])}")
+        else:
+            mem = f"{r['mem_ratio']:>8.2f}" if r.get("mem_ratio") is not None else f"{'-':>8}"
+            agrees = r.get("agrees")
+            tail = "" if agrees is None else "  agrees" if agrees else "  DISAGREES"
+            if agrees is False and r.get("max_abs_diff") is not None:
+                tail += f" (max abs diff {r['max_abs_diff']:.1e})"
+            lines.append(
+                f"{lead}{r['median_s']:>10.4f}{r['time_ratio']:>8.2f}{r['min_s']:>9.4f}"
+                f"{r['min_ratio']:>8.2f}{r['peak_mib']:>10.1f}{mem}{tail}"
+            )
     return "\n".join(lines)
+
+
+def as_dict(row: Row, **extra: Any) -> dict:
+    """A :class:`Row` as a table/JSON row (``name`` becomes ``method``)."""
+    d = asdict(row)
+    d["method"] = d.pop("name")
+    return {**d, **extra}
 
 
 def compare(
@@ -133,12 +155,13 @@ def compare(
     ref = rows[base]
     for name, row in rows.items():
         row.time_ratio = row.median_s / ref.median_s if ref.median_s > 0 else float("nan")
+        row.min_ratio = row.min_s / ref.min_s if ref.min_s > 0 else float("nan")
         row.mem_ratio = row.peak_mib / ref.peak_mib if ref.peak_mib > 0 else None
         if check and name != base:
             row.agrees, row.max_abs_diff = _agreement(results[name], results[base], rtol, atol)
     ordered = [rows[n] for n in names]
     if show:
-        print(format_rows(ordered), flush=True)
+        print(format_table([as_dict(r) for r in ordered]), flush=True)
     bad = [r.name for r in ordered if r.agrees is False]
     if bad:
         raise MismatchError(

@@ -44,7 +44,7 @@ def test_compare_raises_on_disagreement_after_printing(capsys):
     x = torch.randn(16)
     with pytest.raises(MismatchError, match="'wrong' do not agree with 'right'"):
         compare({"right": lambda: x * 2, "wrong": lambda: x * 2 + 1e-3}, reps=1)
-    assert "NO (" in capsys.readouterr().out
+    assert "DISAGREES (max abs diff 1.0e-03)" in capsys.readouterr().out
 
 
 def test_compare_checks_structure_and_baseline():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compare import format_table
 from . import per_sample_suite, variance_suite
 
 
@@ -56,29 +57,6 @@ def environment() -> dict:
     return env
 
 
-def format_table(rows: list[dict]) -> str:
-    """Rows as a fixed-width table: time and peak memory with ratios to the suite's baseline."""
-    head = (
-        f"{'batch':>5}  {'method':<30}{'median s':>10}{'x base':>8}{'min s':>9}{'x base':>8}"
-        f"{'peak MiB':>10}{'x base':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lead = f"{r['batch']:>5}  {r['method']:<30}"
-        if "max_rel" in r:
-            lines.append(f"{lead}max relative deviation {r['max_rel']:.1e}")
-        elif "error" in r:
-            lines.append(f"{lead}failed: {' '.join(r['error'])}")
-        else:
-            mem = f"{r['mem_ratio']:>8.2f}" if r.get("mem_ratio") is not None else f"{'-':>8}"
-            tail = {True: "  agrees", False: "  DISAGREES"}.get(r.get("agrees"), "")
-            lines.append(
-                f"{lead}{r['median_s']:>10.4f}{r['time_ratio']:>8.2f}{r['min_s']:>9.4f}"
-                f"{r['min_ratio']:>8.2f}{r['peak_mib']:>10.1f}{mem}{tail}"
-            )
-    return "\n".join(lines)
-
-
 def plot(report: dict, path: str) -> None:
     """Bar charts (time and peak memory ratios) of every measured suite, saved as PNG."""
     try:
@@ -118,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     b.add_argument("--size", default="small", choices=["small", "large"])
     b.add_argument("--batch", type=int, nargs="+", help="batch sizes (override --size)")
-    b.add_argument("--reps", type=int, default=10, help="timed runs per method")
+    b.add_argument("--reps", type=int, help="timed runs per method (default: 5 small, 10 large)")
     b.add_argument("--json", help="also write the rows and the environment to this file")
     b.add_argument("--plot", help="also write a bar chart PNG to this file")
     a = ap.parse_args(argv)
@@ -138,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         batches = tuple(a.batch) if a.batch else suite.batches[a.size]
         print(f"[{i}/{len(names)}] {name}: {suite.about}; device={a.device} batch={batches}")
         sys.stdout.flush()
-        rows = suite.run(device=a.device, batches=batches, reps=a.reps)
+        reps = a.reps or (5 if a.size == "small" else 10)
+        rows = suite.run(device=a.device, batches=batches, reps=reps)
         print(format_table(rows), flush=True)
         report["suites"][name] = rows
     if a.json:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import leanprop
+from leanprop.compare import as_dict
 from leanprop.testing import individual_gradients
 
 
@@ -62,18 +63,5 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (32,), reps: int = 10) -
                 _steps(model, x, y), device=device, reps=reps, rtol=1e-4, atol=1e-6,
                 existing=(model, x, y), show=False,
             )  # fmt: skip
-            for r in res:
-                rows.append(
-                    {
-                        "method": f"{name}: {r.name}",
-                        "batch": batch,
-                        "median_s": r.median_s,
-                        "min_s": r.min_s,
-                        "peak_mib": r.peak_mib,
-                        "time_ratio": r.time_ratio,
-                        "min_ratio": r.min_s / res[0].min_s,
-                        "mem_ratio": r.mem_ratio,
-                        "agrees": r.agrees,
-                    }
-                )
+            rows += [as_dict(r, method=f"{name}: {r.name}", batch=batch) for r in res]
     return rows
