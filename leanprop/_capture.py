@@ -419,6 +419,9 @@ class PerSample:
         try:
             self._computing = True
             return self._compute(call)
+        except BaseException:
+            self._reset_cycle()  # the backward is aborted: the next one starts clean
+            raise
         finally:
             self._computing = False
             call.args = call.kwargs = None
@@ -533,18 +536,22 @@ class PerSample:
                 if self._check:
                     self._verify()
         finally:
-            self._computing = False
-            for h in self._tensor_handles:
-                h.remove()
-            self._tensor_handles.clear()
-            self._calls.clear()
-            for site in self._sites:
-                site.calls, site.running, site.fused = 0, False, False
-            for state in self._states.values():
-                state.uses, state.batch, state.total = 0, None, None
-                state.results, state.autograd_grad = {}, None
-            self._n = None
-            self._cycle_open = False
+            self._reset_cycle()
+
+    def _reset_cycle(self) -> None:
+        """Forget everything about the current forward/backward cycle."""
+        self._computing = False
+        for h in self._tensor_handles:
+            h.remove()
+        self._tensor_handles.clear()
+        self._calls.clear()
+        for site in self._sites:
+            site.calls, site.running, site.fused = 0, False, False
+        for state in self._states.values():
+            state.uses, state.batch, state.total = 0, None, None
+            state.results, state.autograd_grad = {}, None
+        self._n = None
+        self._cycle_open = False
 
     def _verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward."""

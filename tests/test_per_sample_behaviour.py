@@ -195,3 +195,26 @@ def test_bf16_autocast(name):
         got, ref = p.grad_batch.float(), expected[k]
         rel = float((got - ref).norm() / ref.norm())
         assert rel < 5e-2, f"{k}: relative error {rel:.2e} against the float32 oracle"
+
+
+def test_error_during_backward_leaves_the_context_usable(monkeypatch):
+    from leanprop import _stats
+
+    case = build("mlp")
+    add = _stats.Reducer.add
+    failures = [RuntimeError("reduction failed")]
+
+    def fail_once(self, b):
+        if failures:
+            raise failures.pop()
+        add(self, b)
+
+    monkeypatch.setattr(_stats.Reducer, "add", fail_once)
+    with leanprop.per_sample(case.model, BatchGrad()):
+        with pytest.raises(RuntimeError, match="reduction failed"):
+            case.loss(case.model(case.x), case.y, "sum").backward()
+        case.model.zero_grad()
+        case.loss(case.model(case.x), case.y, "sum").backward()
+    expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad_batch, expected[k], f"{k} after an error", 1e-9, 1e-12)
