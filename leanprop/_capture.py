@@ -125,6 +125,7 @@ class PerSample:
         conv_algorithm: ConvAlgorithm = "auto",
         max_workspace_mib: float | None = None,
         check: bool = True,
+        fuse: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise LeanpropValueError(
@@ -147,6 +148,7 @@ class PerSample:
         self.conv_algorithm = conv_algorithm
         self._workspace_mib = max_workspace_mib
         self._check = check
+        self._fuse = fuse  # swap Linear/Conv ops while active (a TorchFunctionMode)
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
         self._sites: list[_Site] = []
@@ -158,6 +160,15 @@ class PerSample:
         self._cycle_open = False
         self._grad_mode = False
         self._intercept: Intercept | None = None
+        self._bn_problem: str | None = None
+        self.reset_on_forward = False  # see set_quantities
+
+    def set_quantities(self, kinds: frozenset[type[Quantity]], conv_algorithm: str) -> None:
+        """Change what backward computes (used by the BackPACK facade, whose forward runs
+        before the quantities are known). Empty ``kinds``: idle, forward is still recorded and
+        backward computes nothing extra; each forward of the model then starts a new cycle."""
+        self._kinds, self.conv_algorithm = kinds, conv_algorithm
+        self.reset_on_forward = True
 
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> PerSample:
@@ -190,6 +201,7 @@ class PerSample:
                     )
             for state in self._states.values():
                 self._handles.append(state.param.register_hook(self._on_param_grad(state)))
+            self._handles.append(self.model.register_forward_pre_hook(self._on_model_enter))
             if any(site.fusable for site in self._sites):
                 self._intercept = Intercept(self)
                 self._intercept.__enter__()
@@ -223,7 +235,8 @@ class PerSample:
         if direct and (rule is not None or root is None):
             site = _Site(prefix or type(module).__name__, module, rule, direct)
             site.fusable = (
-                rule is not None
+                self._fuse
+                and rule is not None
                 and rule.input_grad is not None
                 and rule.param_grads is not None
                 and (rule.can_fuse is None or rule.can_fuse(module))
@@ -258,15 +271,24 @@ class PerSample:
             if self._computing or not torch.is_grad_enabled():
                 return
             if module.training or module.running_mean is None:
-                raise UnsupportedModelError(
+                problem = (
                     f"per_sample: {type(module).__name__} '{name}' normalises with statistics "
                     "of the whole batch (training mode), so each sample's gradient depends on "
                     "the other samples and per-sample quantities are undefined. Put it in eval "
                     "mode (module.eval(), uses running statistics), or replace it with "
                     "GroupNorm/LayerNorm."
                 )
+                if self._kinds:
+                    raise UnsupportedModelError(problem)
+                self._bn_problem = problem  # idle: raise if quantities are asked in backward
 
         return hook
+
+    def _on_model_enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """In facade mode a new forward of the whole model drops what an earlier forward
+        recorded without a backward that asked for quantities."""
+        if self.reset_on_forward and not self._cycle_open and not self._computing:
+            self._reset_cycle()
 
     def _on_fallback_enter(self, site: _Site):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -311,7 +333,7 @@ class PerSample:
     def fused_backward(self, call: _Call, grad: Tensor) -> dict[str, Tensor] | None:
         """Output gradient of a replaced op: process the call, return its summed gradients
         (None when the capture is over and the op must do an ordinary backward)."""
-        if not self._active or call.closed:
+        if not self._active or call.closed or not self._kinds:
             return None
         self._open_cycle()
         call.grads[0] = grad
@@ -390,6 +412,9 @@ class PerSample:
     def _open_cycle(self) -> None:
         if self._cycle_open:
             return
+        if self._bn_problem is not None:
+            problem, self._bn_problem = self._bn_problem, None
+            raise UnsupportedModelError(problem)
         self._cycle_open = True
         self._grad_mode = torch.is_grad_enabled()
         self._clear_attrs()
@@ -404,7 +429,7 @@ class PerSample:
 
     def _on_output_grad(self, call: _Call, index: int):
         def hook(grad: Tensor) -> None:
-            if not self._active or call.closed:
+            if not self._active or call.closed or not self._kinds:
                 return
             self._open_cycle()
             call.grads[index] = grad
@@ -544,7 +569,11 @@ class PerSample:
         for h in self._tensor_handles:
             h.remove()
         self._tensor_handles.clear()
+        for call in self._calls:  # a late backward through them does an ordinary backward
+            call.closed = True
+            call.args = call.kwargs = None
         self._calls.clear()
+        self._bn_problem = None
         for site in self._sites:
             site.calls, site.running, site.fused = 0, False, False
         for state in self._states.values():
