@@ -65,7 +65,7 @@ def _patches(module: nn.Module, x: Tensor) -> Tensor:
     """im2col of the (unpadded) input: ``[N, C * prod(K), L]`` (channel-major, as the weight)."""
     kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
     d = len(kernel)
-    if d <= 2 and _can_fuse(module):  # zero padding is done inside im2col, without a copy
+    if d <= 2 and _explicit_zero_padding(module):  # padded inside im2col, without a copy
         pad = tuple(module.padding)
     else:
         x, pad = _pad(module, x), (0,) * d
@@ -122,8 +122,8 @@ def _workspace_of(module: nn.Module, g: Tensor, algorithm: str) -> int:
 
 
 def choose_algorithm(module: nn.Module, g: Tensor, opts: RuleOptions) -> str:
-    """``"auto"``: im2col (fastest) unless one sample's patches alone exceed the workspace
-    budget, where the grouped algorithm needs no patches at all."""
+    """``"auto"``: im2col (fastest) unless one sample's scratch memory for it exceeds the
+    workspace budget, where the grouped algorithm needs no patches at all."""
     if opts.conv_algorithm != "auto":
         return opts.conv_algorithm
     fits = _workspace_of(module, g, "unfold") <= opts.workspace_bytes
@@ -134,10 +134,16 @@ def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, opts: Rule
     return _workspace_of(module, g, choose_algorithm(module, g, opts))
 
 
+def _explicit_zero_padding(module: nn.Module) -> bool:
+    """Zero padding given as numbers (not ``"same"``/``"valid"``, not another padding mode)."""
+    return module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
 def _can_fuse(module: nn.Module) -> bool:
     """The op is replaced only where torch's own call is ``convN(x, w, b, stride, padding...)``
-    with explicit zero padding (string and non-zero padding modes keep autograd's backward)."""
-    return module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    with numeric zero padding (string padding and other padding modes keep autograd's
+    backward, which our input gradient does not reproduce)."""
+    return _explicit_zero_padding(module)
 
 
 def _conv_backward(module: nn.Module, x: Tensor, g: Tensor, mask: list[bool]) -> tuple:
