@@ -422,7 +422,8 @@ class PerSample:
 
     def _on_param_grad(self, state: _ParamState):
         def hook(grad: Tensor) -> None:
-            if self._active and self._cycle_open:
+            # not while computing: the fallback's own per-sample autograd calls fire it too
+            if self._active and self._cycle_open and not self._computing:
                 state.autograd_grad = grad
 
         return hook

@@ -201,6 +201,26 @@ def own_parameter() -> Case:
     return Case(Scaled(), *_cls(5, (4,), 3), ce)
 
 
+class Recurrent(nn.Module):
+    """A GRU (batch first) and a sequence-first LSTM: not vmappable, loop fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(3, 4, batch_first=True)
+        self.lstm = nn.LSTM(4, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [N, T, 3]
+        h, last = self.gru(x)  # last: [1, N, 4], batch at dim 1 although batch_first
+        h, _ = self.lstm(h.transpose(0, 1))  # [T, N, 3]
+        return self.head(h[-1]) + last[-1].sum(1, keepdim=True)
+
+
+@case
+def recurrent() -> Case:
+    return Case(Recurrent(), torch.randn(4, 5, 3), torch.randint(0, 2, (4,)), ce)
+
+
 @case
 def inplace() -> Case:
     model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))

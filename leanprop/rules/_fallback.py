@@ -5,6 +5,9 @@ Individual gradients come from ``torch.func``: for every sample, the gradient of
 module's whole sub-tree is handled in one go, so modules that use their children's parameters
 directly (``nn.MultiheadAttention``) are covered.
 
+Modules that cannot be vmapped (RNNs) fall back to a loop over samples with ordinary autograd:
+slow, but every model works.
+
 Inputs and outputs are split along ``batch_dim`` (0, or 1 for sequence-first modules such as
 ``nn.MultiheadAttention(batch_first=False)``); tensors whose size there differs from N are
 passed whole to every sample.
@@ -15,9 +18,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..errors import UnsupportedModelError
 
 
 def batch_dim_of(module: nn.Module) -> int:
@@ -34,6 +40,21 @@ def _split_dim(t: Any, preferred: int, n: int) -> int | None:
     if t.dim() > preferred and t.shape[preferred] == n:
         return preferred
     return None
+
+
+def _grad_dim(g: Tensor, preferred: int, n: int) -> int:
+    """Batch dim of an output gradient: ``preferred`` if its size is N, else the first dim of
+    size N (e.g. an RNN's final state ``[layers, N, H]`` of a batch-first module)."""
+    if g.dim() > preferred and g.shape[preferred] == n:
+        return preferred
+    for d, size in enumerate(g.shape):
+        if size == n:
+            return d
+    raise UnsupportedModelError(
+        f"per_sample: an output of shape {tuple(g.shape)} has no dimension of the batch size {n}; "
+        "the torch.func fallback cannot split it into samples. Register a rule for this module "
+        "with leanprop.register_rule, or freeze its parameters."
+    )
 
 
 def fallback_batch_grads(
@@ -58,7 +79,7 @@ def fallback_batch_grads(
     leaves, spec = tree_flatten((args, kwargs))
     in_dims = [_split_dim(t, bd, n) for t in leaves]
     got = [(i, g) for i, g in enumerate(grads_out) if g is not None]
-    g_dims = [_split_dim(g, bd, n) if _split_dim(g, bd, n) is not None else 0 for _, g in got]
+    g_dims = [_grad_dim(g, bd, n) for _, g in got]
 
     def one(p: dict[str, Tensor], in_leaves: list[Any], g_leaves: list[Tensor]) -> Tensor:
         full = [
@@ -72,7 +93,46 @@ def fallback_batch_grads(
         return total
 
     g_leaves = [g for _, g in got]
-    with warnings.catch_warnings():
-        # torch's note that some op (e.g. CPU flash attention) is vmapped by a slow loop
-        warnings.filterwarnings("ignore", message="There is a performance drop")
-        return vmap(grad(one), in_dims=(None, in_dims, g_dims))(params, leaves, g_leaves)
+    try:
+        with warnings.catch_warnings():
+            # torch's note that some op (e.g. CPU flash attention) is vmapped by a slow loop
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            return vmap(grad(one), in_dims=(None, in_dims, g_dims))(params, leaves, g_leaves)
+    except RuntimeError:
+        # some modules cannot be vmapped (e.g. RNNs build their hidden state from the batch
+        # size): differentiate one sample at a time with ordinary autograd instead
+        return _loop(params, one, leaves, in_dims, g_leaves, g_dims, n)
+
+
+def _loop(
+    params: dict[str, Tensor],
+    one: Any,
+    leaves: list[Any],
+    in_dims: list[int | None],
+    g_leaves: list[Tensor],
+    g_dims: list[int],
+    n: int,
+) -> dict[str, Tensor]:
+    """The slow path of :func:`fallback_batch_grads`: a loop over samples."""
+    create_graph = torch.is_grad_enabled()
+    names, tensors = list(params), list(params.values())
+    rows: list[list[Tensor]] = []
+    for i in range(n):
+
+        def pick(t: Any, d: int | None, i: int = i) -> Any:
+            if d is None:
+                return t
+            t = t.select(d, i)
+            return t if create_graph or not isinstance(t, Tensor) else t.detach()
+
+        ins = [pick(t, d) for t, d in zip(leaves, in_dims, strict=True)]
+        gs = [pick(g, d) for g, d in zip(g_leaves, g_dims, strict=True)]
+        with torch.enable_grad():
+            total = one(params, ins, gs)
+            grads = torch.autograd.grad(
+                total, tensors, create_graph=create_graph, allow_unused=True
+            )
+        rows.append(
+            [torch.zeros_like(p) if g is None else g for p, g in zip(tensors, grads, strict=True)]
+        )
+    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(names)}
