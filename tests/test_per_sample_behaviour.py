@@ -218,3 +218,23 @@ def test_error_during_backward_leaves_the_context_usable(monkeypatch):
     expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
     for k, p in case.model.named_parameters():
         assert_close(p.grad_batch, expected[k], f"{k} after an error", 1e-9, 1e-12)
+
+
+class SumsOverBatch(nn.Module):
+    """Owns a parameter and returns one number for the whole batch: no per-sample split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return (x * self.w).sum()
+
+
+def test_fallback_output_without_batch_dimension():
+    model = SumsOverBatch()
+    with (
+        pytest.raises(UnsupportedModelError, match=r"no dimension of the batch size 4"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(torch.randn(4, 3)).backward()
