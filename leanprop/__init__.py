@@ -9,6 +9,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .memory import track_memory
+from .optim import InBackward
 from .per_sample import per_sample
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
 from .timing import Timing, time_fn
@@ -24,6 +25,8 @@ __all__ = [
     "Variance",
     "per_sample",
     "register_rule",
+    # optimizer step in backward
+    "InBackward",
     # measurement
     "Timing",
     "compare",

@@ -10,6 +10,7 @@ EXPECTED = {
     "Variance",
     "per_sample",
     "register_rule",
+    "InBackward",
     "Timing",
     "compare",
     "time_fn",

@@ -1,0 +1,5 @@
+"""Optimizer steps fused into backward."""
+
+from .in_backward import InBackward
+
+__all__ = ["InBackward"]

@@ -1,0 +1,202 @@
+"""Step any ``torch.optim`` optimizer during ``backward``, freeing each gradient once used.
+
+``opt = InBackward(model.parameters(), torch.optim.AdamW, lr=1e-3)`` builds the plain optimizer
+(``inner``) and hooks every parameter's gradient accumulation. During ``loss.backward()``,
+parameters whose gradient is final (``register_post_accumulate_grad_hook``: after every use,
+tied parameters included) are collected; as soon as their gradients reach ``bucket_mb`` they
+are stepped together by one call of the inner optimizer (its foreach/fused kernels), and their
+gradients are freed. The rest is stepped when the backward pass ends. Peak memory is thus the
+optimizer state plus about one bucket of gradients instead of all of them.
+
+Exactness: a separable optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...; anything whose
+update of a tensor reads only that tensor's gradient and state) gives bit-identical parameters
+to ``backward(); step(); zero_grad()`` with the same kernel family, since each tensor sees the
+same operations. Optimizers that need a closure or couple tensors (LBFGS) are rejected.
+
+The facade *is* a ``torch.optim.Optimizer`` sharing the inner optimizer's ``param_groups`` and
+``state``: LR schedulers, ``state_dict()`` / ``load_state_dict()`` (interchangeable with the
+plain optimizer's) and trainers work. ``step()`` is a no-op kept for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..errors import LeanpropValueError, UnsupportedModelError
+
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the InBackward stepping it
+_NEEDS_CLOSURE = (torch.optim.LBFGS,)
+
+
+class InBackward(torch.optim.Optimizer):
+    """Optimizer whose steps happen inside ``backward``; see the module docstring.
+
+    Example:
+        >>> import torch
+        >>> from leanprop.optim import InBackward
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = InBackward(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        >>> model(torch.randn(8, 4)).pow(2).mean().backward()  # steps here
+        >>> model.weight.grad is None  # freed after its step
+        True
+        >>> opt.step()  # no-op, for schedulers and trainers
+        >>> opt.remove()
+
+    Args:
+        params: parameters or parameter groups, as for any ``torch.optim`` optimizer.
+        optimizer_class: the optimizer to run, e.g. ``torch.optim.AdamW``.
+        bucket_mb: step as soon as this many MiB of final gradients are waiting.
+        **kwargs: the optimizer's own arguments (``lr``, ``weight_decay``, ``fused``, ...).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        bucket_mb: float = 25.0,
+        **kwargs: Any,
+    ) -> None:
+        if not (
+            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+        ):
+            raise LeanpropValueError(
+                f"InBackward() needs a torch.optim.Optimizer class, got {optimizer_class!r}; "
+                "pass the class itself: InBackward(model.parameters(), torch.optim.AdamW, lr=...)."
+            )
+        if issubclass(optimizer_class, InBackward):
+            raise LeanpropValueError(
+                "InBackward() cannot wrap InBackward; wrap the plain optimizer."
+            )
+        if issubclass(optimizer_class, _NEEDS_CLOSURE):
+            raise LeanpropValueError(
+                f"InBackward() cannot run {optimizer_class.__name__}: it needs a closure that "
+                "re-evaluates the loss, which a step inside backward cannot provide."
+            )
+        if not bucket_mb > 0:
+            raise LeanpropValueError(f"InBackward() got bucket_mb={bucket_mb!r}; it must be > 0.")
+        self.inner = optimizer_class(params, **kwargs)
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        self._share()
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self._ready: list[Tensor] = []
+        self._ready_bytes = 0
+        self._accumulating = False
+        self._callback_queued = False
+        self._handles: list[RemovableHandle] = []
+        params_all = [p for g in self.param_groups for p in g["params"]]
+        taken = [p for p in params_all if p in _OWNER]
+        if taken:
+            raise LeanpropValueError(
+                f"InBackward(): {len(taken)} parameter(s) already belong to another InBackward "
+                "optimizer; call .remove() on that one first (each gradient can be stepped once)."
+            )
+        for p in params_all:
+            if p.requires_grad:
+                _OWNER[p] = self
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
+
+    def _share(self) -> None:
+        """The facade and the inner optimizer use the same groups and state objects."""
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    # ------------------------------------------------------------------ torch.optim API
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """No-op while hooked (steps happen in backward); an ordinary step after :meth:`remove`.
+
+        Raises:
+            UnsupportedModelError: gradients are waiting that backward did not step (e.g.
+                ``step()`` inside :meth:`accumulate`), so a step the caller expects would not
+                happen.
+        """
+        if closure is not None:
+            raise LeanpropValueError("InBackward.step() takes no closure; steps run in backward.")
+        if not self._handles:
+            self.inner.step()
+            return
+        waiting = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if waiting:
+            where = " inside accumulate()" if self._accumulating else ""
+            raise UnsupportedModelError(
+                f"InBackward.step(){where}: {len(waiting)} parameter(s) hold gradients that no "
+                "backward stepped. Steps happen during the backward of the last micro-batch "
+                "(outside accumulate()); step() itself does nothing. Run that backward, or "
+                "call remove() to get an ordinary optimizer."
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are freed after their step; this clears any left by :meth:`accumulate`."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved from this facade or from the plain optimizer."""
+        self.inner.load_state_dict(state_dict)
+        self._share()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plain optimizer's state dict (loadable by either)."""
+        return self.inner.state_dict()
+
+    # ------------------------------------------------------------------ extras
+    @contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (micro-batches before the last);
+        the next backward outside steps with the accumulated gradients."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def remove(self) -> None:
+        """Remove the hooks: the model trains ordinarily and this is a plain optimizer again."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if _OWNER.get(p) is self:
+                    del _OWNER[p]
+
+    # ------------------------------------------------------------------ hooks
+    def _on_ready(self, p: Tensor) -> None:
+        if self._accumulating or p.grad is None:
+            return
+        self._ready.append(p)
+        self._ready_bytes += p.grad.numel() * p.grad.element_size()
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self._ready_bytes >= self.bucket_bytes:
+            self._step_ready()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._step_ready()
+
+    def _step_ready(self) -> None:
+        """Step exactly the parameters whose gradient is final, then free their gradients."""
+        ready = {id(p) for p in self._ready}
+        if not ready:
+            return
+        saved = [g["params"] for g in self.param_groups]
+        try:
+            for g in self.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) in ready]
+            with torch.no_grad():
+                self.inner.step()
+        finally:
+            for g, params in zip(self.param_groups, saved, strict=True):
+                g["params"] = params
+        for p in self._ready:
+            p.grad = None
+        self._ready.clear()
+        self._ready_bytes = 0

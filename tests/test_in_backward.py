@@ -1,0 +1,179 @@
+"""InBackward: bit-identical to the ordinary loop, and every misuse explained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from leanprop import LeanpropValueError, UnsupportedModelError
+from leanprop.optim import InBackward
+
+
+class Net(nn.Module):
+    """Two blocks, a tied output layer, an unused branch, optional checkpointing."""
+
+    def __init__(self, ckpt: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.out = nn.Linear(8, 6, bias=False)
+        self.out.weight = nn.Parameter(self.emb.weight.detach().t().contiguous())
+        self.tied = nn.Linear(8, 8, bias=False)
+        self.unused = nn.Linear(8, 8)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        h = checkpoint(self.block, h, use_reentrant=False) if self.ckpt else self.block(h)
+        h = self.tied(torch.tanh(self.tied(h)))  # weight used twice
+        return self.out(h)
+
+
+def _groups(model):
+    return [
+        {"params": [*model.emb.parameters(), *model.block.parameters()], "lr": 0.05},
+        {"params": [*model.out.parameters(), *model.tied.parameters(), *model.unused.parameters()],
+         "weight_decay": 0.1},
+    ]  # fmt: skip
+
+
+def train(opt_class, kwargs, fused_into_backward, steps=4, micro=1, ckpt=False, bucket_mb=25.0,
+          scheduler=True, autocast=False):  # fmt: skip
+    torch.manual_seed(0)
+    model = Net(ckpt)
+    if fused_into_backward:
+        opt = InBackward(_groups(model), opt_class, bucket_mb=bucket_mb, **kwargs)
+    else:
+        opt = opt_class(_groups(model), **kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
+    data = torch.randn(steps, micro, 5, 6)
+    for s in range(steps):
+        for m in range(micro):
+            last = m == micro - 1
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(data[s, m]).pow(2).mean()
+            if fused_into_backward and not last:
+                with opt.accumulate():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    if fused_into_backward:
+        opt.remove()
+    return model, opt
+
+
+OPTIMIZERS = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01}),
+    (torch.optim.AdamW, {"lr": 0.01, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "foreach": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "fused": True}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),
+    (torch.optim.Adagrad, {"lr": 0.1}),
+]
+
+
+def assert_bitwise_equal(a: nn.Module, b: nn.Module) -> None:
+    for (k, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), f"{k}: max difference {(p - q).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("bucket_mb", [1e-6, 25.0], ids=["bucket-per-tensor", "one-bucket"])
+@pytest.mark.parametrize(
+    ("opt_class", "kwargs"), OPTIMIZERS, ids=lambda o: getattr(o, "__name__", "")
+)
+def test_bit_identical_to_ordinary_training(opt_class, kwargs, bucket_mb):
+    ours, _ = train(opt_class, kwargs, True, bucket_mb=bucket_mb)
+    ref, _ = train(opt_class, kwargs, False)
+    assert_bitwise_equal(ours, ref)
+    torch.manual_seed(0)
+    start = Net()
+    for (k, p), q in zip(ours.named_parameters(), start.parameters(), strict=True):
+        assert torch.equal(p, q) == k.startswith("unused"), (
+            f"{k}: trained = {not torch.equal(p, q)}"
+        )
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{"micro": 3}, {"ckpt": True}, {"autocast": True}],
+    ids=["accumulate", "ckpt", "bf16"],
+)
+@pytest.mark.parametrize("bucket_mb", [1e-6, 25.0], ids=["bucket-per-tensor", "one-bucket"])
+def test_bit_identical_variants(variant, bucket_mb):
+    kwargs = {"lr": 0.01, "weight_decay": 0.1}
+    ours, _ = train(torch.optim.AdamW, kwargs, True, bucket_mb=bucket_mb, **variant)
+    ref, _ = train(torch.optim.AdamW, kwargs, False, **variant)
+    assert_bitwise_equal(ours, ref)
+
+
+def test_unused_parameters_untouched_and_gradients_freed():
+    torch.manual_seed(0)
+    model = Net()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    model(torch.randn(3, 6)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    for k, p in model.named_parameters():
+        assert torch.equal(p, before[k]) == k.startswith("unused"), k
+    opt.remove()
+
+
+def test_state_dict_interchangeable_with_plain_optimizer():
+    kwargs = {"lr": 0.01, "weight_decay": 0.1}
+    torch.manual_seed(0)
+    ref_model = Net()
+    torch.manual_seed(0)
+    model = Net()
+    plain = torch.optim.AdamW(ref_model.parameters(), **kwargs)
+    ours = InBackward(model.parameters(), torch.optim.AdamW, **kwargs)
+    data = torch.randn(4, 5, 6)
+    for s in range(4):
+        ref_model(data[s]).pow(2).mean().backward()
+        plain.step()
+        plain.zero_grad()
+        model(data[s]).pow(2).mean().backward()
+        if s == 1:  # swap states both ways mid-training
+            a, b = ours.state_dict(), plain.state_dict()
+            ours.load_state_dict(b)
+            plain.load_state_dict(a)
+    assert_bitwise_equal(model, ref_model)
+    ours.remove()
+
+
+def test_misuse_errors():
+    model = nn.Linear(3, 2)
+    with pytest.raises(LeanpropValueError, match=r"needs a torch\.optim\.Optimizer class"):
+        InBackward(model.parameters(), torch.optim.Adam(model.parameters()))
+    with pytest.raises(LeanpropValueError, match=r"closure"):
+        InBackward(model.parameters(), torch.optim.LBFGS)
+    with pytest.raises(LeanpropValueError, match=r"bucket_mb=0"):
+        InBackward(model.parameters(), torch.optim.SGD, lr=0.1, bucket_mb=0)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(LeanpropValueError, match=r"already belong to another InBackward"):
+        InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    with opt.accumulate():
+        model(torch.randn(4, 3)).sum().backward()
+        with pytest.raises(UnsupportedModelError, match=r"inside accumulate\(\)"):
+            opt.step()
+    with pytest.raises(LeanpropValueError, match="no closure"):
+        opt.step(lambda: 0.0)
+    opt.remove()
+    InBackward(model.parameters(), torch.optim.SGD, lr=0.1).remove()  # free again after remove
+
+
+def test_remove_restores_ordinary_training():
+    model = nn.Linear(3, 2)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    opt.remove()
+    model(torch.randn(4, 3)).sum().backward()
+    assert model.weight.grad is not None  # no longer stepped and freed in backward
+    before = model.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model.weight, before)
