@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..compare import format_table
-from . import per_sample_suite, variance_suite
+from . import in_backward_suite, per_sample_suite, variance_suite
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,11 @@ SUITES: dict[str, Suite] = {
         variance_suite.run,
         {"small": (32,), "large": (128,)},
     ),
-    "in-backward": Suite("optimizer step fused into backward", None, {}),
+    "in-backward": Suite(
+        "AdamW steps inside backward on a GPT-2-like model: ordinary, tutorial hooks, leanprop",
+        in_backward_suite.run,
+        {"small": (), "large": ()},
+    ),
     "side-losses": Suite("eager side losses", None, {}),
 }
 

@@ -1,0 +1,137 @@
+"""Optimizer step inside backward on a GPT-2-like language model.
+
+Variants, each training the same initial model for a few steps with AdamW (foreach):
+
+* ``ordinary``: ``backward(); step(); zero_grad()``.
+* ``hooks``: PyTorch's tutorial recipe, one optimizer per parameter stepped in
+  ``register_post_accumulate_grad_hook``.
+* ``leanprop``: :class:`leanprop.InBackward`, buckets stepped by one foreach call each.
+
+:func:`leanprop.compare` times them, measures peak memory above the parameters (optimizer state,
+gradients and activations) and checks that leanprop's parameters equal the ordinary loop's
+exactly (per-tensor sums compared with zero tolerance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+import leanprop
+from leanprop.compare import as_dict
+
+SIZES = {
+    "small": {"vocab": 2048, "d": 128, "heads": 4, "layers": 4, "seq": 64, "batch": 8},
+    "gpt2m_b1": {"vocab": 50304, "d": 1024, "heads": 16, "layers": 24, "seq": 128, "batch": 1},
+}
+STEPS = 3
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.ln1(x)
+        x = x + self.attn(a, a, a, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class LM(nn.Module):
+    """Token and position embeddings, pre-norm transformer blocks, a linear head."""
+
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], list[nn.Module]]:
+    cfg = SIZES[size]
+    torch.manual_seed(0)
+    models = [
+        LM(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"]).to(device)
+        for _ in range(3)
+    ]
+    init = {k: v.clone() for k, v in models[0].state_dict().items()}
+    x = torch.randint(0, cfg["vocab"], (STEPS, cfg["batch"], cfg["seq"]), device=device)
+    y = torch.randint(0, cfg["vocab"], (STEPS, cfg["batch"], cfg["seq"]), device=device)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def loss(model: nn.Module, s: int) -> Tensor:
+        return loss_fn(model(x[s]).flatten(0, 1), y[s].flatten())
+
+    def summary(model: nn.Module) -> Tensor:
+        return torch.stack([p.detach().double().sum() for p in model.parameters()])
+
+    def ordinary() -> Tensor:
+        model = models[0]
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        for s in range(STEPS):
+            loss(model, s).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return summary(model)
+
+    def hooks() -> Tensor:
+        model = models[1]
+        model.load_state_dict(init)
+        opts = {p: torch.optim.AdamW([p], lr=1e-3, foreach=False) for p in model.parameters()}
+
+        def hook(p: Tensor) -> None:
+            opts[p].step()
+            opts[p].zero_grad(set_to_none=True)
+
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()]
+        try:
+            for s in range(STEPS):
+                loss(model, s).backward()
+        finally:
+            for h in handles:
+                h.remove()
+        return summary(model)
+
+    def in_backward() -> Tensor:
+        model = models[2]
+        model.load_state_dict(init)
+        opt = leanprop.InBackward(model.parameters(), torch.optim.AdamW, lr=1e-3, foreach=True)
+        try:
+            for s in range(STEPS):
+                loss(model, s).backward()
+                opt.step()
+        finally:
+            opt.remove()
+        return summary(model)
+
+    return {"ordinary": ordinary, "hooks": hooks, "leanprop": in_backward}, models
+
+
+def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> list[dict]:
+    """One row per variant; ``batches`` is unused (sizes are by model), kept for the CLI."""
+    size = "small" if device == "cpu" else "gpt2m_b1"
+    variants, models = _variants(size, device)
+    res = leanprop.compare(
+        variants, device=device, reps=reps, rtol=0.0, atol=0.0, existing=tuple(models),
+        show=False, check=False,
+    )  # fmt: skip
+    ordinary = variants["ordinary"]()
+    exact = bool(torch.equal(variants["leanprop"](), ordinary))
+    cfg = SIZES[size]
+    rows = [as_dict(r, batch=cfg["batch"], method=f"{size}: {r.name}") for r in res]
+    for r in rows:
+        r["median_s"] /= STEPS  # per training step
+        r["min_s"] /= STEPS
+        if r["method"].endswith("leanprop"):
+            r["agrees"] = exact
+    return rows
