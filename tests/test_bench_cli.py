@@ -14,12 +14,12 @@ def test_per_sample_suite_end_to_end(tmp_path, capsys, monkeypatch):
         per_sample_suite, "COMPETITORS", {"torchfunc": "torch"}
     )  # keep the test fast and independent of optional packages
     out = tmp_path / "r.json"
-    assert cli.main(["bench", "per-sample", "in-backward", "--batch", "4", "--reps", "1",
+    assert cli.main(["bench", "per-sample", "side-losses", "--batch", "4", "--reps", "1",
                      "--json", str(out)]) == 0  # fmt: skip
     text = capsys.readouterr().out
-    assert "in-backward: unavailable" in text
+    assert "side-losses: unavailable" in text
     report = json.loads(out.read_text())
-    assert report["suites"]["in-backward"] == "unavailable"
+    assert report["suites"]["side-losses"] == "unavailable"
     rows = report["suites"]["per-sample"]
     methods = [r["method"] for r in rows]
     assert methods[:2] == ["plain", "leanprop_batchgrad"]
@@ -42,6 +42,13 @@ def test_variance_suite_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.count("agrees") == 2 and "DISAGREES" not in text
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_in_backward_suite(capsys):
+    assert cli.main(["bench", "in-backward", "--reps", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "small: ordinary" in text and "small: hooks" in text
+    assert "small: leanprop" in text and "agrees" in text and "DISAGREES" not in text
 
 
 def test_unknown_suite_is_rejected(capsys):
