@@ -177,3 +177,39 @@ def test_remove_restores_ordinary_training():
     before = model.weight.detach().clone()
     opt.step()
     assert not torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6], ids=["clipping", "not-clipping"])
+@pytest.mark.parametrize("bucket_mb", [1e-6, 25.0], ids=["bucket-per-tensor", "one-bucket"])
+def test_exact_clipping_bit_identical(max_norm, bucket_mb):
+    kwargs = {"lr": 0.01, "weight_decay": 0.1}
+    data = torch.randn(3, 5, 6)
+    torch.manual_seed(0)
+    ref = Net()
+    plain = torch.optim.AdamW(ref.parameters(), **kwargs)
+    ref_norms = []
+    for s in range(3):
+        ref(data[s]).pow(2).mean().backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
+        assert (ref_norms[-1] > max_norm) == (max_norm < 1), "the case does not test what it says"
+        plain.step()
+        plain.zero_grad()
+    torch.manual_seed(0)
+    model = Net()
+    opt = InBackward(model.parameters(), torch.optim.AdamW, bucket_mb=bucket_mb, **kwargs)
+    for s in range(3):
+        norm = opt.clipped_backward(model(data[s]).pow(2).mean(), max_norm)
+        assert torch.equal(norm, ref_norms[s])
+    opt.remove()
+    assert_bitwise_equal(model, ref)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself")
+def test_grad_scaler_is_refused_clearly():
+    model = nn.Linear(3, 2)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 3)).sum()).backward()
+    with pytest.raises(UnsupportedModelError, match=r"GradScaler.*bfloat16 autocast"):
+        scaler.step(opt)
+    opt.remove()

@@ -90,6 +90,8 @@ class InBackward(torch.optim.Optimizer):
         self._ready_bytes = 0
         self._accumulating = False
         self._callback_queued = False
+        self._measuring: dict[int, Tensor] | None = None  # id(p) -> grad norm, first pass
+        self._coef: Tensor | None = None  # clipped_backward, second pass
         self._handles: list[RemovableHandle] = []
         params_all = [p for g in self.param_groups for p in g["params"]]
         taken = [p for p in params_all if p in _OWNER]
@@ -108,8 +110,11 @@ class InBackward(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
+    # GradScaler.step() then calls step(grad_scaler=...), which lets us refuse it clearly
+    _step_supports_amp_scaling = True
+
     # ------------------------------------------------------------------ torch.optim API
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
         """No-op while hooked (steps happen in backward); an ordinary step after :meth:`remove`.
 
         Raises:
@@ -117,6 +122,15 @@ class InBackward(torch.optim.Optimizer):
                 ``step()`` inside :meth:`accumulate`), so a step the caller expects would not
                 happen.
         """
+        # torch passes grad_scaler=...; announced: it will set grad_scale/found_inf instead
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
+            raise UnsupportedModelError(
+                "InBackward cannot be used with torch.amp.GradScaler: it steps each parameter "
+                "during backward, before the scaler can unscale the gradients or skip a step "
+                "with inf/nan, so the parameters were just updated with *scaled* gradients. "
+                "Train with bfloat16 autocast instead (no loss scaling needed), or use the "
+                "ordinary optimizer with the scaler."
+            )
         if closure is not None:
             raise LeanpropValueError("InBackward.step() takes no closure; steps run in backward.")
         if not self._handles:
@@ -156,6 +170,43 @@ class InBackward(torch.optim.Optimizer):
         finally:
             self._accumulating = False
 
+    def clipped_backward(self, loss: Tensor, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """``loss.backward()`` with global gradient-norm clipping, exactly as
+        ``clip_grad_norm_(params, max_norm, norm_type)`` before an ordinary step.
+
+        Two backward passes over the graph: the first only measures each gradient's norm (and
+        frees it at once), the second scales every gradient by ``max_norm / (norm + 1e-6)``
+        (at most 1) before its step. Costs one extra backward; use it only when asked for.
+
+        Returns:
+            The total gradient norm (before clipping), as ``clip_grad_norm_`` returns it.
+        """
+        if self._accumulating:
+            raise UnsupportedModelError(
+                "InBackward.clipped_backward() inside accumulate(): clip in the last "
+                "micro-batch's backward, outside the context."
+            )
+        self._norm_type = float(norm_type)
+        self._measuring = {}
+        try:
+            loss.backward(retain_graph=True)
+            norms = self._measuring
+        finally:
+            self._measuring = None
+        # stacked in parameter order, as clip_grad_norm_ does
+        ordered = [norms[id(p)] for g in self.param_groups for p in g["params"] if id(p) in norms]
+        if not ordered:
+            total = torch.zeros((), device=loss.device)
+        else:
+            total = torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._coef = coef
+        try:
+            loss.backward()
+        finally:
+            self._coef = None
+        return total
+
     def remove(self) -> None:
         """Remove the hooks: the model trains ordinarily and this is a plain optimizer again."""
         for h in self._handles:
@@ -170,6 +221,12 @@ class InBackward(torch.optim.Optimizer):
     def _on_ready(self, p: Tensor) -> None:
         if self._accumulating or p.grad is None:
             return
+        if self._measuring is not None:  # first pass of clipped_backward: norm only
+            self._measuring[id(p)] = torch._foreach_norm([p.grad], self._norm_type)[0]
+            p.grad = None
+            return
+        if self._coef is not None:
+            p.grad.mul_(self._coef)
         self._ready.append(p)
         self._ready_bytes += p.grad.numel() * p.grad.element_size()
         if not self._callback_queued:
