@@ -213,3 +213,70 @@ def test_grad_scaler_is_refused_clearly():
     with pytest.raises(UnsupportedModelError, match=r"GradScaler.*bfloat16 autocast"):
         scaler.step(opt)
     opt.remove()
+
+
+def test_approximate_clipping_uses_the_previous_norm():
+    max_norm, kwargs = 1e-3, {"lr": 0.01}
+    data = torch.randn(3, 5, 6)
+    torch.manual_seed(0)
+    ref = Net()
+    plain = torch.optim.AdamW(ref.parameters(), **kwargs)
+    previous = None
+    for s in range(3):
+        ref(data[s]).pow(2).mean().backward()
+        params = [p for p in ref.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if previous is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, previous)
+        previous = norm
+        plain.step()
+        plain.zero_grad()
+    torch.manual_seed(0)
+    model = Net()
+    opt = InBackward(model.parameters(), torch.optim.AdamW, clip_grad_norm=max_norm, **kwargs)
+    for s in range(3):
+        model(data[s]).pow(2).mean().backward()
+    assert torch.equal(opt.last_grad_norm, previous)
+    opt.remove()
+    assert_bitwise_equal(model, ref)
+
+
+def test_torch_clip_grad_norm_on_freed_gradients_raises():
+    model = nn.Linear(3, 2)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(UnsupportedModelError, match=r"clipped_backward"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    other = nn.Linear(3, 2)  # ordinary parameters still clip as usual
+    other(torch.randn(4, 3)).sum().backward()
+    assert torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0) > 0
+    opt.remove()
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
+
+
+def test_peak_memory_is_state_plus_about_one_bucket():
+    """Exact tensor bytes (not a timing): gradients are freed bucket by bucket."""
+    from leanprop import track_memory
+
+    def run(fused_into_backward):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(8)])
+        x = torch.randn(2, 256)
+        if fused_into_backward:
+            opt = InBackward(model.parameters(), torch.optim.Adam, lr=1e-3, bucket_mb=0.25)
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        with track_memory(existing=[model, x]) as mem:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if fused_into_backward:
+            opt.remove()
+        return mem.peak_bytes
+
+    layer = 256 * 256 * 4
+    state = 8 * (2 * layer + 4)  # Adam: exp_avg and exp_avg_sq per weight, plus the step
+    ordinary, ours = run(False), run(True)
+    assert ordinary >= state + 8 * layer  # every gradient alive at once
+    # one bucket (a layer) of gradients + the optimizer's temporaries for it, never all eight
+    assert ours <= state + 3 * layer + 64 * 1024

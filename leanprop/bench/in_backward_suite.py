@@ -1,6 +1,7 @@
 """Optimizer step inside backward on a GPT-2-like language model.
 
-Variants, each training the same initial model for a few steps with AdamW (foreach):
+Variants, each training the same initial model for a few steps with AdamW (foreach kernels on
+CPU, fused kernels on CUDA):
 
 * ``ordinary``: ``backward(); step(); zero_grad()``.
 * ``hooks``: PyTorch's tutorial recipe, one optimizer per parameter stepped in
@@ -67,6 +68,7 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
     x = torch.randint(0, cfg["vocab"], (STEPS, cfg["batch"], cfg["seq"]), device=device)
     y = torch.randint(0, cfg["vocab"], (STEPS, cfg["batch"], cfg["seq"]), device=device)
     loss_fn = nn.CrossEntropyLoss()
+    kernel = {"fused": True} if torch.device(device).type == "cuda" else {"foreach": True}
 
     def loss(model: nn.Module, s: int) -> Tensor:
         return loss_fn(model(x[s]).flatten(0, 1), y[s].flatten())
@@ -77,7 +79,7 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
     def ordinary() -> Tensor:
         model = models[0]
         model.load_state_dict(init)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kernel)
         for s in range(STEPS):
             loss(model, s).backward()
             opt.step()
@@ -105,7 +107,7 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
     def in_backward() -> Tensor:
         model = models[2]
         model.load_state_dict(init)
-        opt = leanprop.InBackward(model.parameters(), torch.optim.AdamW, lr=1e-3, foreach=True)
+        opt = leanprop.InBackward(model.parameters(), torch.optim.AdamW, lr=1e-3, **kernel)
         try:
             for s in range(STEPS):
                 loss(model, s).backward()

@@ -35,6 +35,47 @@ _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the InBackwa
 _NEEDS_CLOSURE = (torch.optim.LBFGS,)
 
 
+_CLIP_ORIGINAL: list[Any] = []  # torch's clip_grad_norm_, while the guard below is installed
+
+
+def _guarded_clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+    """torch's ``clip_grad_norm_``, refusing parameters whose gradients InBackward freed."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    if any(p in _OWNER and p.grad is None for p in params):
+        raise UnsupportedModelError(
+            "clip_grad_norm_ got parameters of an InBackward optimizer: their gradients were "
+            "already stepped and freed during backward, so there is nothing left to clip. Use "
+            "opt.clipped_backward(loss, max_norm) for exact clipping, or "
+            "InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate mode."
+        )
+    return _CLIP_ORIGINAL[0](params, max_norm, *args, **kwargs)
+
+
+def _guard_clipping(on: bool) -> None:
+    """Route ``torch.nn.utils.clip_grad_norm_`` through the guard while any InBackward hooks
+    parameters (calls through a reference taken before that are not seen)."""
+    import torch.nn.utils.clip_grad as clip_module
+
+    if on and not _CLIP_ORIGINAL:
+        _CLIP_ORIGINAL.append(torch.nn.utils.clip_grad_norm_)
+        torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _guarded_clip_grad_norm_
+    elif not on and _CLIP_ORIGINAL and not len(_OWNER):
+        torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _CLIP_ORIGINAL.pop()
+
+
+def _total_norm(
+    norms: dict[int, Tensor],
+    groups: list[dict[str, Any]],
+    norm_type: float,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Global norm from per-tensor norms, stacked in parameter order as clip_grad_norm_ does."""
+    ordered = [norms[id(p)] for g in groups for p in g["params"] if id(p) in norms]
+    if not ordered:
+        return torch.zeros((), device=device)
+    return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+
+
 class InBackward(torch.optim.Optimizer):
     """Optimizer whose steps happen inside ``backward``; see the module docstring.
 
@@ -53,6 +94,10 @@ class InBackward(torch.optim.Optimizer):
         params: parameters or parameter groups, as for any ``torch.optim`` optimizer.
         optimizer_class: the optimizer to run, e.g. ``torch.optim.AdamW``.
         bucket_mb: step as soon as this many MiB of final gradients are waiting.
+        clip_grad_norm: cheap approximate global-norm clipping: each gradient is scaled by
+            ``clip_grad_norm / (norm + 1e-6)`` (at most 1) where ``norm`` is the global gradient
+            norm of the *previous* backward (the first backward is not clipped). For exact
+            clipping use :meth:`clipped_backward` (one extra backward).
         **kwargs: the optimizer's own arguments (``lr``, ``weight_decay``, ``fused``, ...).
     """
 
@@ -62,6 +107,7 @@ class InBackward(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         *,
         bucket_mb: float = 25.0,
+        clip_grad_norm: float | None = None,
         **kwargs: Any,
     ) -> None:
         if not (
@@ -80,6 +126,10 @@ class InBackward(torch.optim.Optimizer):
                 f"InBackward() cannot run {optimizer_class.__name__}: it needs a closure that "
                 "re-evaluates the loss, which a step inside backward cannot provide."
             )
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise LeanpropValueError(
+                f"InBackward() got clip_grad_norm={clip_grad_norm!r}; it must be > 0 or None."
+            )
         if not bucket_mb > 0:
             raise LeanpropValueError(f"InBackward() got bucket_mb={bucket_mb!r}; it must be > 0.")
         self.inner = optimizer_class(params, **kwargs)
@@ -91,6 +141,9 @@ class InBackward(torch.optim.Optimizer):
         self._accumulating = False
         self._callback_queued = False
         self._measuring: dict[int, Tensor] | None = None  # id(p) -> grad norm, first pass
+        self.clip_grad_norm = clip_grad_norm
+        self.last_grad_norm: Tensor | None = None  # global norm of the last backward (clipping)
+        self._norms: dict[int, Tensor] = {}  # this backward's gradient norms (approx. clipping)
         self._coef: Tensor | None = None  # clipped_backward, second pass
         self._handles: list[RemovableHandle] = []
         params_all = [p for g in self.param_groups for p in g["params"]]
@@ -104,6 +157,7 @@ class InBackward(torch.optim.Optimizer):
             if p.requires_grad:
                 _OWNER[p] = self
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
+        _guard_clipping(True)
 
     def _share(self) -> None:
         """The facade and the inner optimizer use the same groups and state objects."""
@@ -193,12 +247,7 @@ class InBackward(torch.optim.Optimizer):
             norms = self._measuring
         finally:
             self._measuring = None
-        # stacked in parameter order, as clip_grad_norm_ does
-        ordered = [norms[id(p)] for g in self.param_groups for p in g["params"] if id(p) in norms]
-        if not ordered:
-            total = torch.zeros((), device=loss.device)
-        else:
-            total = torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+        total = _total_norm(norms, self.param_groups, norm_type, loss.device)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._coef = coef
         try:
@@ -216,6 +265,7 @@ class InBackward(torch.optim.Optimizer):
             for p in g["params"]:
                 if _OWNER.get(p) is self:
                     del _OWNER[p]
+        _guard_clipping(False)
 
     # ------------------------------------------------------------------ hooks
     def _on_ready(self, p: Tensor) -> None:
@@ -227,6 +277,12 @@ class InBackward(torch.optim.Optimizer):
             return
         if self._coef is not None:
             p.grad.mul_(self._coef)
+        elif self.clip_grad_norm is not None:
+            self._norms[id(p)] = torch._foreach_norm([p.grad], 2.0)[0]
+            if self.last_grad_norm is not None:
+                p.grad.mul_(
+                    torch.clamp(self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
+                )
         self._ready.append(p)
         self._ready_bytes += p.grad.numel() * p.grad.element_size()
         if not self._callback_queued:
@@ -238,6 +294,9 @@ class InBackward(torch.optim.Optimizer):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._step_ready()
+        if self._norms:
+            self.last_grad_norm = _total_norm(self._norms, self.param_groups, 2.0)
+            self._norms = {}
 
     def _step_ready(self) -> None:
         """Step exactly the parameters whose gradient is final, then free their gradients."""
