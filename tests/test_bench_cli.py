@@ -47,8 +47,8 @@ def test_variance_suite_and_plot(tmp_path, capsys):
 def test_in_backward_suite(capsys):
     assert cli.main(["bench", "in-backward", "--reps", "1"]) == 0
     text = capsys.readouterr().out
-    assert "small: ordinary" in text and "small: hooks" in text
-    assert "small: leanprop" in text and "agrees" in text and "DISAGREES" not in text
+    assert "small_b1: ordinary" in text and "small_b1: hooks" in text
+    assert "small_b1: leanprop" in text and "agrees" in text and "DISAGREES" not in text
 
 
 def test_unknown_suite_is_rejected(capsys):
