@@ -44,3 +44,16 @@ def test_quickstart_example_runs():
 
     path = pathlib.Path(__file__).parents[1] / "examples" / "per_sample_quickstart.py"
     runpy.run_path(str(path), run_name="__main__")
+
+
+def test_readme_examples_run(capsys):
+    """Every self-contained README snippet (those starting with their imports) runs."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("import")]
+    assert len(blocks) >= 2
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+    assert "2097152" in capsys.readouterr().out  # the peak the README states
