@@ -280,3 +280,26 @@ def test_peak_memory_is_state_plus_about_one_bucket():
     assert ordinary >= state + 8 * layer  # every gradient alive at once
     # one bucket (a layer) of gradients + the optimizer's temporaries for it, never all eight
     assert ours <= state + 3 * layer + 64 * 1024
+
+
+def test_composes_with_per_sample_quantities():
+    import leanprop
+    from leanprop.testing import individual_gradients
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 2, (6,))
+
+    def loss_fn(out, t, reduction):
+        return nn.functional.cross_entropy(out, t, reduction=reduction)
+
+    expected = individual_gradients(model, loss_fn, x, y, "mean")
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        loss_fn(model(x), y, "mean").backward()
+    opt.remove()
+    for k, p in model.named_parameters():
+        assert torch.allclose(p.grad_batch, expected[k], rtol=1e-10, atol=1e-14), k
+        assert p.grad is None
+        assert torch.allclose(p, before[k] - 0.1 * expected[k].sum(0), rtol=1e-12, atol=1e-14), k
