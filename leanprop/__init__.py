@@ -12,6 +12,7 @@ from .memory import track_memory
 from .optim import InBackward
 from .per_sample import per_sample
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
+from .side_loss import scale_grad, side_loss, transform_grad
 from .timing import Timing, time_fn
 
 __version__ = "0.1.0"
@@ -27,6 +28,10 @@ __all__ = [
     "register_rule",
     # optimizer step in backward
     "InBackward",
+    # eager side losses
+    "scale_grad",
+    "side_loss",
+    "transform_grad",
     # measurement
     "Timing",
     "compare",

@@ -1,0 +1,151 @@
+"""Eager side losses and gradient transforms.
+
+``h = side_loss(h, fn, weight=alpha)`` adds ``alpha * fn(h)`` to the training objective without
+keeping ``fn``'s sub-graph alive until the final backward: ``fn`` is evaluated on a detached
+copy of ``h`` and differentiated at once (its parameters receive their gradients right away and
+its activations are freed), and the returned ``h`` (the same values) adds the stored gradient
+``d(alpha * fn)/dh`` where the penalty would have entered, during the main backward.
+
+Exactness: parameter gradients are bit-identical to one backward of ``main + alpha * fn(h)``
+when ``h`` has at most one other consumer (the sum of two gradients does not depend on order).
+With several other consumers, autograd's summation order can differ: equal up to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import LeanpropValueError, UnsupportedModelError
+
+
+class _InjectGrad(torch.autograd.Function):
+    """Identity on ``hs``; backward adds the stored gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: list[Tensor | None], *hs: Tensor) -> tuple[Tensor, ...]:
+        ctx.grads = grads
+        return tuple(h.view_as(h) for h in hs)
+
+    @staticmethod
+    def backward(ctx: Any, *gos: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise UnsupportedModelError(
+                "side_loss: backward(create_graph=True) through an eager side loss is not "
+                "supported: its gradient was computed without a graph. Add the penalty to the "
+                "loss instead (main + weight * fn(h)) when you need higher derivatives."
+            )
+        out = [go if g is None else go + g for go, g in zip(gos, ctx.grads, strict=True)]
+        ctx.grads = None  # each stored gradient is used once
+        return (None, *out)
+
+
+def side_loss(
+    h: Tensor | Sequence[Tensor],
+    fn: Callable[..., Tensor],
+    weight: float | Tensor = 1.0,
+    *,
+    log: list[Tensor] | None = None,
+    scale: float | Tensor | None = None,
+) -> Any:
+    """Add ``weight * fn(*h)`` to the objective now, and free its graph.
+
+    Example:
+        >>> import torch, leanprop
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> x = torch.randn(8, 4)
+        >>> values = []
+        >>> h = leanprop.side_loss(lin(x), lambda t: t.square().mean(), weight=0.1, log=values)
+        >>> h.sum().backward()  # lin gets d(h.sum() + 0.1 * mean(h²))
+        >>> len(values)
+        1
+
+    Args:
+        h: a tensor ``[N, ...]`` or a sequence of tensors (then ``fn`` takes them all).
+        fn: the penalty, returning a scalar; its own parameters get their gradients at once.
+        weight: the penalty's weight ``alpha``.
+        log: if given, the detached value ``weight * fn(h)`` is appended (for logging).
+        scale: loss scale to apply inside the eager backward (fp16 ``GradScaler``: pass
+            ``scaler.get_scale()``) so the penalty's gradients are scaled like the main loss's.
+
+    Returns:
+        ``h`` (the same values; a tuple for a sequence), through which the main backward adds
+        the penalty's gradient. Use it downstream instead of the original.
+
+    Raises:
+        LeanpropValueError: ``h`` holds no tensors, ``fn`` is not callable or does not return a
+            scalar.
+        UnsupportedModelError: a later ``backward(create_graph=True)`` through it.
+    """
+    single = isinstance(h, Tensor)
+    hs = (h,) if single else tuple(h)
+    if not hs or not all(isinstance(t, Tensor) for t in hs):
+        raise LeanpropValueError(
+            f"side_loss() needs a tensor or a sequence of tensors as h, got {type(h).__name__}."
+        )
+    if not callable(fn):
+        raise LeanpropValueError(f"side_loss() needs a callable fn, got {type(fn).__name__}.")
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in hs):
+        with torch.no_grad():
+            value = weight * _scalar(fn(*hs))
+        if log is not None:
+            log.append(value.detach())
+        return h
+    detached = [t.detach().requires_grad_(t.requires_grad) for t in hs]
+    with torch.enable_grad():
+        value = weight * _scalar(fn(*detached))
+        (value if scale is None else value * scale).backward()
+    if log is not None:
+        log.append(value.detach())
+    grads = [d.grad for d in detached]
+    out = _InjectGrad.apply(grads, *hs)
+    return out[0] if single else out
+
+
+def _scalar(v: Any) -> Tensor:
+    if not isinstance(v, Tensor) or v.numel() != 1:
+        shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+        raise LeanpropValueError(
+            f"side_loss(): fn must return a scalar tensor (the penalty), got {shape}; reduce "
+            "it, e.g. with .mean() or .sum()."
+        )
+    return v.reshape(())
+
+
+class _TransformGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.fn = fn
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return ctx.fn(g), None
+
+
+def transform_grad(h: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """Identity in forward; in backward the gradient ``g`` flowing into ``h`` becomes ``fn(g)``.
+
+    ``fn`` is written with differentiable ops if ``create_graph=True`` is used.
+    """
+    if not isinstance(h, Tensor) or not callable(fn):
+        raise LeanpropValueError(
+            "transform_grad(h, fn) needs a tensor h and a callable fn(grad) -> grad."
+        )
+    return _TransformGrad.apply(h, fn)
+
+
+def scale_grad(h: Tensor, s: float | Tensor) -> Tensor:
+    """Identity in forward; backward multiplies the gradient by ``s``: a number, a scalar
+    tensor, or per-sample factors ``[N]`` (broadcast over ``h``'s other dims)."""
+    if isinstance(s, Tensor) and s.dim() == 1 and h.dim() > 1:
+        if s.shape[0] != h.shape[0]:
+            raise LeanpropValueError(
+                f"scale_grad() got per-sample factors of shape {tuple(s.shape)} for h of shape "
+                f"{tuple(h.shape)}; they need one factor per sample, [{h.shape[0]}]."
+            )
+        s = s.reshape(-1, *([1] * (h.dim() - 1)))
+    return transform_grad(h, lambda g: g * s)

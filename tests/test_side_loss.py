@@ -1,0 +1,145 @@
+"""Eager side losses and gradient transforms, bit-identical to the combined loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import leanprop
+from leanprop import (
+    LeanpropValueError,
+    UnsupportedModelError,
+    scale_grad,
+    side_loss,
+    transform_grad,
+)
+from leanprop.optim import InBackward
+
+
+def build(layers=3, d=6):
+    torch.manual_seed(0)
+    backbone = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(layers)])
+    pens = nn.ModuleList(
+        [nn.Sequential(nn.Linear(d, 12), nn.GELU(), nn.Linear(12, 1)) for _ in range(layers)]
+    )
+    head = nn.Linear(d, 1)
+    return nn.ModuleList([backbone, pens, head])
+
+
+def penalty(pen):
+    return lambda t: pen(t).square().mean()
+
+
+def step(model, x, eager, alpha=0.1, free_penalty=False, log=None):
+    backbone, pens, head = model
+    h, extra = x, []
+    for blk, pen in zip(backbone, pens, strict=True):
+        h = blk(h)
+        fn = (lambda t: t.square().mean()) if free_penalty else penalty(pen)
+        if eager:
+            h = side_loss(h, fn, weight=alpha, log=log)
+        else:
+            extra.append(alpha * fn(h))
+    loss = head(h).square().mean() + sum(extra) if extra else head(h).square().mean()
+    loss.backward()
+
+
+def grads(model):
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("free_penalty", [False, True], ids=["penalty-params", "param-free"])
+def test_bit_identical_to_combined_loss(free_penalty):
+    x = torch.randn(5, 6)
+    a, b = build(), build()
+    step(a, x, eager=False, free_penalty=free_penalty)
+    values = []
+    step(b, x, eager=True, free_penalty=free_penalty, log=values)
+    ga, gb = grads(a), grads(b)
+    assert ga.keys() == gb.keys()
+    for k in ga:
+        assert torch.equal(ga[k], gb[k]), f"{k}: {(ga[k] - gb[k]).abs().max().item():.3e}"
+    assert len(values) == 3 and all(v.dim() == 0 and not v.requires_grad for v in values)
+
+
+def test_gradient_accumulation_and_bf16():
+    xs = torch.randn(2, 5, 6)
+    a, b = build(), build()
+    for x in xs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step(a, x, eager=False)
+    for x in xs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step(b, x, eager=True)
+    for k, g in grads(a).items():
+        assert torch.equal(g, grads(b)[k]), k
+
+
+def test_several_tensors_at_once():
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(3, 4), nn.Linear(3, 4)
+    x = torch.randn(5, 3)
+
+    def fn(u, v):
+        return (u * v).mean()
+
+    h1, h2 = lin1(x), lin2(x)
+    ((h1 + h2).sum() + 0.5 * fn(h1, h2)).backward()
+    ref = [p.grad.clone() for p in [*lin1.parameters(), *lin2.parameters()]]
+    for p in [*lin1.parameters(), *lin2.parameters()]:
+        p.grad = None
+    h1, h2 = side_loss((lin1(x), lin2(x)), fn, weight=0.5)
+    (h1 + h2).sum().backward()
+    for r, p in zip(ref, [*lin1.parameters(), *lin2.parameters()], strict=True):
+        assert torch.equal(r, p.grad)
+
+
+def test_penalty_parameters_stepped_once_with_in_backward():
+    x = torch.randn(5, 6)
+    a, b = build(), build()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    step(a, x, eager=False)
+    opt_a.step()
+    opt_b = InBackward(b.parameters(), torch.optim.SGD, lr=0.1)
+    step(b, x, eager=True)
+    opt_b.remove()
+    for (k, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), k
+
+
+def test_create_graph_is_refused_and_no_grad_logs_only():
+    lin = nn.Linear(3, 3)
+    h = side_loss(lin(torch.randn(2, 3)), lambda t: t.square().sum())
+    with pytest.raises(UnsupportedModelError, match="create_graph"):
+        h.sum().backward(create_graph=True)
+    values = []
+    with torch.no_grad():
+        x = torch.randn(2, 3)
+        out = side_loss(lin(x), lambda t: t.sum(), weight=2.0, log=values)
+    assert torch.equal(values[0], 2.0 * lin(x).sum().detach()) and not out.requires_grad
+
+
+def test_bad_input():
+    with pytest.raises(LeanpropValueError, match="scalar"):
+        side_loss(torch.randn(2, requires_grad=True), lambda t: t * 2)
+    with pytest.raises(LeanpropValueError, match="tensor or a sequence"):
+        side_loss([], lambda: 0)
+    with pytest.raises(LeanpropValueError, match="callable"):
+        side_loss(torch.randn(2), "fn")
+    with pytest.raises(LeanpropValueError, match=r"one factor per sample, \[3\]"):
+        scale_grad(torch.randn(3, 2), torch.ones(2))
+
+
+def test_scale_and_transform_grad():
+    x = torch.randn(3, 2, requires_grad=True)
+    scale_grad(x, 3.0).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    x.grad = None
+    s = torch.tensor([1.0, 2.0, 0.0])
+    scale_grad(x, s).sum().backward()
+    assert torch.equal(x.grad, s[:, None].expand(3, 2))
+    x.grad = None
+    transform_grad(x * 1.0, lambda g: g.clamp(max=0.5)).mul(2).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 0.5))
+    assert torch.equal(leanprop.scale_grad(x, 2.0), x)
