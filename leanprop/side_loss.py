@@ -9,6 +9,8 @@ its activations are freed), and the returned ``h`` (the same values) adds the st
 Exactness: parameter gradients are bit-identical to one backward of ``main + alpha * fn(h)``
 when ``h`` has at most one other consumer (the sum of two gradients does not depend on order).
 With several other consumers, autograd's summation order can differ: equal up to rounding.
+Inside non-reentrant activation checkpointing the recomputation skips the penalty (the original
+forward's graph already carries its gradient), so results stay exact there too.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def side_loss(
         )
     if not callable(fn):
         raise LeanpropValueError(f"side_loss() needs a callable fn, got {type(fn).__name__}.")
+    if _recomputing():  # non-reentrant checkpointing re-runs forward inside backward: the
+        return h  # original forward already applied the penalty and its graph keeps the gradient
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in hs):
         with torch.no_grad():
             value = weight * _scalar(fn(*hs))
@@ -95,7 +99,9 @@ def side_loss(
             log.append(value.detach())
         return h
     detached = [t.detach().requires_grad_(t.requires_grad) for t in hs]
-    with torch.enable_grad():
+    # plain saved tensors: the penalty's graph is private (e.g. not recorded by an enclosing
+    # activation checkpoint, whose recomputation skips it) and freed by its backward
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
         value = weight * _scalar(fn(*detached))
         (value if scale is None else value * scale).backward()
     if log is not None:
@@ -103,6 +109,15 @@ def side_loss(
     grads = [d.grad for d in detached]
     out = _InjectGrad.apply(grads, *hs)
     return out[0] if single else out
+
+
+def _keep(t: Tensor) -> Tensor:
+    return t
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass (checkpoint recomputation)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
 
 
 def _scalar(v: Any) -> Tensor:

@@ -143,3 +143,40 @@ def test_scale_and_transform_grad():
     transform_grad(x * 1.0, lambda g: g.clamp(max=0.5)).mul(2).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 0.5))
     assert torch.equal(leanprop.scale_grad(x, 2.0), x)
+
+
+def test_inside_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(5, 6)
+    a, b = build(), build()
+    step(a, x, eager=False)
+    backbone, pens, head = b
+
+    def region(h):
+        for blk, pen in zip(backbone, pens, strict=True):
+            h = side_loss(blk(h), penalty(pen), weight=0.1)
+        return h
+
+    head(checkpoint(region, x, use_reentrant=False)).square().mean().backward()
+    for k, g in grads(a).items():
+        assert torch.equal(g, grads(b)[k]), k
+
+
+def test_loss_scale_inside_the_eager_backward():
+    x = torch.randn(5, 6)
+    a, b = build(), build()
+    scale = 1024.0
+    backbone, pens, head = a
+    h, extra = x, []
+    for blk, pen in zip(backbone, pens, strict=True):
+        h = blk(h)
+        extra.append(0.1 * penalty(pen)(h))
+    ((head(h).square().mean() + sum(extra)) * scale).backward()
+    backbone, pens, head = b
+    h = x
+    for blk, pen in zip(backbone, pens, strict=True):
+        h = side_loss(blk(h), penalty(pen), weight=0.1, scale=scale)
+    (head(h).square().mean() * scale).backward()
+    for k, g in grads(a).items():
+        assert torch.allclose(g, grads(b)[k], rtol=1e-6, atol=1e-9), k
