@@ -12,7 +12,7 @@ from .memory import track_memory
 from .optim import InBackward
 from .per_sample import per_sample
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
-from .side_loss import scale_grad, side_loss, transform_grad
+from .side_loss import chunked_linear_cross_entropy, scale_grad, side_loss, transform_grad
 from .timing import Timing, time_fn
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     # optimizer step in backward
     "InBackward",
     # eager side losses
+    "chunked_linear_cross_entropy",
     "scale_grad",
     "side_loss",
     "transform_grad",

@@ -164,3 +164,91 @@ def scale_grad(h: Tensor, s: float | Tensor) -> Tensor:
             )
         s = s.reshape(-1, *([1] * (h.dim() - 1)))
     return transform_grad(h, lambda g: g * s)
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Loss and gradients of ``cross_entropy(h Wᵀ + b, target)`` computed chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                chunk: int, mean: bool, ignore_index: int) -> Tensor:  # fmt: skip
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+        total = h.new_zeros((), dtype=torch.float32 if h.dtype != torch.float64 else h.dtype)
+        valid = (target != ignore_index).sum()
+        for start in range(0, h.shape[0], chunk):
+            hc, tc = h[start : start + chunk], target[start : start + chunk]
+            logits = hc @ weight.mT  # [c, V], the only vocabulary-sized buffer
+            if bias is not None:
+                logits = logits + bias
+            keep = tc != ignore_index
+            safe = torch.where(keep, tc, 0)
+            lse = torch.logsumexp(logits.to(total.dtype), dim=1)
+            picked = logits.gather(1, safe[:, None])[:, 0].to(total.dtype)
+            total = total + ((lse - picked) * keep).sum()
+            if need_h or need_w or need_b:
+                g = (logits.to(total.dtype) - lse[:, None]).exp_()  # softmax
+                g[torch.arange(len(tc), device=g.device), safe] -= 1.0
+                g = (g * keep[:, None]).to(h.dtype)  # d loss_sum / d logits  [c, V]
+                if need_h:
+                    grad_h[start : start + chunk] = g @ weight
+                if need_w:
+                    grad_w += g.mT @ hc
+                if need_b:
+                    grad_b += g.sum(0)
+        denom = valid.clamp(min=1).to(total.dtype) if mean else None
+        ctx.grads, ctx.denom = (grad_h, grad_w, grad_b), denom
+        return (total / denom if mean else total).to(h.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, go: Tensor) -> tuple[Tensor | None, ...]:
+        scale = go if ctx.denom is None else go / ctx.denom
+        grads = [None if g is None else g * scale.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return (*grads, None, None, None, None)
+
+
+def chunked_linear_cross_entropy(
+    h: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    *,
+    chunk_size: int = 1024,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+) -> Tensor:
+    """``cross_entropy(h @ weight.T + bias, target)`` without ever holding the ``[N, V]`` logits.
+
+    The loss and its gradients are computed ``chunk_size`` rows at a time during forward (the
+    eager principle of :func:`side_loss` applied to the LM head); backward only scales them.
+    Equal to the plain loss within floating-point rounding (different summation order).
+
+    Args:
+        h: hidden states ``[N, D]`` (or ``[..., D]``, flattened).
+        weight: output projection ``[V, D]``; bias: ``[V]`` or None.
+        target: class indices ``[N]`` (or ``[...]``); ``ignore_index`` entries do not count.
+        chunk_size: rows per chunk; peak scratch memory is about ``2 * chunk_size * V``.
+        reduction: ``"mean"`` (over non-ignored rows) or ``"sum"``.
+    """
+    if reduction not in ("mean", "sum"):
+        raise LeanpropValueError(
+            f"chunked_linear_cross_entropy() got reduction={reduction!r}; allowed: 'mean', 'sum'."
+        )
+    if chunk_size < 1:
+        raise LeanpropValueError(
+            f"chunked_linear_cross_entropy() got chunk_size={chunk_size}; it must be >= 1."
+        )
+    h2, t1 = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+    if h2.shape[0] != t1.shape[0] or weight.dim() != 2 or weight.shape[1] != h2.shape[1]:
+        raise LeanpropValueError(
+            f"chunked_linear_cross_entropy() got h {tuple(h.shape)}, weight {tuple(weight.shape)}"
+            f", target {tuple(target.shape)}; expected h [..., D], weight [V, D], target [...]."
+        )
+    return _ChunkedLinearCE.apply(
+        h2, weight, bias, t1, chunk_size, reduction == "mean", ignore_index
+    )

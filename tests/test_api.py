@@ -11,6 +11,7 @@ EXPECTED = {
     "per_sample",
     "register_rule",
     "InBackward",
+    "chunked_linear_cross_entropy",
     "scale_grad",
     "side_loss",
     "transform_grad",

@@ -180,3 +180,47 @@ def test_loss_scale_inside_the_eager_backward():
     (head(h).square().mean() * scale).backward()
     for k, g in grads(a).items():
         assert torch.allclose(g, grads(b)[k], rtol=1e-6, atol=1e-9), k
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_chunked_linear_cross_entropy_matches_plain(reduction, with_bias):
+    torch.manual_seed(0)
+    h = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(11, dtype=torch.float64, requires_grad=True) if with_bias else None
+    t = torch.randint(0, 11, (2, 7))
+    t[0, 3] = t[1, 0] = -100  # ignored
+    ref = nn.functional.cross_entropy(
+        nn.functional.linear(h, w, b).flatten(0, 1), t.flatten(), reduction=reduction
+    )
+    ref_grads = torch.autograd.grad(ref * 3.0, [x for x in (h, w, b) if x is not None])
+    loss = leanprop.chunked_linear_cross_entropy(h, w, t, b, chunk_size=4, reduction=reduction)
+    grads = torch.autograd.grad(loss * 3.0, [x for x in (h, w, b) if x is not None])
+    assert torch.allclose(loss, ref, rtol=1e-12, atol=1e-12)
+    for a, r in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(a, r, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_cross_entropy_never_holds_the_logits():
+    from leanprop import track_memory
+
+    torch.manual_seed(0)
+    n, d, v = 256, 16, 4096
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    with track_memory(existing=[h, w, t]) as mem:
+        leanprop.chunked_linear_cross_entropy(h, w, t, chunk_size=16).backward()
+    logits = n * v * 4
+    assert mem.peak_bytes < logits / 2  # gradients [V, D] + [N, D] + a few [16, V] chunks
+
+
+def test_chunked_cross_entropy_bad_input():
+    h, w, t = torch.randn(4, 3), torch.randn(5, 3), torch.randint(0, 5, (4,))
+    with pytest.raises(LeanpropValueError, match="reduction='none'"):
+        leanprop.chunked_linear_cross_entropy(h, w, t, reduction="none")
+    with pytest.raises(LeanpropValueError, match=r"expected h \[..., D\]"):
+        leanprop.chunked_linear_cross_entropy(h, w, t[:3])
+    with pytest.raises(LeanpropValueError, match="chunk_size=0"):
+        leanprop.chunked_linear_cross_entropy(h, w, t, chunk_size=0)
