@@ -13,13 +13,14 @@ def test_per_sample_suite_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(
         per_sample_suite, "COMPETITORS", {"torchfunc": "torch"}
     )  # keep the test fast and independent of optional packages
+    monkeypatch.setitem(cli.SUITES, "future", cli.Suite("not built yet", None, {}))
     out = tmp_path / "r.json"
-    assert cli.main(["bench", "per-sample", "side-losses", "--batch", "4", "--reps", "1",
+    assert cli.main(["bench", "per-sample", "future", "--batch", "4", "--reps", "1",
                      "--json", str(out)]) == 0  # fmt: skip
     text = capsys.readouterr().out
-    assert "side-losses: unavailable" in text
+    assert "future: unavailable" in text
     report = json.loads(out.read_text())
-    assert report["suites"]["side-losses"] == "unavailable"
+    assert report["suites"]["future"] == "unavailable"
     rows = report["suites"]["per-sample"]
     methods = [r["method"] for r in rows]
     assert methods[:2] == ["plain", "leanprop_batchgrad"]
@@ -49,6 +50,15 @@ def test_in_backward_suite(capsys):
     text = capsys.readouterr().out
     assert "small_b1: ordinary" in text and "small_b1: hooks" in text
     assert "small_b1: leanprop" in text and "agrees" in text and "DISAGREES" not in text
+
+
+def test_side_losses_suite(capsys):
+    assert cli.main(["bench", "side-losses", "--reps", "1"]) == 0
+    text = capsys.readouterr().out
+    for kind in ("mlp", "free"):
+        for method in ("combined", "checkpoint", "backward-at-once", "leanprop"):
+            assert f"{kind} penalty: {method}" in text
+    assert text.count("agrees") == 6 and "DISAGREES" not in text
 
 
 def test_unknown_suite_is_rejected(capsys):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..compare import format_table
-from . import in_backward_suite, per_sample_suite, variance_suite
+from . import in_backward_suite, per_sample_suite, side_loss_suite, variance_suite
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,11 @@ SUITES: dict[str, Suite] = {
         in_backward_suite.run,
         {"small": (), "large": ()},
     ),
-    "side-losses": Suite("eager side losses", None, {}),
+    "side-losses": Suite(
+        "penalties on intermediate activations: combined, checkpoint, backward-at-once, leanprop",
+        side_loss_suite.run,
+        {"small": (), "large": ()},
+    ),
 }
 
 

@@ -1,0 +1,100 @@
+"""Side losses on a backbone's intermediate activations.
+
+``loss = head(h_L) + sum_k alpha * penalty_k(h_k)``, with two kinds of penalty: a small MLP
+with its own parameters, and a parameter-free penalty with large intermediates (a pairwise
+Gram-matrix decorrelation term, ``[N, N]`` per layer). Variants:
+
+* ``combined``: one backward of the whole loss (every penalty graph alive until then);
+* ``checkpoint``: each penalty under ``torch.utils.checkpoint`` (recomputed in backward);
+* ``backward-at-once``: ``penalty.backward(retain_graph=True)`` right away (re-traverses the
+  backbone each time);
+* ``leanprop``: :func:`leanprop.side_loss`.
+
+:func:`leanprop.compare` times them, measures peak memory and checks the parameter gradients
+agree with ``combined`` (leanprop's are bit-identical; the tests check that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import leanprop
+from leanprop.compare import as_dict
+
+SIZES = {
+    "small": {"layers": 4, "batch": 512, "d": 256},
+    "large": {"layers": 8, "batch": 4096, "d": 2048},
+}
+ALPHA = 0.1
+
+
+def _gram_penalty(h: Tensor) -> Tensor:
+    """Parameter-free, with a large intermediate: off-diagonal similarity of the samples."""
+    z = nn.functional.normalize(h, dim=1)
+    gram = z @ z.mT  # [N, N]
+    return (gram - torch.eye(len(h), device=h.device)).square().mean()
+
+
+def _variants(
+    size: str, device: str, kind: str
+) -> tuple[dict[str, Callable[[], Tensor]], nn.Module]:
+    cfg = SIZES[size]
+    d = cfg["d"]
+    torch.manual_seed(0)
+    backbone = nn.ModuleList(
+        nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(cfg["layers"])
+    )
+    pens = nn.ModuleList(
+        nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, 1))
+        for _ in range(cfg["layers"])
+    )
+    model = nn.ModuleList([backbone, pens, nn.Linear(d, 1)]).to(device)
+    x = torch.randn(cfg["batch"], d, device=device)
+
+    def pen_fn(k: int) -> Callable[[Tensor], Tensor]:
+        if kind == "free":
+            return _gram_penalty
+        return lambda t: pens[k](t).square().mean()
+
+    def grads_summary() -> Tensor:
+        out = torch.stack([p.grad.double().sum() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return out
+
+    def run(method: str) -> Tensor:
+        h, extra = x, []
+        for k, blk in enumerate(backbone):
+            h = blk(h)
+            fn = pen_fn(k)
+            if method == "combined":
+                extra.append(ALPHA * fn(h))
+            elif method == "checkpoint":
+                extra.append(ALPHA * checkpoint(fn, h, use_reentrant=False))
+            elif method == "backward-at-once":
+                (ALPHA * fn(h)).backward(retain_graph=True)
+            else:
+                h = leanprop.side_loss(h, fn, weight=ALPHA)
+        loss = model[2](h).square().mean()
+        (loss + sum(extra) if extra else loss).backward()
+        return grads_summary()
+
+    methods = ["combined", "checkpoint", "backward-at-once", "leanprop"]
+    return {m: (lambda m=m: run(m)) for m in methods}, model
+
+
+def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> list[dict]:
+    """Rows for both penalty kinds; sizes are by device (``small`` on CPU)."""
+    size = "small" if device == "cpu" else "large"
+    rows: list[dict] = []
+    for kind in ("mlp", "free"):
+        variants, model = _variants(size, device, kind)
+        res = leanprop.compare(
+            variants, device=device, reps=reps, rtol=1e-5, atol=1e-8, existing=(model,), show=False
+        )
+        batch = SIZES[size]["batch"]
+        rows += [as_dict(r, batch=batch, method=f"{kind} penalty: {r.name}") for r in res]
+    return rows
