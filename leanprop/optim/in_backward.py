@@ -143,6 +143,7 @@ class InBackward(torch.optim.Optimizer):
         self._measuring: dict[int, Tensor] | None = None  # id(p) -> grad norm, first pass
         self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: Tensor | None = None  # global norm of the last backward (clipping)
+        self._approx_coef: Tensor | None = None  # clip factor from last_grad_norm
         self._norms: dict[int, Tensor] = {}  # this backward's gradient norms (approx. clipping)
         self._coef: Tensor | None = None  # clipped_backward, second pass
         self._handles: list[RemovableHandle] = []
@@ -279,10 +280,8 @@ class InBackward(torch.optim.Optimizer):
             p.grad.mul_(self._coef)
         elif self.clip_grad_norm is not None:
             self._norms[id(p)] = torch._foreach_norm([p.grad], 2.0)[0]
-            if self.last_grad_norm is not None:
-                p.grad.mul_(
-                    torch.clamp(self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
-                )
+            if self._approx_coef is not None:
+                p.grad.mul_(self._approx_coef)
         self._ready.append(p)
         self._ready_bytes += p.grad.numel() * p.grad.element_size()
         if not self._callback_queued:
@@ -296,6 +295,9 @@ class InBackward(torch.optim.Optimizer):
         self._step_ready()
         if self._norms:
             self.last_grad_norm = _total_norm(self._norms, self.param_groups, 2.0)
+            self._approx_coef = torch.clamp(
+                self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0
+            )
             self._norms = {}
 
     def _step_ready(self) -> None:
