@@ -160,6 +160,7 @@ class PerSample:
         self._cycle_open = False
         self._grad_mode = False
         self._intercept: Intercept | None = None
+        self._fusable_by_weight: dict[int, list[_Site]] = {}  # id(weight) -> fusable sites
         self._bn_problem: str | None = None
         self.reset_on_forward = False  # see set_quantities
 
@@ -225,6 +226,7 @@ class PerSample:
         self._tensor_handles.clear()
         self._calls.clear()
         self._sites.clear()
+        self._fusable_by_weight.clear()
         self._states.clear()
         self._n = None
         self._cycle_open = False
@@ -242,6 +244,9 @@ class PerSample:
                 and (rule.can_fuse is None or rule.can_fuse(module))
             )
             self._sites.append(site)
+            if site.fusable:
+                weight = module._parameters.get("weight")
+                self._fusable_by_weight.setdefault(id(weight), []).append(site)
             if root is not None:
                 root.inner.append(site)
             if rule is None:  # fallback root: owns its whole sub-tree unless children are called
@@ -310,10 +315,8 @@ class PerSample:
         if self._computing or not self._active or not torch.is_grad_enabled() or len(args) < 2:
             return None
         x, weight = args[0], args[1]
-        site = next(
-            (s for s in self._sites if s.running and s.module._parameters.get("weight") is weight),
-            None,
-        )
+        candidates = self._fusable_by_weight.get(id(weight), ())
+        site = next((s for s in candidates if s.running and s.module.weight is weight), None)
         if (
             site is None
             or type(x) is not Tensor
