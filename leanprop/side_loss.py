@@ -2,15 +2,19 @@
 
 ``h = side_loss(h, fn, weight=alpha)`` adds ``alpha * fn(h)`` to the training objective without
 keeping ``fn``'s sub-graph alive until the final backward: ``fn`` is evaluated on a detached
-copy of ``h`` and differentiated at once (its parameters receive their gradients right away and
-its activations are freed), and the returned ``h`` (the same values) adds the stored gradient
-``d(alpha * fn)/dh`` where the penalty would have entered, during the main backward.
+copy of ``h`` and differentiated at once (its activations are freed right away), and the
+returned ``h`` (the same values) hands the stored gradients back during the main backward:
+``d(alpha * fn)/dh`` where the penalty would have entered, and ``d(alpha * fn)/dθ`` to every
+parameter ``θ`` that ``fn`` uses. Parameters therefore receive all their gradient inside the
+main backward, as with the combined loss, so hooks that watch gradient accumulation (DDP's
+reducer, :class:`leanprop.InBackward`, gradient accumulation) see nothing unusual.
 
 Exactness: parameter gradients are bit-identical to one backward of ``main + alpha * fn(h)``
-when ``h`` has at most one other consumer (the sum of two gradients does not depend on order).
-With several other consumers, autograd's summation order can differ: equal up to rounding.
-Inside non-reentrant activation checkpointing the recomputation skips the penalty (the original
-forward's graph already carries its gradient), so results stay exact there too.
+when ``h`` has at most one other consumer and ``fn``'s parameters are used only inside ``fn``
+(the sum of two gradients does not depend on order). With several other consumers, or a
+parameter shared between ``fn`` and the model, autograd's summation order can differ: equal up
+to rounding. Inside non-reentrant activation checkpointing the recomputation skips the penalty
+(the original forward's graph already carries its gradient), so results stay exact there too.
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from .errors import LeanpropValueError, UnsupportedModelError
 
 
 class _InjectGrad(torch.autograd.Function):
-    """Identity on ``hs``; backward adds the stored gradients."""
+    """Identity on ``hs``; backward adds the stored gradients to ``hs`` and hands the stored
+    parameter gradients to ``params`` (inputs only so that autograd routes them there)."""
 
     @staticmethod
-    def forward(ctx: Any, grads: list[Tensor | None], *hs: Tensor) -> tuple[Tensor, ...]:
-        ctx.grads = grads
-        return tuple(h.view_as(h) for h in hs)
+    def forward(
+        ctx: Any, grads: list[Tensor | None], n_h: int, *hs_and_params: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.grads, ctx.n_h = grads, n_h
+        return tuple(h.view_as(h) for h in hs_and_params[:n_h])
 
     @staticmethod
     def backward(ctx: Any, *gos: Tensor) -> tuple[Tensor | None, ...]:
@@ -40,9 +47,15 @@ class _InjectGrad(torch.autograd.Function):
                 "supported: its gradient was computed without a graph. Add the penalty to the "
                 "loss instead (main + weight * fn(h)) when you need higher derivatives."
             )
-        out = [go if g is None else go + g for go, g in zip(gos, ctx.grads, strict=True)]
-        ctx.grads = None  # each stored gradient is used once
-        return (None, *out)
+        grads, ctx.grads = ctx.grads, None  # each stored gradient is used once
+        if grads is None:
+            raise UnsupportedModelError(
+                "side_loss: a second backward through the same side loss; its stored gradient "
+                "was handed out by the first. Run forward again for each backward."
+            )
+        h_grads = grads[: ctx.n_h]
+        out = [go if g is None else go + g for go, g in zip(gos, h_grads, strict=True)]
+        return (None, None, *out, *grads[ctx.n_h :])
 
 
 def side_loss(
@@ -67,7 +80,8 @@ def side_loss(
 
     Args:
         h: a tensor ``[N, ...]`` or a sequence of tensors (then ``fn`` takes them all).
-        fn: the penalty, returning a scalar; its own parameters get their gradients at once.
+        fn: the penalty, returning a scalar. Its parameters get their gradients during the main
+            backward (computed now, handed over there), like ``h``'s producers.
         weight: the penalty's weight ``alpha``.
         log: if given, the detached value ``weight * fn(h)`` is appended (for logging).
         scale: loss scale to apply inside the eager backward (fp16 ``GradScaler``: pass
@@ -80,7 +94,8 @@ def side_loss(
     Raises:
         LeanpropValueError: ``h`` holds no tensors, ``fn`` is not callable or does not return a
             scalar.
-        UnsupportedModelError: a later ``backward(create_graph=True)`` through it.
+        UnsupportedModelError: a later ``backward(create_graph=True)`` through it, or a second
+            backward through the same returned ``h``.
     """
     single = isinstance(h, Tensor)
     hs = (h,) if single else tuple(h)
@@ -92,7 +107,7 @@ def side_loss(
         raise LeanpropValueError(f"side_loss() needs a callable fn, got {type(fn).__name__}.")
     if _recomputing():  # non-reentrant checkpointing re-runs forward inside backward: the
         return h  # original forward already applied the penalty and its graph keeps the gradient
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in hs):
+    if not torch.is_grad_enabled():
         with torch.no_grad():
             value = weight * _scalar(fn(*hs))
         if log is not None:
@@ -103,12 +118,41 @@ def side_loss(
     # activation checkpoint, whose recomputation skips it) and freed by its backward
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
         value = weight * _scalar(fn(*detached))
-        (value if scale is None else value * scale).backward()
-    if log is not None:
-        log.append(value.detach())
-    grads = [d.grad for d in detached]
-    out = _InjectGrad.apply(grads, *hs)
+        if log is not None:
+            log.append(value.detach())
+        if not value.requires_grad:  # fn used neither h nor a parameter
+            return h
+        params = _leaves(value, exclude=detached)
+        wrt = [d for d in detached if d.requires_grad] + params
+        grads = torch.autograd.grad(value if scale is None else value * scale, wrt,
+                                    allow_unused=True)  # fmt: skip
+    by_input = iter(grads)
+    h_grads = [next(by_input) if d.requires_grad else None for d in detached]
+    out = _InjectGrad.apply([*h_grads, *by_input], len(hs), *hs, *params)
     return out[0] if single else out
+
+
+def _leaves(value: Tensor, exclude: Sequence[Tensor]) -> list[Tensor]:
+    """The leaf tensors (parameters) that ``value``'s graph accumulates into, except ``exclude``.
+
+    Found by walking the graph to its ``AccumulateGrad`` nodes; order of first discovery.
+    """
+    skip = {id(t) for t in exclude}
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    stack = [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, Tensor):
+            if id(leaf) not in skip:
+                found.setdefault(id(leaf), leaf)
+            continue
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return list(found.values())
 
 
 def _keep(t: Tensor) -> Tensor:

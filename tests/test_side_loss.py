@@ -224,3 +224,114 @@ def test_chunked_cross_entropy_bad_input():
         leanprop.chunked_linear_cross_entropy(h, w, t[:3])
     with pytest.raises(LeanpropValueError, match="chunk_size=0"):
         leanprop.chunked_linear_cross_entropy(h, w, t, chunk_size=0)
+
+
+class _PenalizedNet(nn.Module):
+    """Backbone with a penalty per layer; forward returns the loss (combined or eager)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts = build()
+
+    def forward(self, x, eager):
+        backbone, pens, head = self.parts
+        h, extra = x, []
+        for blk, pen in zip(backbone, pens, strict=True):
+            h = blk(h)
+            if eager:
+                h = side_loss(h, penalty(pen), weight=0.1)
+            else:
+                extra.append(0.1 * penalty(pen)(h))
+        return head(h).square().mean() + sum(extra, torch.zeros(()))
+
+
+def _ddp_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.distributed import same_on_all_ranks
+
+    a, b = _PenalizedNet(), _PenalizedNet()
+    ddp_a, ddp_b = DDP(a), DDP(b)  # find_unused_parameters=False: every parameter needs a grad
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(10 + rank)  # each rank its own shard
+    for _ in range(3):
+        x = torch.randn(5, 6, generator=gen)
+        ddp_a(x, eager=False).backward()
+        ddp_b(x, eager=True).backward()
+        for (k, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"rank {rank}, {k}"
+        opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
+    assert same_on_all_ranks(torch.cat([p.detach().flatten() for p in b.parameters()]))
+
+
+def test_distributed_data_parallel_two_processes():
+    """Under DDP (gloo, 2 processes) the penalty parameters' gradients enter the main backward,
+    so DDP all-reduces them like any other; bit-identical to DDP with the combined loss."""
+    from tests import distributed
+
+    distributed.run(_ddp_worker)
+
+
+def test_fp16_grad_scaler_end_to_end():
+    """fp16 autocast + GradScaler: the scale enters the eager backward via ``scale=``; after
+    several steps (one of them skipped for an inf) the parameters equal the combined loss's."""
+    a, b = _PenalizedNet(), _PenalizedNet()
+    runs = []
+    for net, eager in ((a, False), (b, True)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+        backbone, pens, head = net.parts
+        torch.manual_seed(1)
+        for i in range(4):
+            x = torch.randn(5, 6) * (1e4 if i == 1 else 1.0)  # step 1 overflows in fp16
+            with torch.autocast("cpu", dtype=torch.float16):
+                h, extra = x, []
+                for blk, pen in zip(backbone, pens, strict=True):
+                    h = blk(h)
+                    if eager:
+                        h = side_loss(h, penalty(pen), weight=0.1, scale=scaler.get_scale())
+                    else:
+                        extra.append(0.1 * penalty(pen)(h))
+                loss = head(h).square().mean() + sum(extra, torch.zeros(()))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append(scaler.get_scale())
+    assert runs[0] == runs[1] < 2.0**20  # 4 growths without the skipped step
+    for (k, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), k
+
+
+def test_parameter_shared_with_the_model_and_second_backward():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+
+    def fn(t):
+        return lin(t).square().mean()  # lin is used by the model too
+
+    (lin(lin(x)).sum() + 0.3 * fn(lin(x))).backward()
+    ref = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad(set_to_none=True)
+    h = side_loss(lin(x), fn, weight=0.3)
+    out = lin(h).sum()
+    out.backward(retain_graph=True)
+    for r, p in zip(ref, lin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=1e-7)  # summation order differs
+    with pytest.raises(UnsupportedModelError, match="second backward"):
+        out.backward()
+
+
+def test_penalty_on_an_input_reaches_only_its_parameters():
+    torch.manual_seed(0)
+    pen, lin = nn.Linear(4, 1), nn.Linear(4, 2)
+    x = torch.randn(3, 4)  # needs no gradient
+    (lin(x).sum() + pen(x).square().mean()).backward()
+    ref = [p.grad.clone() for p in [*pen.parameters(), *lin.parameters()]]
+    for p in [*pen.parameters(), *lin.parameters()]:
+        p.grad = None
+    lin(side_loss(x, lambda t: pen(t).square().mean())).sum().backward()
+    for r, p in zip(ref, [*pen.parameters(), *lin.parameters()], strict=True):
+        assert torch.equal(r, p.grad)
