@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import LeanpropValueError, UnsupportedModelError
+from .distributed import DDPStepper, fsdp_units
 
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the InBackward stepping it
 _NEEDS_CLOSURE = (torch.optim.LBFGS,)
@@ -98,6 +99,13 @@ class InBackward(torch.optim.Optimizer):
             ``clip_grad_norm / (norm + 1e-6)`` (at most 1) where ``norm`` is the global gradient
             norm of the *previous* backward (the first backward is not clipped). For exact
             clipping use :meth:`clipped_backward` (one extra backward).
+        ddp: the ``DistributedDataParallel`` module whose parameters these are: each DDP bucket
+            is stepped once its all-reduce has finished, and DDP's bucket memory is released
+            between uses (see :mod:`leanprop.optim.distributed`). Buckets are then DDP's
+            (its ``bucket_cap_mb``), and ``bucket_mb`` is not used.
+        fsdp: the model sharded with FSDP2 ``fully_shard``: each unit's parameters are stepped
+            by one optimizer call as soon as the unit's gradients are reduce-scattered (without
+            it, FSDP2 models still train exactly, stepped by ``bucket_mb``).
         **kwargs: the optimizer's own arguments (``lr``, ``weight_decay``, ``fused``, ...).
     """
 
@@ -108,6 +116,8 @@ class InBackward(torch.optim.Optimizer):
         *,
         bucket_mb: float = 25.0,
         clip_grad_norm: float | None = None,
+        ddp: Any = None,
+        fsdp: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
         if not (
@@ -154,10 +164,21 @@ class InBackward(torch.optim.Optimizer):
                 f"InBackward(): {len(taken)} parameter(s) already belong to another InBackward "
                 "optimizer; call .remove() on that one first (each gradient can be stepped once)."
             )
+        self._unit_of = {} if fsdp is None else fsdp_units(fsdp, params_all)
+        self._unit_size: dict[int, int] = {}
+        for unit in self._unit_of.values():
+            self._unit_size[unit] = self._unit_size.get(unit, 0) + 1
+        self._unit_ready: dict[int, list[Tensor]] = {}
+        self._ddp: DDPStepper | None = None
+        if ddp is not None and fsdp is not None:
+            raise LeanpropValueError("InBackward() takes ddp= or fsdp=, not both.")
+        if ddp is not None:
+            self._ddp = DDPStepper(self, ddp)
         for p in params_all:
             if p.requires_grad:
                 _OWNER[p] = self
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
+                if self._ddp is None:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
         _guard_clipping(True)
 
     def _share(self) -> None:
@@ -188,7 +209,7 @@ class InBackward(torch.optim.Optimizer):
             )
         if closure is not None:
             raise LeanpropValueError("InBackward.step() takes no closure; steps run in backward.")
-        if not self._handles:
+        if not self._hooked:
             self.inner.step()
             return
         waiting = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -241,6 +262,12 @@ class InBackward(torch.optim.Optimizer):
                 "InBackward.clipped_backward() inside accumulate(): clip in the last "
                 "micro-batch's backward, outside the context."
             )
+        if self._ddp is not None:
+            raise UnsupportedModelError(
+                "InBackward(ddp=...).clipped_backward() is not supported: its two backward "
+                "passes would all-reduce twice. Use InBackward(..., clip_grad_norm=max_norm) "
+                "(previous step's global norm, computed from the all-reduced gradients)."
+            )
         self._norm_type = float(norm_type)
         self._measuring = {}
         try:
@@ -262,13 +289,40 @@ class InBackward(torch.optim.Optimizer):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._ddp is not None:
+            self._ddp.restore()
+            self._ddp = None
         for g in self.param_groups:
             for p in g["params"]:
                 if _OWNER.get(p) is self:
                     del _OWNER[p]
         _guard_clipping(False)
 
+    @property
+    def _hooked(self) -> bool:
+        return bool(self._handles) or self._ddp is not None
+
+    @property
+    def ddp_bucket_bytes(self) -> int:
+        """With ``ddp=``: bytes of DDP bucket memory held now (0 between backward passes)."""
+        return 0 if self._ddp is None else self._ddp.held_bytes()
+
+    @property
+    def ddp_bucket_peak_bytes(self) -> int:
+        """With ``ddp=``: most bytes of DDP bucket memory held at once while the last backward
+        computed (DDP's end-of-backward bookkeeping then needs all buckets for a moment)."""
+        return 0 if self._ddp is None else self._ddp.peak_bytes
+
     # ------------------------------------------------------------------ hooks
+    def _clip(self, p: Tensor) -> None:
+        """Apply the clipping mode to ``p.grad`` (and record its norm for the next step)."""
+        if self._coef is not None:
+            p.grad.mul_(self._coef)
+        elif self.clip_grad_norm is not None:
+            self._norms[id(p)] = torch._foreach_norm([p.grad], 2.0)[0]
+            if self._approx_coef is not None:
+                p.grad.mul_(self._approx_coef)
+
     def _on_ready(self, p: Tensor) -> None:
         if self._accumulating or p.grad is None:
             return
@@ -276,23 +330,28 @@ class InBackward(torch.optim.Optimizer):
             self._measuring[id(p)] = torch._foreach_norm([p.grad], self._norm_type)[0]
             p.grad = None
             return
-        if self._coef is not None:
-            p.grad.mul_(self._coef)
-        elif self.clip_grad_norm is not None:
-            self._norms[id(p)] = torch._foreach_norm([p.grad], 2.0)[0]
-            if self._approx_coef is not None:
-                p.grad.mul_(self._approx_coef)
-        self._ready.append(p)
-        self._ready_bytes += p.grad.numel() * p.grad.element_size()
+        self._clip(p)
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        unit = self._unit_of.get(id(p))
+        if unit is not None:  # FSDP2: step the unit once all its gradients are reduced
+            waiting = self._unit_ready.setdefault(unit, [])
+            waiting.append(p)
+            if len(waiting) == self._unit_size[unit]:
+                self._step_params(self._unit_ready.pop(unit), clip=False)
+            return
+        self._ready.append(p)
+        self._ready_bytes += p.grad.numel() * p.grad.element_size()
         if self._ready_bytes >= self.bucket_bytes:
             self._step_ready()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._step_ready()
+        for waiting in self._unit_ready.values():  # units with parameters left unused
+            self._step_params(waiting, clip=False)
+        self._unit_ready.clear()
         if self._norms:
             self.last_grad_norm = _total_norm(self._norms, self.param_groups, 2.0)
             self._approx_coef = torch.clamp(
@@ -302,9 +361,19 @@ class InBackward(torch.optim.Optimizer):
 
     def _step_ready(self) -> None:
         """Step exactly the parameters whose gradient is final, then free their gradients."""
-        ready = {id(p) for p in self._ready}
+        self._step_params(self._ready, clip=False)
+        self._ready.clear()
+        self._ready_bytes = 0
+
+    def _step_params(self, params: list[Tensor], clip: bool = True) -> None:
+        """One inner-optimizer step restricted to ``params`` (their ``.grad`` is final), then
+        free those gradients."""
+        ready = {id(p) for p in params}
         if not ready:
             return
+        if clip:
+            for p in params:
+                self._clip(p)
         saved = [g["params"] for g in self.param_groups]
         try:
             for g in self.param_groups:
@@ -312,9 +381,7 @@ class InBackward(torch.optim.Optimizer):
             with torch.no_grad():
                 self.inner.step()
         finally:
-            for g, params in zip(self.param_groups, saved, strict=True):
-                g["params"] = params
-        for p in self._ready:
+            for g, group_params in zip(self.param_groups, saved, strict=True):
+                g["params"] = group_params
+        for p in params:
             p.grad = None
-        self._ready.clear()
-        self._ready_bytes = 0
