@@ -118,7 +118,8 @@ class DDPStepper:
         self._handles.clear()
 
     # ------------------------------------------------------------------ communication hook
-    def _comm_hook(self, bucket):  # noqa: ANN001, ANN202 (DDP rejects non-GradBucket annotations)
+    # no annotations: DDP refuses a hook whose bucket is annotated other than dist.GradBucket
+    def _comm_hook(self, bucket):
         buffer = bucket.buffer()
         buffer.mul_(1.0 / self.world)  # DDP's default averaging, bit for bit
         fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
