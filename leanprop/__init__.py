@@ -2,6 +2,7 @@
 
 from ._registry import register_rule
 from .compare import MismatchError, compare
+from .distributed import all_reduce_quantities
 from .errors import (
     BatchError,
     LeanpropError,
@@ -24,6 +25,7 @@ __all__ = [
     "Quantity",
     "SumGradSquared",
     "Variance",
+    "all_reduce_quantities",
     "per_sample",
     "register_rule",
     # optimizer step in backward

@@ -163,6 +163,10 @@ class PerSample:
         self._fusable_by_weight: dict[int, list[_Site]] = {}  # id(weight) -> fusable sites
         self._bn_problem: str | None = None
         self.reset_on_forward = False  # see set_quantities
+        # last backward, for leanprop.all_reduce_quantities: batch size and, if Variance was
+        # asked for, each parameter's sum of individual gradients (its local mean times N)
+        self.last_n: int | None = None
+        self.last_sums: dict[nn.Parameter, Tensor] = {}
 
     def set_quantities(self, kinds: frozenset[type[Quantity]], conv_algorithm: str) -> None:
         """Change what backward computes (used by the BackPACK facade, whose forward runs
@@ -230,6 +234,7 @@ class PerSample:
         self._states.clear()
         self._n = None
         self._cycle_open = False
+        self.last_n, self.last_sums = None, {}
 
     def _plan(self, module: nn.Module, prefix: str, root: _Site | None) -> None:
         direct = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
@@ -562,6 +567,11 @@ class PerSample:
                         state.results, state.total = quantities_from_batch(state.batch, self._kinds)
                     for attr, value in state.results.items():
                         setattr(state.param, attr, value)
+                self.last_n, self.last_sums = self._n, {}
+                if Variance in self._kinds:
+                    self.last_sums = {
+                        s.param: s.total for s in self._states.values() if s.total is not None
+                    }
                 if self._check:
                     self._verify()
         finally:

@@ -8,6 +8,7 @@ EXPECTED = {
     "Quantity",
     "SumGradSquared",
     "Variance",
+    "all_reduce_quantities",
     "per_sample",
     "register_rule",
     "InBackward",
