@@ -16,6 +16,7 @@ variance over all samples of all ranks.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -84,6 +85,11 @@ def main(steps: int = 6, batch: int = 64) -> None:
             print(f"{world} ranks hold identical weights after {steps} steps")
     finally:
         opt.remove()
+        # DDP keeps its process group in a reference cycle: free both now, so the group's
+        # communication threads are joined before Python shuts down (else a thread can still
+        # release a tensor while the interpreter exits, and the process aborts)
+        del ddp, opt, model
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -60,8 +60,9 @@ def format_table(rows: list[dict]) -> str:
     """Rows as a fixed-width table, time and peak memory with ratios to the baseline.
 
     Each row is a dict with ``method``, ``median_s``, ``time_ratio``, ``min_s``, ``min_ratio``,
-    ``peak_mib``, ``mem_ratio``, and optionally ``batch``, ``agrees`` (with ``max_abs_diff``);
-    a row with ``max_rel`` (a check) or ``error`` (a failed method) is printed as a note.
+    ``peak_mib``, ``mem_ratio``, and optionally ``batch``, ``agrees`` (with ``max_abs_diff``)
+    and ``extra`` (a short text appended to the line); a row with ``max_rel`` (a check) or
+    ``error`` (a failed method) is printed as a note.
     """
     batch = any("batch" in r for r in rows)
     lead_head = f"{'batch':>5}  " if batch else ""
@@ -82,6 +83,8 @@ def format_table(rows: list[dict]) -> str:
             tail = "" if agrees is None else "  agrees" if agrees else "  DISAGREES"
             if agrees is False and r.get("max_abs_diff") is not None:
                 tail += f" (max abs diff {r['max_abs_diff']:.1e})"
+            if r.get("extra"):
+                tail += f"  {r['extra']}"
             lines.append(
                 f"{lead}{r['median_s']:>10.4f}{r['time_ratio']:>8.2f}{r['min_s']:>9.4f}"
                 f"{r['min_ratio']:>8.2f}{r['peak_mib']:>10.1f}{mem}{tail}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Callable
@@ -28,6 +29,8 @@ def _entry(rank: int, worker: Callable[..., None], world_size: int, init: str, a
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         worker(rank, world_size, *args)
+        gc.collect()  # DDP modules and their hooks go before the process group they use
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -52,6 +52,16 @@ def test_in_backward_suite(capsys):
     assert "small_b1: leanprop" in text and "agrees" in text and "DISAGREES" not in text
 
 
+def test_distributed_suite(capsys):
+    assert cli.main(["bench", "distributed", "--reps", "2"]) == 0
+    text = capsys.readouterr().out
+    for method in ("ddp", "ddp bucket-view", "leanprop"):
+        assert f"small_b1 x2: {method} " in text
+    assert text.count("agrees") == 2 and "DISAGREES" not in text
+    leanprop_line = next(line for line in text.splitlines() if "x2: leanprop" in line)
+    assert "buckets at backward start 0.0 MiB" in leanprop_line
+
+
 def test_side_losses_suite(capsys):
     assert cli.main(["bench", "side-losses", "--reps", "1"]) == 0
     text = capsys.readouterr().out

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from ..compare import format_table
-from . import in_backward_suite, per_sample_suite, side_loss_suite, variance_suite
+from . import (
+    distributed_suite,
+    in_backward_suite,
+    per_sample_suite,
+    side_loss_suite,
+    variance_suite,
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,11 @@ SUITES: dict[str, Suite] = {
     "in-backward": Suite(
         "AdamW steps inside backward on a GPT-2-like model: ordinary, tutorial hooks, leanprop",
         in_backward_suite.run,
+        {"small": (), "large": ()},
+    ),
+    "distributed": Suite(
+        "AdamW inside backward under DDP (2 processes): ordinary DDP, bucket views, leanprop",
+        distributed_suite.run,
         {"small": (), "large": ()},
     ),
     "side-losses": Suite(

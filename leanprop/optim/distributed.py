@@ -7,13 +7,19 @@ across ranks exactly as DDP does by default (multiply by ``1 / world_size``, all
 then, when that all-reduce has finished, steps the bucket's parameters with the averaged
 gradients by one call of the inner optimizer, while the rest of backward goes on.
 
-Memory: DDP keeps a bucket buffer per bucket for the model's whole life, as large as all the
-gradients together (torch's own optimizer-in-backward keeps them too). Here each buffer's
-storage is released (resized to 0 bytes) once the backward pass that filled it has ended, and
-regrown just before DDP copies the next gradient into it, so only the buckets being filled or
-reduced hold memory: the peak is the optimizer state plus a few buckets, not plus all
-gradients. ``opt.ddp_bucket_peak_bytes`` reports the largest number of bucket bytes held at
-once during the last backward (read from the storages themselves).
+Memory: DDP keeps a bucket buffer per bucket for the model's whole life, together as large as
+all the gradients (torch's own optimizer-in-backward keeps them too). Here each bucket's storage
+is released (resized to 0 bytes) as soon as its parameters are stepped, and regrown just before
+DDP copies the next gradient into it. So between backward passes, and when backward starts
+(when activations are at their peak), the buckets hold no memory, and during backward only the
+buckets being filled or reduced do. DDP's own end-of-backward bookkeeping re-views every
+bucket, so all are regrown for that moment (never written; activations are gone by then) and
+released right after. ``opt.ddp_bucket_bytes`` reads the bucket bytes held now,
+``opt.ddp_bucket_peak_bytes`` the most held at once in the last backward (both read from the
+storages themselves). Once, in the second iteration, DDP replaces its buckets by ones ordered
+as the gradients arrived; the old ones are dropped as the new ones are first seen. On CUDA the
+caching allocator makes the release and regrowth cheap; on
+CPU each regrowth is a fresh allocation.
 
 Requirements, checked at construction: ``gradient_as_bucket_view=True`` (else DDP would copy
 every bucket back into a separate ``.grad`` at the end), ``find_unused_parameters=False`` and
@@ -27,6 +33,7 @@ bit-identical to ``backward(); step()`` with ordinary DDP (tested with gloo, 2 p
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,15 +83,17 @@ class DDPStepper:
                 f"module has {len(theirs)}, and they are not the same set. Build it from the "
                 "DDP module's parameters: InBackward(ddp.parameters(), ..., ddp=ddp)."
             )
-        self.opt, self.ddp = opt, ddp
-        self.group = ddp.process_group
-        self.world = dist.get_world_size(self.group)
+        # weak: the all-reduce callbacks hold this object and may drop it on a communication
+        # thread; were it the last owner of the process group, the group would be destroyed
+        # there, joining its own thread (the process aborts)
+        self.opt, self._ddp = opt, weakref.ref(ddp)
+        self.world = dist.get_world_size(ddp.process_group)
         self.active = True
         self._lock = threading.Lock()  # all-reduce callbacks may finish on other threads
         self._storage: dict[int, tuple[torch.UntypedStorage, int]] = {}  # id(p) -> bucket
         self._pending: list[torch.futures.Future] = []  # this backward's bucket steps
         self._peak = 0
-        self.peak_bytes = 0  # most bucket bytes held at once while the last backward ran
+        self.peak_bytes = 0  # most bucket bytes held at once in the last backward
         self._handles = [
             p.register_post_accumulate_grad_hook(self._regrow)
             for p in ddp.parameters()
@@ -101,7 +110,9 @@ class DDPStepper:
     def _regrow(self, p: Tensor) -> None:
         """Before DDP copies ``p``'s gradient into its bucket: give the bucket its memory."""
         entry = self._storage.get(id(p))
-        if entry is not None and entry[0].nbytes() == 0 and self.ddp.require_backward_grad_sync:
+        ddp = self._ddp()
+        syncing = ddp is not None and ddp.require_backward_grad_sync  # not inside no_sync()
+        if entry is not None and entry[0].nbytes() == 0 and syncing:
             entry[0].resize_(entry[1])
             self._peak = max(self._peak, self.held_bytes())
 
@@ -122,7 +133,8 @@ class DDPStepper:
     def _comm_hook(self, bucket):
         buffer = bucket.buffer()
         buffer.mul_(1.0 / self.world)  # DDP's default averaging, bit for bit
-        fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+        group = self._ddp().process_group  # DDP calls this hook, so it is alive
+        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         if not self.active:
             return fut.then(lambda f: f.value()[0])
         if self.opt._accumulating:
@@ -160,10 +172,10 @@ class DDPStepper:
         """DDP's end of backward re-reads every bucket: give them memory for that moment."""
         torch.futures.wait_all(self._pending)
         self._pending = []
-        self.peak_bytes, self._peak = self._peak, 0
         for storage, nbytes in self._storage.values():
             if storage.nbytes() == 0:
-                storage.resize_(nbytes)
+                storage.resize_(nbytes)  # never written: DDP only re-views them
+        self.peak_bytes, self._peak = max(self._peak, self.held_bytes()), 0
         _queue_after_backward(self._after_finalize)
 
     def _after_finalize(self) -> None:

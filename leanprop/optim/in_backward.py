@@ -309,8 +309,9 @@ class InBackward(torch.optim.Optimizer):
 
     @property
     def ddp_bucket_peak_bytes(self) -> int:
-        """With ``ddp=``: most bytes of DDP bucket memory held at once while the last backward
-        computed (DDP's end-of-backward bookkeeping then needs all buckets for a moment)."""
+        """With ``ddp=``: most bytes of DDP bucket memory held at once in the last backward (all
+        buckets, for the moment of DDP's end-of-backward bookkeeping; see ``ddp_bucket_bytes``
+        for what is held while backward computes)."""
         return 0 if self._ddp is None else self._ddp.peak_bytes
 
     # ------------------------------------------------------------------ hooks
