@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import LeanpropError, LeanpropValueError
 from .memory import track_memory
-from .timing import time_fn
+from .timing import time_interleaved
 
 
 class MismatchError(LeanpropError, AssertionError):
@@ -118,7 +118,8 @@ def compare(
     Each variant is a callable without arguments that runs one step and returns its result
     (a tensor, or any nesting of lists/tuples/dicts of tensors). Peak memory is measured with
     :class:`leanprop.track_memory` on the first (cold) call, whose result is the one checked;
-    time with :func:`leanprop.time_fn` afterwards.
+    time afterwards, in rounds that call every variant once (so that load changes on a shared
+    machine affect all variants alike).
 
     Example:
         >>> import torch, leanprop
@@ -150,11 +151,14 @@ def compare(
         )
     results: dict[str, Any] = {}
     rows: dict[str, Row] = {}
+    peaks: dict[str, float] = {}
     for name in [base, *(n for n in names if n != base)]:
         with track_memory(device, existing=existing) as mem:
             results[name] = variants[name]()
-        t = time_fn(variants[name], device, warmup=warmup, reps=reps)
-        rows[name] = Row(name, t.median, t.min, mem.peak_mib)
+        peaks[name] = mem.peak_mib
+    times = time_interleaved(variants, device, warmup=warmup, reps=reps)
+    for name in names:
+        rows[name] = Row(name, times[name].median, times[name].min, peaks[name])
     ref = rows[base]
     for name, row in rows.items():
         row.time_ratio = row.median_s / ref.median_s if ref.median_s > 0 else float("nan")

@@ -65,6 +65,8 @@ def side_loss(
     *,
     log: list[Tensor] | None = None,
     scale: float | Tensor | None = None,
+    chunk_size: int | None = None,
+    chunk_reduction: str = "mean",
 ) -> Any:
     """Add ``weight * fn(*h)`` to the objective now, and free its graph.
 
@@ -86,6 +88,14 @@ def side_loss(
         log: if given, the detached value ``weight * fn(h)`` is appended (for logging).
         scale: loss scale to apply inside the eager backward (fp16 ``GradScaler``: pass
             ``scaler.get_scale()``) so the penalty's gradients are scaled like the main loss's.
+        chunk_size: evaluate and differentiate ``fn`` on this many samples (dim 0 of every
+            tensor in ``h``) at a time, so only one chunk's penalty activations exist at once.
+            The penalty is then ``sum_c w_c * fn(h_c)`` over the chunks ``h_c``, with
+            ``w_c = len(h_c) / N`` for ``chunk_reduction="mean"`` and ``1`` for ``"sum"``:
+            the same as ``fn(h)`` when ``fn`` is a mean (or sum) of per-sample terms, e.g.
+            ``pen(t).square().mean()``; a different penalty for one that mixes samples (a Gram
+            matrix, batch statistics). Gradients equal the unchunked ones up to rounding.
+        chunk_reduction: ``"mean"`` or ``"sum"``, see ``chunk_size``.
 
     Returns:
         ``h`` (the same values; a tuple for a sequence), through which the main backward adds
@@ -93,7 +103,7 @@ def side_loss(
 
     Raises:
         LeanpropValueError: ``h`` holds no tensors, ``fn`` is not callable or does not return a
-            scalar.
+            scalar, or a bad ``chunk_size`` / ``chunk_reduction`` / batch size.
         UnsupportedModelError: a later ``backward(create_graph=True)`` through it, or a second
             backward through the same returned ``h``.
     """
@@ -105,31 +115,90 @@ def side_loss(
         )
     if not callable(fn):
         raise LeanpropValueError(f"side_loss() needs a callable fn, got {type(fn).__name__}.")
+    chunks = _chunks(hs, chunk_size, chunk_reduction)
     if _recomputing():  # non-reentrant checkpointing re-runs forward inside backward: the
         return h  # original forward already applied the penalty and its graph keeps the gradient
     if not torch.is_grad_enabled():
         with torch.no_grad():
-            value = weight * _scalar(fn(*hs))
+            value = sum(_value(fn, weight, w, _cut(hs, sl)) for sl, w in chunks)
         if log is not None:
             log.append(value.detach())
         return h
-    detached = [t.detach().requires_grad_(t.requires_grad) for t in hs]
-    # plain saved tensors: the penalty's graph is private (e.g. not recorded by an enclosing
-    # activation checkpoint, whose recomputation skips it) and freed by its backward
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-        value = weight * _scalar(fn(*detached))
-        if log is not None:
-            log.append(value.detach())
-        if not value.requires_grad:  # fn used neither h nor a parameter
-            return h
-        params = _leaves(value, exclude=detached)
-        wrt = [d for d in detached if d.requires_grad] + params
-        grads = torch.autograd.grad(value if scale is None else value * scale, wrt,
-                                    allow_unused=True)  # fmt: skip
-    by_input = iter(grads)
-    h_grads = [next(by_input) if d.requires_grad else None for d in detached]
-    out = _InjectGrad.apply([*h_grads, *by_input], len(hs), *hs, *params)
+    total: Tensor | None = None
+    h_grads: list[Tensor | None] = [None] * len(hs)
+    param_grads: dict[int, tuple[Tensor, Tensor | None]] = {}  # id -> (parameter, gradient)
+    for sl, w in chunks:
+        detached = [t.detach().requires_grad_(t.requires_grad) for t in _cut(hs, sl)]
+        # plain saved tensors: the penalty's graph is private (e.g. not recorded by an enclosing
+        # activation checkpoint, whose recomputation skips it) and freed by its backward
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            value = _value(fn, weight, w, detached)
+            total = value.detach() if total is None else total + value.detach()
+            if not value.requires_grad:  # fn used neither h nor a parameter
+                continue
+            params = _leaves(value, exclude=detached)
+            wrt = [d for d in detached if d.requires_grad] + params
+            grads = iter(torch.autograd.grad(value if scale is None else value * scale, wrt,
+                                             allow_unused=True))  # fmt: skip
+        for i, d in enumerate(detached):
+            g = next(grads) if d.requires_grad else None
+            if g is not None and sl is None:
+                h_grads[i] = g
+            elif g is not None:
+                if h_grads[i] is None:
+                    h_grads[i] = torch.zeros_like(hs[i])
+                h_grads[i][sl] = g
+        for p, g in zip(params, grads, strict=True):
+            _, before = param_grads.get(id(p), (p, None))
+            param_grads[id(p)] = (p, g if before is None else before if g is None else before + g)
+    if log is not None and total is not None:
+        log.append(total)
+    if not param_grads and all(g is None for g in h_grads):
+        return h
+    params = [p for p, _ in param_grads.values()]
+    grads_all = [*h_grads, *(g for _, g in param_grads.values())]
+    out = _InjectGrad.apply(grads_all, len(hs), *hs, *params)
     return out[0] if single else out
+
+
+def _chunks(
+    hs: tuple[Tensor, ...], chunk_size: int | None, reduction: str
+) -> list[tuple[slice | None, float | None]]:
+    """``(samples, weight)`` per chunk; ``[(None, None)]`` for the whole batch at once."""
+    if chunk_size is None:
+        return [(None, None)]
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise LeanpropValueError(
+            f"side_loss() got chunk_size={chunk_size!r}; it must be a positive number of samples "
+            "or None (the whole batch at once)."
+        )
+    if reduction not in ("mean", "sum"):
+        raise LeanpropValueError(
+            f"side_loss() got chunk_reduction={reduction!r}; allowed: 'mean', 'sum'."
+        )
+    sizes = {t.shape[0] if t.dim() else None for t in hs}
+    if len(sizes) != 1 or None in sizes:
+        shapes = [tuple(t.shape) for t in hs]
+        raise LeanpropValueError(
+            f"side_loss(chunk_size=...) splits every tensor of h along dim 0 (samples), so they "
+            f"need the same batch size; got shapes {shapes}."
+        )
+    n = sizes.pop()
+    return [
+        (slice(a, min(a + chunk_size, n)), (min(a + chunk_size, n) - a) / n if reduction ==
+         "mean" else 1.0)
+        for a in range(0, n, chunk_size)
+    ]  # fmt: skip
+
+
+def _cut(hs: tuple[Tensor, ...], sl: slice | None) -> tuple[Tensor, ...]:
+    return hs if sl is None else tuple(t[sl] for t in hs)
+
+
+def _value(fn: Callable[..., Tensor], weight: Any, w: float | None, hs: Sequence[Tensor]) -> Tensor:
+    """``weight * fn(*hs)``, times the chunk's weight ``w`` when chunked."""
+    v = _scalar(fn(*hs))
+    return weight * v if w is None else weight * (w * v)
 
 
 def _leaves(value: Tensor, exclude: Sequence[Tensor]) -> list[Tensor]:

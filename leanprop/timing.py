@@ -40,17 +40,36 @@ def time_fn(
         >>> t.min <= t.median
         True
     """
+    return time_interleaved({"fn": fn}, device, warmup=warmup, reps=reps)["fn"]
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    device: str | torch.device = "cpu",
+    warmup: int = 1,
+    reps: int = 10,
+) -> dict[str, Timing]:
+    """Time several callables in rounds (each round calls every one once, in order), so that
+    a change in the machine's load during the measurement affects them all alike.
+
+    Example:
+        >>> t = time_interleaved({"a": lambda: sum(range(100)), "b": lambda: None}, reps=3)
+        >>> sorted(t)
+        ['a', 'b']
+    """
     if reps < 1 or warmup < 0:
         raise LeanpropValueError(
-            f"time_fn() got reps={reps}, warmup={warmup}; need reps >= 1 and warmup >= 0."
+            f"timing got reps={reps}, warmup={warmup}; need reps >= 1 and warmup >= 0."
         )
-    for _ in range(warmup):
-        fn()
-    runs = []
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    runs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        runs.append(time.perf_counter() - start)
-    return Timing(statistics.median(runs), min(runs), tuple(runs))
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            runs[name].append(time.perf_counter() - start)
+    return {name: Timing(statistics.median(r), min(r), tuple(r)) for name, r in runs.items()}

@@ -68,7 +68,8 @@ def test_side_losses_suite(capsys):
     for kind in ("mlp", "free"):
         for method in ("combined", "checkpoint", "backward-at-once", "leanprop"):
             assert f"{kind} penalty: {method}" in text
-    assert text.count("agrees") == 6 and "DISAGREES" not in text
+    assert "mlp penalty: leanprop chunked" in text and "free penalty: leanprop chunked" not in text
+    assert text.count("agrees") == 7 and "DISAGREES" not in text
 
 
 def test_unknown_suite_is_rejected(capsys):

@@ -66,83 +66,113 @@ def _worker(rank: int, world: int, init: str, device: str, reps: int, out: str) 
         dist.destroy_process_group()
 
 
+VARIANTS = ("ddp", "ddp bucket-view", "leanprop")
+
+
+class _Trainer:
+    """One variant: its model, DDP wrapper and optimizer, and what a probe saw."""
+
+    def __init__(self, name: str, size: str, dev: torch.device) -> None:
+        cfg = SIZES[size]
+        kernel = {"fused": True} if dev.type == "cuda" else {}
+        torch.manual_seed(0)
+        self.name = name
+        self.model = LM(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"]).to(dev)
+        self.ddp = DDP(
+            self.model, gradient_as_bucket_view=name != "ddp", bucket_cap_mb=BUCKET_MB[size]
+        )
+        self.buckets = _BucketProbe()
+        if name == "leanprop":
+            self.opt: Any = leanprop.InBackward(
+                self.ddp.parameters(), torch.optim.AdamW, lr=1e-3, ddp=self.ddp, **kernel
+            )
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, **kernel)
+            self.ddp.register_comm_hook(self.buckets, _BucketProbe.hook)
+        self.at_start = 0  # bucket bytes held when the last backward started
+        self.grad_peak = 0  # gradient bytes (buckets + separate .grad), most at once
+
+    def _probe(self, g: torch.Tensor) -> torch.Tensor:
+        if self.name == "leanprop":
+            self.at_start = self.opt.ddp_bucket_bytes
+        else:
+            self.at_start = self.buckets.held()
+        return g
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        logits = leanprop.transform_grad(self.ddp(x), self._probe)
+        nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        if self.name == "leanprop":
+            held = self.opt.ddp_bucket_peak_bytes
+        else:  # DDP's buckets, plus .grad tensors that are not views of them
+            held = self.buckets.held() + self.buckets.separate_grad_bytes(self.model)
+        self.grad_peak = max(self.grad_peak, held)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> torch.Tensor:
+        if self.name == "leanprop":
+            self.opt.remove()
+        return torch.cat([p.detach().flatten() for p in self.model.parameters()])
+
+
 def _measure(rank: int, device: str, reps: int) -> list[dict]:
     size = "small_b1" if device == "cpu" else "gpt2m_b1"
     cfg = SIZES[size]
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    kernel = {"fused": True} if device == "cuda" else {}
     gen = torch.Generator().manual_seed(1 + rank)
     steps = reps + 1  # one warm-up step
     data = torch.randint(0, cfg["vocab"], (steps, 2, cfg["batch"], cfg["seq"]), generator=gen)
     data = data.to(dev)
-    results: dict[str, dict[str, Any]] = {}
-    finals: dict[str, torch.Tensor] = {}
-    for name in ("ddp", "ddp bucket-view", "leanprop"):
-        torch.manual_seed(0)
-        model = LM(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"]).to(dev)
-        ddp = DDP(model, gradient_as_bucket_view=name != "ddp", bucket_cap_mb=BUCKET_MB[size])
-        buckets = _BucketProbe()
-        if name == "leanprop":
-            opt: Any = leanprop.InBackward(
-                ddp.parameters(), torch.optim.AdamW, lr=1e-3, ddp=ddp, **kernel
-            )
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kernel)
-            ddp.register_comm_hook(buckets, _BucketProbe.hook)
-        at_start: list[int] = []
-
-        def probe(
-            g: torch.Tensor,
-            opt: Any = opt,
-            buckets: _BucketProbe = buckets,
-            at_start: list[int] = at_start,
-        ) -> torch.Tensor:
-            held = opt.ddp_bucket_bytes if isinstance(opt, leanprop.InBackward) else buckets.held()
-            at_start.append(held)
-            return g
-
-        times = []
-        for s in range(steps):
-            _sync(dev)
-            t0 = time.perf_counter()
-            if s == 1 and dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
-                base = torch.cuda.memory_allocated(dev)
-            logits = ddp(data[s, 0])
-            logits = leanprop.transform_grad(logits, probe)
-            nn.functional.cross_entropy(logits.flatten(0, 1), data[s, 1].flatten()).backward()
-            grads = buckets.separate_grad_bytes(model)  # ordinary DDP without bucket views
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        row: dict[str, Any] = {
+    rows: dict[str, dict[str, Any]] = {}
+    # memory: one variant at a time, two steps (the second after DDP rebuilt its buckets)
+    for name in VARIANTS:
+        trainer = _Trainer(name, size, dev)
+        trainer.step(data[0, 0], data[0, 1])
+        _sync(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        trainer.step(data[1, 0], data[1, 1])
+        _sync(dev)
+        peak = trainer.grad_peak
+        if dev.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(dev) - base
+        rows[name] = {
             "method": f"{size} x{dist.get_world_size()}: {name}",
             "batch": cfg["batch"],
-            "median_s": statistics.median(times[1:]),
-            "min_s": min(times[1:]),
-            "buckets_at_backward_start_mib": at_start[-1] / 2**20,
+            "peak_mib": peak / 2**20,
+            "buckets_at_backward_start_mib": trainer.at_start / 2**20,
         }
+        trainer.close()
+        del trainer
+    # time: all variants side by side, one step each per round; the same data, so the
+    # parameters must end up identical
+    trainers = [_Trainer(name, size, dev) for name in VARIANTS]
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for s in range(steps):
+        for t in trainers:
+            _sync(dev)
+            t0 = time.perf_counter()
+            t.step(data[s, 0], data[s, 1])
+            _sync(dev)
+            if s:
+                times[t.name].append(time.perf_counter() - t0)
+    finals = {t.name: t.close() for t in trainers}
+    for name, row in rows.items():
+        row["median_s"] = statistics.median(times[name])
+        row["min_s"] = min(times[name])
         row["extra"] = f"buckets at backward start {row['buckets_at_backward_start_mib']:.1f} MiB"
-        if dev.type == "cuda":
-            row["peak_mib"] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
-        else:
-            peak = opt.ddp_bucket_peak_bytes if name == "leanprop" else buckets.held() + grads
-            row["peak_mib"] = peak / 2**20  # gradient bytes (see the module docstring)
-        if name == "leanprop":
-            opt.remove()
-        results[name] = row
-        finals[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
-    base_row = results["ddp"]
-    rows = []
-    for name, row in results.items():
+    base_row = rows["ddp"]
+    out = []
+    for name, row in rows.items():
         row["time_ratio"] = row["median_s"] / base_row["median_s"]
         row["min_ratio"] = row["min_s"] / base_row["min_s"]
         row["mem_ratio"] = row["peak_mib"] / base_row["peak_mib"] if base_row["peak_mib"] else None
         if name != "ddp":
             row["agrees"] = bool(torch.equal(finals[name], finals["ddp"]))
-        rows.append(row)
-    return rows
+        out.append(row)
+    return out
 
 
 def _sync(dev: torch.device) -> None:

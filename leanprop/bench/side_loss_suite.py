@@ -8,7 +8,10 @@ Gram-matrix decorrelation term, ``[N, N]`` per layer). Variants:
 * ``checkpoint``: each penalty under ``torch.utils.checkpoint`` (recomputed in backward);
 * ``backward-at-once``: ``penalty.backward(retain_graph=True)`` right away (re-traverses the
   backbone each time);
-* ``leanprop``: :func:`leanprop.side_loss`.
+* ``leanprop``: :func:`leanprop.side_loss`;
+* ``leanprop chunked`` (MLP penalty only, a mean over samples): ``side_loss(...,
+  chunk_size=N // 4)``, a quarter of the penalty's activations at a time (for the Gram penalty,
+  which mixes samples, chunking would change the penalty).
 
 :func:`leanprop.compare` times them, measures peak memory and checks the parameter gradients
 agree with ``combined`` (leanprop's are bit-identical; the tests check that).
@@ -30,6 +33,7 @@ SIZES = {
     "large": {"layers": 8, "batch": 4096, "d": 2048},
 }
 ALPHA = 0.1
+CHUNKS = 4  # chunks of the batch for "leanprop chunked"
 
 
 def _gram_penalty(h: Tensor) -> Tensor:
@@ -76,6 +80,8 @@ def _variants(
                 extra.append(ALPHA * checkpoint(fn, h, use_reentrant=False))
             elif method == "backward-at-once":
                 (ALPHA * fn(h)).backward(retain_graph=True)
+            elif method == "leanprop chunked":
+                h = leanprop.side_loss(h, fn, weight=ALPHA, chunk_size=len(h) // CHUNKS)
             else:
                 h = leanprop.side_loss(h, fn, weight=ALPHA)
         loss = model[2](h).square().mean()
@@ -83,6 +89,8 @@ def _variants(
         return grads_summary()
 
     methods = ["combined", "checkpoint", "backward-at-once", "leanprop"]
+    if kind == "mlp":
+        methods.append("leanprop chunked")
     return {m: (lambda m=m: run(m)) for m in methods}, model
 
 
