@@ -124,6 +124,10 @@ def _in_backward_ddp_errors_worker(rank, world_size):
     loss = ddp(torch.randn(2, 6)).sum()
     with pytest.raises(UnsupportedModelError, match="clipped_backward"):
         opt.clipped_backward(loss, 1.0)
+    with pytest.raises(UnsupportedModelError, match="no_sync"), opt.accumulate():
+        pass
+    with pytest.raises(LeanpropValueError, match="not both"):
+        InBackward(model.parameters(), torch.optim.SGD, lr=0.1, ddp=ddp, fsdp=model)
     opt.remove()
 
 
@@ -320,3 +324,9 @@ def test_torchrun_example_runs():
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 ranks hold identical weights after 6 steps" in done.stdout
+
+
+def test_fsdp_argument_needs_a_sharded_model():
+    model = TiedNet()
+    with pytest.raises(LeanpropValueError, match="fully_shard"):
+        InBackward(model.parameters(), torch.optim.SGD, lr=0.1, fsdp=model)

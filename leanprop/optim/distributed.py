@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import LeanpropValueError, UnsupportedModelError
+from ..errors import LeanpropValueError
 
 if TYPE_CHECKING:
     from .in_backward import InBackward
@@ -137,11 +137,6 @@ class DDPStepper:
         fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         if not self.active:
             return fut.then(lambda f: f.value()[0])
-        if self.opt._accumulating:
-            raise UnsupportedModelError(
-                "InBackward(ddp=...).accumulate(): use DDP's own ddp.no_sync() for the "
-                "micro-batches before the last; it skips the all-reduce as well."
-            )
         current = buffer.untyped_storage()
         with self._lock:
             for p in bucket.parameters():  # DDP may have rebuilt its buckets: drop stale ones

@@ -142,6 +142,11 @@ class InBackward(torch.optim.Optimizer):
             )
         if not bucket_mb > 0:
             raise LeanpropValueError(f"InBackward() got bucket_mb={bucket_mb!r}; it must be > 0.")
+        if ddp is not None and fsdp is not None:
+            raise LeanpropValueError(
+                "InBackward() takes ddp= (a DistributedDataParallel module) or fsdp= (a model "
+                "sharded with fully_shard), not both."
+            )
         self.inner = optimizer_class(params, **kwargs)
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self._share()
@@ -164,14 +169,13 @@ class InBackward(torch.optim.Optimizer):
                 f"InBackward(): {len(taken)} parameter(s) already belong to another InBackward "
                 "optimizer; call .remove() on that one first (each gradient can be stepped once)."
             )
-        self._unit_of = {} if fsdp is None else fsdp_units(fsdp, params_all)
+        trainable = [p for p in params_all if p.requires_grad]
+        self._unit_of = {} if fsdp is None else fsdp_units(fsdp, trainable)
         self._unit_size: dict[int, int] = {}
         for unit in self._unit_of.values():
             self._unit_size[unit] = self._unit_size.get(unit, 0) + 1
         self._unit_ready: dict[int, list[Tensor]] = {}
         self._ddp: DDPStepper | None = None
-        if ddp is not None and fsdp is not None:
-            raise LeanpropValueError("InBackward() takes ddp= or fsdp=, not both.")
         if ddp is not None:
             self._ddp = DDPStepper(self, ddp)
         for p in params_all:
@@ -239,7 +243,18 @@ class InBackward(torch.optim.Optimizer):
     @contextmanager
     def accumulate(self) -> Iterator[None]:
         """Backward passes inside only accumulate gradients (micro-batches before the last);
-        the next backward outside steps with the accumulated gradients."""
+        the next backward outside steps with the accumulated gradients.
+
+        Raises:
+            UnsupportedModelError: with ``ddp=``; use DDP's ``ddp.no_sync()`` instead, which
+                also skips the all-reduce of the micro-batches before the last.
+        """
+        if self._ddp is not None:
+            raise UnsupportedModelError(
+                "InBackward(ddp=...).accumulate(): use DDP's own `with ddp.no_sync():` for the "
+                "micro-batches before the last; it skips their all-reduce as well, and the "
+                "next backward outside it steps with the accumulated gradients."
+            )
         self._accumulating = True
         try:
             yield
