@@ -32,6 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from ._eager import in_eager_backward
 from ._fused import Intercept
 from ._registry import Rule, RuleOptions, rule_for
 from ._stats import Reducer, quantities_from_batch
@@ -158,6 +159,7 @@ class PerSample:
         self._active = False
         self._computing = False
         self._cycle_open = False
+        self._finish_queued = False
         self._grad_mode = False
         self._intercept: Intercept | None = None
         self._fusable_by_weight: dict[int, list[_Site]] = {}  # id(weight) -> fusable sites
@@ -234,6 +236,7 @@ class PerSample:
         self._states.clear()
         self._n = None
         self._cycle_open = False
+        self._finish_queued = False
         self.last_n, self.last_sums = None, {}
 
     def _plan(self, module: nn.Module, prefix: str, root: _Site | None) -> None:
@@ -418,15 +421,18 @@ class PerSample:
 
     # ------------------------------------------------------------------ backward
     def _open_cycle(self) -> None:
-        if self._cycle_open:
-            return
-        if self._bn_problem is not None:
-            problem, self._bn_problem = self._bn_problem, None
-            raise UnsupportedModelError(problem)
-        self._cycle_open = True
-        self._grad_mode = torch.is_grad_enabled()
-        self._clear_attrs()
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        if not self._cycle_open:
+            if self._bn_problem is not None:
+                problem, self._bn_problem = self._bn_problem, None
+                raise UnsupportedModelError(problem)
+            self._cycle_open = True
+            self._grad_mode = torch.is_grad_enabled()
+            self._clear_attrs()
+        # a side loss's eager backward (during forward) is part of the coming main backward:
+        # the results are written and checked when that one ends
+        if not self._finish_queued and not in_eager_backward():
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _on_param_grad(self, state: _ParamState):
         def hook(grad: Tensor) -> None:
@@ -595,6 +601,7 @@ class PerSample:
             state.results, state.autograd_grad = {}, None
         self._n = None
         self._cycle_open = False
+        self._finish_queued = False
 
     def _verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward."""

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._eager import eager_backward
 from .errors import LeanpropValueError, UnsupportedModelError
 
 
@@ -94,7 +95,9 @@ def side_loss(
             ``w_c = len(h_c) / N`` for ``chunk_reduction="mean"`` and ``1`` for ``"sum"``:
             the same as ``fn(h)`` when ``fn`` is a mean (or sum) of per-sample terms, e.g.
             ``pen(t).square().mean()``; a different penalty for one that mixes samples (a Gram
-            matrix, batch statistics). Gradients equal the unchunked ones up to rounding.
+            matrix, batch statistics). Gradients equal the unchunked ones up to rounding. Not
+            with :func:`leanprop.per_sample` tracking the penalty's modules (they would see
+            batches of chunk size).
         chunk_reduction: ``"mean"`` or ``"sum"``, see ``chunk_size``.
 
     Returns:
@@ -138,8 +141,9 @@ def side_loss(
                 continue
             params = _leaves(value, exclude=detached)
             wrt = [d for d in detached if d.requires_grad] + params
-            grads = iter(torch.autograd.grad(value if scale is None else value * scale, wrt,
-                                             allow_unused=True))  # fmt: skip
+            with eager_backward():  # per_sample keeps its cycle open for the main backward
+                grads = iter(torch.autograd.grad(value if scale is None else value * scale, wrt,
+                                                 allow_unused=True))  # fmt: skip
         for i, d in enumerate(detached):
             g = next(grads) if d.requires_grad else None
             if g is not None and sl is None:

@@ -395,3 +395,33 @@ def test_chunked_penalty_bad_input():
         side_loss(h, lambda t: t.sum(), chunk_size=2, chunk_reduction="max")
     with pytest.raises(LeanpropValueError, match="same batch size"):
         side_loss((h, torch.randn(5, 3)), lambda a, b: a.sum() + b.sum(), chunk_size=2)
+
+
+def test_per_sample_quantities_of_a_penalty_with_parameters():
+    """Inside per_sample, the eager backward computes the penalty parameters' individual
+    gradients during forward; they join the main backward's results (not replaced by them)
+    and pass the sum check: equal to per_sample on the combined loss (float64)."""
+    from leanprop import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+
+    model = build().double()
+    backbone, pens, head = model
+    x = torch.randn(5, 6, dtype=torch.float64)
+    kinds = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    results = []
+    for eager in (False, True):
+        model.zero_grad(set_to_none=True)
+        with leanprop.per_sample(model, *kinds):
+            h, extra = x, []
+            for blk, pen in zip(backbone, pens, strict=True):
+                h = blk(h)
+                if eager:
+                    h = side_loss(h, penalty(pen), weight=0.1)
+                else:
+                    extra.append(0.1 * penalty(pen)(h))
+            (head(h).square().mean() + sum(extra, torch.zeros((), dtype=x.dtype))).backward()
+            named = list(model.named_parameters())
+            results.append({(k, q.attr): getattr(p, q.attr).clone() for k, p in named
+                            for q in kinds})  # fmt: skip
+    assert results[0].keys() == results[1].keys()
+    for key, want in results[0].items():
+        torch.testing.assert_close(results[1][key], want, rtol=1e-12, atol=1e-15, msg=str(key))
