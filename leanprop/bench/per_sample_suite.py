@@ -1,11 +1,13 @@
 """Per-sample gradients on the CNN of BackPACK's "saving memory in convolutions" example.
 
 Methods: ``plain`` (ordinary forward+backward), leanprop's quantities and conv algorithms, and
-BackPACK / Opacus / torch.func side by side when they are installed. Each method is measured in
-a fresh process (``python -m leanprop.bench.per_sample_suite METHOD ...``): peak tensor memory
-with :class:`leanprop.track_memory` (exact tensor bytes), on CPU also the resident-set peak of
-the first call (comparable with RSS-based numbers elsewhere), and time with
-:func:`leanprop.time_fn`. leanprop's individual gradients are checked against torch.func's.
+BackPACK / Opacus / torch.func side by side when they are installed. Memory is measured for each
+method in a fresh process (``python -m leanprop.bench.per_sample_suite METHOD ...``): peak
+tensor memory with :class:`leanprop.track_memory` (exact tensor bytes), on CPU also the
+resident-set peak of the first call (comparable with RSS-based numbers elsewhere). Time is
+measured afterwards in this process, all methods side by side in rounds (one call of each per
+round), so that load changes on a shared machine affect them alike. leanprop's individual
+gradients are checked against torch.func's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import Tensor, nn
 import leanprop
 
 from ..memory import track_memory
-from ..timing import time_fn
+from ..timing import time_fn, time_interleaved
 from .measure import rss_peak_mib
 
 LEANPROP_METHODS = {
@@ -171,8 +173,14 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (64,), reps: int = 10) -
     for batch in batches:
         recs = []
         for i, m in enumerate(methods, 1):
-            print(f"  ({i}/{len(methods)}) N={batch} {m} ...", file=sys.stderr, flush=True)
-            recs.append(measure_in_subprocess(m, device, batch, reps))
+            print(f"  ({i}/{len(methods)}) N={batch} {m}: memory ...", file=sys.stderr, flush=True)
+            recs.append(measure_in_subprocess(m, device, batch, 0))
+        ok = [r["method"] for r in recs if "error" not in r]
+        print(f"  N={batch}: time, {len(ok)} methods side by side ...", file=sys.stderr, flush=True)
+        steps = {m: make_step(m, torch.device(device), batch) for m in ok}
+        for m, t in time_interleaved(steps, device, reps=reps).items():
+            next(r for r in recs if r["method"] == m).update(median_s=t.median, min_s=t.min)
+        del steps
         base = recs[0]
         for r in recs:
             r["batch"] = batch
@@ -200,8 +208,10 @@ def _worker() -> None:
         rec["rss_peak_mib"] = rss_peak_mib(step)
     with track_memory(device) as mem:
         step()
-    t = time_fn(step, device, reps=a.reps)
-    rec.update(median_s=t.median, min_s=t.min, peak_mib=mem.peak_mib)
+    rec["peak_mib"] = mem.peak_mib
+    if a.reps > 0:  # 0: memory only (the suite times all methods side by side itself)
+        t = time_fn(step, device, reps=a.reps)
+        rec.update(median_s=t.median, min_s=t.min)
     print(json.dumps(rec))
 
 
