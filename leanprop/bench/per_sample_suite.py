@@ -17,6 +17,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -178,7 +179,10 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (64,), reps: int = 10) -
         ok = [r["method"] for r in recs if "error" not in r]
         print(f"  N={batch}: time, {len(ok)} methods side by side ...", file=sys.stderr, flush=True)
         steps = {m: make_step(m, torch.device(device), batch) for m in ok}
-        for m, t in time_interleaved(steps, device, reps=reps).items():
+        with warnings.catch_warnings():  # BackPACK's and Opacus's module hooks warn each call
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            timings = time_interleaved(steps, device, reps=reps)
+        for m, t in timings.items():
             next(r for r in recs if r["method"] == m).update(median_s=t.median, min_s=t.min)
         del steps
         base = recs[0]
