@@ -19,7 +19,8 @@ to rounding. Inside non-reentrant activation checkpointing the recomputation ski
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -141,7 +142,8 @@ def side_loss(
                 continue
             params = _leaves(value, exclude=detached)
             wrt = [d for d in detached if d.requires_grad] + params
-            with eager_backward():  # per_sample keeps its cycle open for the main backward
+            # per_sample keeps its cycle open for the main backward; parameter hooks run there
+            with eager_backward(), _leaf_hooks_off(params):
                 grads = iter(torch.autograd.grad(value if scale is None else value * scale, wrt,
                                                  allow_unused=True))  # fmt: skip
         for i, d in enumerate(detached):
@@ -226,6 +228,22 @@ def _leaves(value: Tensor, exclude: Sequence[Tensor]) -> list[Tensor]:
             continue
         stack.extend(nxt for nxt, _ in node.next_functions)
     return list(found.values())
+
+
+@contextmanager
+def _leaf_hooks_off(params: list[Tensor]) -> Iterator[None]:
+    """Suspend the ``register_hook`` hooks of ``params`` while their gradients are captured:
+    autograd runs a leaf's hooks on captured gradients too, and the main backward, through
+    which the gradients are handed over, runs them again (once, on the whole gradient, as
+    the combined loss would)."""
+    saved = [(p, p._backward_hooks) for p in params if p._backward_hooks]
+    try:
+        for p, _ in saved:
+            p._backward_hooks = None
+        yield
+    finally:
+        for p, hooks in saved:
+            p._backward_hooks = hooks
 
 
 def _keep(t: Tensor) -> Tensor:

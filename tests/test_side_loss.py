@@ -425,3 +425,21 @@ def test_per_sample_quantities_of_a_penalty_with_parameters():
     assert results[0].keys() == results[1].keys()
     for key, want in results[0].items():
         torch.testing.assert_close(results[1][key], want, rtol=1e-12, atol=1e-15, msg=str(key))
+
+
+def test_parameter_hooks_run_once_on_the_whole_gradient():
+    """A parameter's register_hook (here: doubling its gradient) sees the penalty's gradient
+    once, in the main backward, as with the combined loss; not also during the eager pass."""
+    x = torch.randn(5, 6)
+    runs = []
+    for eager in (False, True):
+        model = build()
+        calls = []
+        for p in model.parameters():
+            p.register_hook(lambda g, calls=calls: calls.append(1) or g * 2)
+        step(model, x, eager=eager)
+        runs.append((grads(model), len(calls)))
+    (want, want_calls), (got, got_calls) = runs
+    assert got_calls == want_calls == len(list(build().parameters()))
+    for k, g in want.items():
+        assert torch.equal(got[k], g), k
