@@ -576,7 +576,9 @@ class PerSample:
                 self.last_n, self.last_sums = self._n, {}
                 if Variance in self._kinds:
                     self.last_sums = {
-                        s.param: s.total for s in self._states.values() if s.total is not None
+                        s.param: s.total.detach()
+                        for s in self._states.values()
+                        if s.total is not None
                     }
                 if self._check:
                     self._verify()

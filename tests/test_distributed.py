@@ -7,6 +7,7 @@ functions so they can be pickled by name.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -61,9 +62,9 @@ def _in_backward_ddp_worker(rank, world_size):
         micro = 2 if step == 3 else 1  # step 3 accumulates a micro-batch with no_sync()
         for m in range(micro):
             last = m == micro - 1
-            with ddp_ref.no_sync() if not last else _nothing():
+            with ddp_ref.no_sync() if not last else nullcontext():
                 ddp_ref(xs[m]).square().mean().backward()
-            with ddp.no_sync() if not last else _nothing():
+            with ddp.no_sync() if not last else nullcontext():
                 ddp(xs[m], probe=probe).square().mean().backward()
         plain.step()
         plain.zero_grad()
@@ -89,14 +90,6 @@ def _in_backward_ddp_worker(rank, world_size):
         o.zero_grad()
     for (k, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q), f"rank {rank}, after remove(), {k}"
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_in_backward_under_ddp_bit_identical_and_buckets_freed():

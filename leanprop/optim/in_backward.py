@@ -16,6 +16,10 @@ same operations. Optimizers that need a closure or couple tensors (LBFGS) are re
 The facade *is* a ``torch.optim.Optimizer`` sharing the inner optimizer's ``param_groups`` and
 ``state``: LR schedulers, ``state_dict()`` / ``load_state_dict()`` (interchangeable with the
 plain optimizer's) and trainers work. ``step()`` is a no-op kept for them.
+
+Under ``DistributedDataParallel`` pass ``ddp=``: buckets are stepped after their all-reduce
+(see :mod:`leanprop.optim.distributed`); under FSDP2 pass ``fsdp=`` to step each unit with one
+call after its reduce-scatter.
 """
 
 from __future__ import annotations
