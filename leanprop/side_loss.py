@@ -131,6 +131,7 @@ def side_loss(
     total: Tensor | None = None
     h_grads: list[Tensor | None] = [None] * len(hs)
     param_grads: dict[int, tuple[Tensor, Tensor | None]] = {}  # id -> (parameter, gradient)
+    owned: set[int] = set()  # parameters whose summed gradient this function allocated
     for sl, w in chunks:
         detached = [t.detach().requires_grad_(t.requires_grad) for t in _cut(hs, sl)]
         # plain saved tensors: the penalty's graph is private (e.g. not recorded by an enclosing
@@ -156,7 +157,13 @@ def side_loss(
                 h_grads[i][sl] = g
         for p, g in zip(params, grads, strict=True):
             _, before = param_grads.get(id(p), (p, None))
-            param_grads[id(p)] = (p, g if before is None else before if g is None else before + g)
+            if before is None or g is None:
+                param_grads[id(p)] = (p, g if before is None else before)
+            elif id(p) in owned:  # a sum this loop made: add in place, no third buffer
+                before.add_(g)
+            else:  # autograd's own tensor (it may be shared or expanded): a new sum
+                param_grads[id(p)] = (p, before + g)
+                owned.add(id(p))
     if log is not None and total is not None:
         log.append(total)
     if not param_grads and all(g is None for g in h_grads):

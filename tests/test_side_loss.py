@@ -443,3 +443,24 @@ def test_parameter_hooks_run_once_on_the_whole_gradient():
     assert got_calls == want_calls == len(list(build().parameters()))
     for k, g in want.items():
         assert torch.equal(got[k], g), k
+
+
+def test_chunked_penalty_with_shared_and_expanded_parameter_gradients():
+    """Autograd may hand the same gradient tensor to two parameters (a + b) or an expanded one
+    (a sum): summing the chunks must not write into them."""
+    torch.manual_seed(0)
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    c = torch.randn((), dtype=torch.float64, requires_grad=True)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+
+    def fn(t):
+        return (t * (a + b)).sum() + c * t.shape[0]
+
+    (x.sum() + fn(x)).backward()
+    ref = [t.grad.clone() for t in (a, b, c, x)]
+    for t in (a, b, c, x):
+        t.grad = None
+    side_loss(x, fn, chunk_size=2, chunk_reduction="sum").sum().backward()
+    for r, t in zip(ref, (a, b, c, x), strict=True):
+        torch.testing.assert_close(t.grad, r, rtol=1e-12, atol=1e-14)
