@@ -3,7 +3,8 @@
 Two processes with gloo on CPU (one per GPU with NCCL on CUDA) train the GPT-2-like model of
 the ``in-backward`` suite with AdamW, each on its own data:
 
-* ``ddp``: ordinary DDP (default settings), ``backward(); step(); zero_grad()``;
+* ``ddp``: ordinary DDP (default settings; a communication hook that averages exactly as DDP's
+  default does notes the bucket storages), ``backward(); step(); zero_grad()``;
 * ``ddp bucket-view``: the same with ``gradient_as_bucket_view=True`` (no separate ``.grad``);
 * ``leanprop``: ``InBackward(..., ddp=ddp)``: each bucket stepped once all-reduced, its memory
   released between uses.
@@ -19,6 +20,7 @@ when the activations are gone). DDP buckets are ``BUCKET_MB`` of the ``in-backwa
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -63,6 +65,7 @@ def _worker(rank: int, world: int, init: str, device: str, reps: int, out: str) 
             with open(out, "w") as f:
                 json.dump(rows, f)
     finally:
+        gc.collect()  # DDP holds the process group in a reference cycle: free it first
         dist.destroy_process_group()
 
 
