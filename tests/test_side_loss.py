@@ -31,18 +31,22 @@ def penalty(pen):
     return lambda t: pen(t).square().mean()
 
 
-def step(model, x, eager, alpha=0.1, free_penalty=False, log=None):
+def objective(model, x, eager, alpha=0.1, free_penalty=False, log=None, scale=None):
+    """The training loss of ``build()``'s model: combined, or with eager side losses."""
     backbone, pens, head = model
     h, extra = x, []
     for blk, pen in zip(backbone, pens, strict=True):
         h = blk(h)
         fn = (lambda t: t.square().mean()) if free_penalty else penalty(pen)
         if eager:
-            h = side_loss(h, fn, weight=alpha, log=log)
+            h = side_loss(h, fn, weight=alpha, log=log, scale=scale)
         else:
             extra.append(alpha * fn(h))
-    loss = head(h).square().mean() + sum(extra) if extra else head(h).square().mean()
-    loss.backward()
+    return head(h).square().mean() + sum(extra) if extra else head(h).square().mean()
+
+
+def step(model, x, eager, **kwargs):
+    objective(model, x, eager, **kwargs).backward()
 
 
 def grads(model):
@@ -234,15 +238,7 @@ class _PenalizedNet(nn.Module):
         self.parts = build()
 
     def forward(self, x, eager):
-        backbone, pens, head = self.parts
-        h, extra = x, []
-        for blk, pen in zip(backbone, pens, strict=True):
-            h = blk(h)
-            if eager:
-                h = side_loss(h, penalty(pen), weight=0.1)
-            else:
-                extra.append(0.1 * penalty(pen)(h))
-        return head(h).square().mean() + sum(extra, torch.zeros(()))
+        return objective(self.parts, x, eager)
 
 
 def _ddp_worker(rank, world_size):
@@ -281,19 +277,11 @@ def test_fp16_grad_scaler_end_to_end():
     for net, eager in ((a, False), (b, True)):
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
-        backbone, pens, head = net.parts
         torch.manual_seed(1)
         for i in range(4):
             x = torch.randn(5, 6) * (1e4 if i == 1 else 1.0)  # step 1 overflows in fp16
             with torch.autocast("cpu", dtype=torch.float16):
-                h, extra = x, []
-                for blk, pen in zip(backbone, pens, strict=True):
-                    h = blk(h)
-                    if eager:
-                        h = side_loss(h, penalty(pen), weight=0.1, scale=scaler.get_scale())
-                    else:
-                        extra.append(0.1 * penalty(pen)(h))
-                loss = head(h).square().mean() + sum(extra, torch.zeros(()))
+                loss = objective(net.parts, x, eager, scale=scaler.get_scale() if eager else None)
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
@@ -404,21 +392,13 @@ def test_per_sample_quantities_of_a_penalty_with_parameters():
     from leanprop import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 
     model = build().double()
-    backbone, pens, head = model
     x = torch.randn(5, 6, dtype=torch.float64)
     kinds = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
     results = []
     for eager in (False, True):
         model.zero_grad(set_to_none=True)
         with leanprop.per_sample(model, *kinds):
-            h, extra = x, []
-            for blk, pen in zip(backbone, pens, strict=True):
-                h = blk(h)
-                if eager:
-                    h = side_loss(h, penalty(pen), weight=0.1)
-                else:
-                    extra.append(0.1 * penalty(pen)(h))
-            (head(h).square().mean() + sum(extra, torch.zeros((), dtype=x.dtype))).backward()
+            step(model, x, eager)
             named = list(model.named_parameters())
             results.append({(k, q.attr): getattr(p, q.attr).clone() for k, p in named
                             for q in kinds})  # fmt: skip
