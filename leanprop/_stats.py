@@ -58,10 +58,8 @@ def mean_m2(b: Tensor) -> tuple[Tensor, Tensor]:
     return mean, out.view(b.shape[1:])
 
 
-def quantities_from_batch(
-    b: Tensor, kinds: frozenset[type[Quantity]]
-) -> tuple[dict[str, Tensor], Tensor]:
-    """Quantities from materialised individual gradients ``b: [N, *shape]``, and their sum."""
+def quantities_of(b: Tensor, kinds: frozenset[type[Quantity]]) -> dict[str, Tensor]:
+    """Quantities from materialised individual gradients ``b: [N, *shape]``."""
     n = b.shape[0]
     out: dict[str, Tensor] = {}
     if BatchGrad in kinds:
@@ -75,7 +73,14 @@ def quantities_from_batch(
             out[Variance.attr] = b.new_full(b.shape[1:], float("nan"))
         else:
             out[Variance.attr] = mean_m2(b)[1] / n
-    return out, b.sum(0)
+    return out
+
+
+def quantities_from_batch(
+    b: Tensor, kinds: frozenset[type[Quantity]]
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Quantities from materialised individual gradients ``b: [N, *shape]``, and their sum."""
+    return quantities_of(b, kinds), b.sum(0)
 
 
 class Reducer:
@@ -91,6 +96,7 @@ class Reducer:
         self.mean: Tensor | None = None
         self.m2: Tensor | None = None
         self.sgs: Tensor | None = None
+        self.total: Tensor | None = None  # sum of the chunks written into `full`
 
     def target(self, start: int, stop: int, like: Tensor) -> Tensor | None:
         """Buffer slice ``[stop - start, *shape]`` a rule may write chunk ``start:stop`` into
@@ -112,6 +118,8 @@ class Reducer:
                 part = self.full[self.count : self.count + k]
                 if b.data_ptr() != part.data_ptr():  # not written in place by the rule
                     part.copy_(b)
+                s = b.sum(0)  # while the chunk is still in cache: about 2x faster on CPU
+                self.total = s if self.total is None else self.total.add_(s)
             self.count += k
             return
         if BatchL2Grad in self.kinds:
@@ -137,9 +145,8 @@ class Reducer:
         """The quantities and the sum of the individual gradients."""
         if BatchGrad in self.kinds and (self.parts or self.full is not None):
             if self.full is not None:
-                b = self.full
-            else:
-                b = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+                return quantities_of(self.full, self.kinds), self.total
+            b = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
             return quantities_from_batch(b, self.kinds)
         if self.mean is None:
             return quantities_from_batch(self.like.new_zeros(0, *self.like.shape), self.kinds)
