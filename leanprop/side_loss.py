@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ._eager import eager_backward
+from ._offload import Parked, park
 from .errors import LeanpropValueError, UnsupportedModelError
 
 
@@ -35,10 +36,8 @@ class _InjectGrad(torch.autograd.Function):
     parameter gradients to ``params`` (inputs only so that autograd routes them there)."""
 
     @staticmethod
-    def forward(
-        ctx: Any, grads: list[Tensor | None], n_h: int, *hs_and_params: Tensor
-    ) -> tuple[Tensor, ...]:
-        ctx.grads, ctx.n_h = grads, n_h
+    def forward(ctx: Any, stored: Parked, n_h: int, *hs_and_params: Tensor) -> tuple[Tensor, ...]:
+        ctx.stored, ctx.n_h = stored, n_h
         return tuple(h.view_as(h) for h in hs_and_params[:n_h])
 
     @staticmethod
@@ -49,12 +48,13 @@ class _InjectGrad(torch.autograd.Function):
                 "supported: its gradient was computed without a graph. Add the penalty to the "
                 "loss instead (main + weight * fn(h)) when you need higher derivatives."
             )
-        grads, ctx.grads = ctx.grads, None  # each stored gradient is used once
-        if grads is None:
+        stored, ctx.stored = ctx.stored, None  # each stored gradient is used once
+        if stored is None:
             raise UnsupportedModelError(
                 "side_loss: a second backward through the same side loss; its stored gradient "
                 "was handed out by the first. Run forward again for each backward."
             )
+        grads = stored.take()
         h_grads = grads[: ctx.n_h]
         out = [go if g is None else go + g for go, g in zip(gos, h_grads, strict=True)]
         return (None, None, *out, *grads[ctx.n_h :])
@@ -69,6 +69,7 @@ def side_loss(
     scale: float | Tensor | None = None,
     chunk_size: int | None = None,
     chunk_reduction: str = "mean",
+    offload: bool = False,
 ) -> Any:
     """Add ``weight * fn(*h)`` to the objective now, and free its graph.
 
@@ -100,6 +101,13 @@ def side_loss(
             with :func:`leanprop.per_sample` tracking the penalty's modules (they would see
             batches of chunk size).
         chunk_reduction: ``"mean"`` or ``"sum"``, see ``chunk_size``.
+        offload: CUDA only (ignored for CPU tensors): keep the stored gradients (``h``'s and
+            the penalty parameters') in pinned host memory until the main backward needs them,
+            instead of in GPU memory. Copies run on their own streams: each side loss moves the
+            previous one's gradients out (the newest stays, the backward needs it first), and
+            the backward fetches the next one's while it works on the current. Worth it when
+            the penalty has large parameters or there are many side losses; costs PCIe
+            traffic, twice the stored bytes per step.
 
     Returns:
         ``h`` (the same values; a tuple for a sequence), through which the main backward adds
@@ -107,7 +115,8 @@ def side_loss(
 
     Raises:
         LeanpropValueError: ``h`` holds no tensors, ``fn`` is not callable or does not return a
-            scalar, or a bad ``chunk_size`` / ``chunk_reduction`` / batch size.
+            scalar, or a bad ``chunk_size`` / ``chunk_reduction`` / batch size /
+            ``offload``.
         UnsupportedModelError: a later ``backward(create_graph=True)`` through it, or a second
             backward through the same returned ``h``.
     """
@@ -119,6 +128,8 @@ def side_loss(
         )
     if not callable(fn):
         raise LeanpropValueError(f"side_loss() needs a callable fn, got {type(fn).__name__}.")
+    if not isinstance(offload, bool):
+        raise LeanpropValueError(f"side_loss() got offload={offload!r}; it must be True or False.")
     chunks = _chunks(hs, chunk_size, chunk_reduction)
     if _recomputing():  # non-reentrant checkpointing re-runs forward inside backward: the
         return h  # original forward already applied the penalty and its graph keeps the gradient
@@ -128,6 +139,8 @@ def side_loss(
         if log is not None:
             log.append(value.detach())
         return h
+    if offload:  # the previous side losses' gradients leave while this one computes
+        park(hs[0].device)
     total: Tensor | None = None
     h_grads: list[Tensor | None] = [None] * len(hs)
     param_grads: dict[int, tuple[Tensor, Tensor | None]] = {}  # id -> (parameter, gradient)
@@ -170,7 +183,7 @@ def side_loss(
         return h
     params = [p for p, _ in param_grads.values()]
     grads_all = [*h_grads, *(g for _, g in param_grads.values())]
-    out = _InjectGrad.apply(grads_all, len(hs), *hs, *params)
+    out = _InjectGrad.apply(Parked(grads_all, offload), len(hs), *hs, *params)
     return out[0] if single else out
 
 

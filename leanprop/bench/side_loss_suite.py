@@ -1,8 +1,9 @@
 """Side losses on a backbone's intermediate activations.
 
-``loss = head(h_L) + sum_k alpha * penalty_k(h_k)``, with two kinds of penalty: a small MLP
-with its own parameters, and a parameter-free penalty with large intermediates (a pairwise
-Gram-matrix decorrelation term, ``[N, N]`` per layer). Variants:
+``loss = head(h_L) + sum_k alpha * penalty_k(h_k)``, with two kinds of penalty: an MLP with its
+own parameters (``D -> 4D -> 4D -> 1``, as in the reference problem ``anchors_eager.py``), and
+a parameter-free penalty with large intermediates (a pairwise Gram-matrix decorrelation term,
+``[N, N]`` per layer). Variants:
 
 * ``combined``: one backward of the whole loss (every penalty graph alive until then);
 * ``checkpoint``: each penalty under ``torch.utils.checkpoint`` (recomputed in backward);
@@ -11,7 +12,9 @@ Gram-matrix decorrelation term, ``[N, N]`` per layer). Variants:
 * ``leanprop``: :func:`leanprop.side_loss`;
 * ``leanprop chunked`` (MLP penalty only, a mean over samples): ``side_loss(...,
   chunk_size=N // 4)``, a quarter of the penalty's activations at a time (for the Gram penalty,
-  which mixes samples, chunking would change the penalty).
+  which mixes samples, chunking would change the penalty);
+* ``leanprop offload`` (CUDA only): ``side_loss(..., offload=True)``, the stored gradients wait
+  in pinned host memory.
 
 :func:`leanprop.compare` times them, measures peak memory and checks the parameter gradients
 agree with ``combined`` (leanprop's are bit-identical; the tests check that).
@@ -53,7 +56,9 @@ def _variants(
         nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(cfg["layers"])
     )
     pens = nn.ModuleList(
-        nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, 1))
+        nn.Sequential(
+            nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, 4 * d), nn.GELU(), nn.Linear(4 * d, 1)
+        )
         for _ in range(cfg["layers"])
     )
     model = nn.ModuleList([backbone, pens, nn.Linear(d, 1)]).to(device)
@@ -82,6 +87,8 @@ def _variants(
                 (ALPHA * fn(h)).backward(retain_graph=True)
             elif method == "leanprop chunked":
                 h = leanprop.side_loss(h, fn, weight=ALPHA, chunk_size=len(h) // CHUNKS)
+            elif method == "leanprop offload":
+                h = leanprop.side_loss(h, fn, weight=ALPHA, offload=True)
             else:
                 h = leanprop.side_loss(h, fn, weight=ALPHA)
         loss = model[2](h).square().mean()
@@ -91,6 +98,8 @@ def _variants(
     methods = ["combined", "checkpoint", "backward-at-once", "leanprop"]
     if kind == "mlp":
         methods.append("leanprop chunked")
+    if torch.device(device).type == "cuda":
+        methods.append("leanprop offload")
     return {m: (lambda m=m: run(m)) for m in methods}, model
 
 
