@@ -131,7 +131,12 @@ class Parked:
         self.grads: list[Tensor | None] = grads
         self.state = "device"
         self.device = next((g.device for g in grads if g is not None), None)
-        self.movable = offload and self.device is not None and self.device.type in MOVED_DEVICES
+        self.movable = (
+            offload
+            and self.device is not None
+            and self.device.type in MOVED_DEVICES
+            and all(g is None or g.layout == torch.strided for g in grads)  # sparse ones stay
+        )
         self._done: Any = None  # event: the gradients are complete, or the last copy done
         if self.movable:
             self._done = mark(self.device)

@@ -40,19 +40,19 @@ def _groups(model):
 
 
 def train(opt_class, kwargs, fused_into_backward, steps=4, micro=1, ckpt=False, bucket_mb=25.0,
-          scheduler=True, autocast=False):  # fmt: skip
+          scheduler=True, autocast=False, device="cpu"):  # fmt: skip
     torch.manual_seed(0)
-    model = Net(ckpt)
+    model = Net(ckpt).to(device)
     if fused_into_backward:
         opt = InBackward(_groups(model), opt_class, bucket_mb=bucket_mb, **kwargs)
     else:
         opt = opt_class(_groups(model), **kwargs)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
-    data = torch.randn(steps, micro, 5, 6)
+    data = torch.randn(steps, micro, 5, 6).to(device)
     for s in range(steps):
         for m in range(micro):
             last = m == micro - 1
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(data[s, m]).pow(2).mean()
             if fused_into_backward and not last:
                 with opt.accumulate():
@@ -98,6 +98,16 @@ def test_bit_identical_to_ordinary_training(opt_class, kwargs, bucket_mb):
         assert torch.equal(p, q) == k.startswith("unused"), (
             f"{k}: trained = {not torch.equal(p, q)}"
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bucket_mb", [1e-6, 25.0], ids=["bucket-per-tensor", "one-bucket"])
+@pytest.mark.parametrize("kwargs", [{"fused": True}, {"foreach": True}], ids=["fused", "foreach"])
+def test_bit_identical_on_cuda(kwargs, bucket_mb):
+    a, _ = train(torch.optim.AdamW, kwargs, False, device="cuda")
+    b, _ = train(torch.optim.AdamW, kwargs, True, bucket_mb=bucket_mb, device="cuda")
+    assert_bitwise_equal(a, b)
 
 
 @pytest.mark.parametrize(

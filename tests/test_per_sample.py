@@ -45,6 +45,17 @@ def test_all_quantities_match_oracle(name, reduction):
     check_against_oracle(build(name), reduction)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("algorithm", ["unfold", "grouped"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_all_quantities_match_oracle_on_cuda(name, algorithm):
+    case = build(name)
+    case.model.cuda()
+    case.x, case.y = case.x.cuda(), case.y.cuda()
+    check_against_oracle(case, "mean", conv_algorithm=algorithm)
+
+
 @pytest.mark.parametrize("quantity", ALL, ids=lambda q: type(q).__name__)
 @pytest.mark.parametrize("name", ["mlp", "tied_lm", "sequence", "conv2d", "attention", "shared"])
 def test_each_quantity_alone(name, quantity):

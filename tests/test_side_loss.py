@@ -531,13 +531,15 @@ def test_offload_is_a_no_op_for_cpu_tensors():
 def test_offload_on_cuda_is_exact_and_frees_device_memory():
     torch.manual_seed(0)
     x = torch.randn(512, 128, device="cuda")
-    plain, moved = build(layers=3, d=128).cuda(), build(layers=3, d=128).cuda()
+    combined, plain, moved = (build(layers=3, d=128).cuda() for _ in range(3))
     for _ in range(3):  # several steps: pinned buffers and streams are reused
-        for model in (plain, moved):
+        for model in (combined, plain, moved):
             model.zero_grad(set_to_none=True)
+        step(combined, x, eager=False)
         step(plain, x, eager=True)
         step(moved, x, eager=True, offload=True)
-        for k, g in grads(plain).items():
+        for k, g in grads(combined).items():
+            assert torch.equal(g, grads(plain)[k]), k
             assert torch.equal(g, grads(moved)[k]), k
     # at the end of forward only the newest side loss's gradients stay on the GPU
     parked = {}
