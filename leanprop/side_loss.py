@@ -351,7 +351,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if need_h:
                     grad_h[start : start + chunk] = g @ weight
                 if need_w:
-                    grad_w += g.mT @ hc
+                    grad_w.addmm_(g.mT, hc)  # no [V, D] temporary
                 if need_b:
                     grad_b += g.sum(0)
         denom = valid.clamp(min=1).to(total.dtype) if mean else None
@@ -361,9 +361,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, go: Tensor) -> tuple[Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, None  # computed in forward, handed out once
+        if grads is None:
+            raise UnsupportedModelError(
+                "chunked_linear_cross_entropy: a second backward through the same loss; its "
+                "gradients were handed out by the first. Run forward again for each backward."
+            )
         scale = go if ctx.denom is None else go / ctx.denom
-        grads = [None if g is None else g * scale.to(g.dtype) for g in ctx.grads]
-        ctx.grads = None
+        grads = [None if g is None else g.mul_(scale.to(g.dtype)) for g in grads]  # ours
         return (*grads, None, None, None, None)
 
 
@@ -373,30 +378,49 @@ def chunked_linear_cross_entropy(
     target: Tensor,
     bias: Tensor | None = None,
     *,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
+    chunk_mib: float = 32.0,
     reduction: str = "mean",
     ignore_index: int = -100,
 ) -> Tensor:
     """``cross_entropy(h @ weight.T + bias, target)`` without ever holding the ``[N, V]`` logits.
 
-    The loss and its gradients are computed ``chunk_size`` rows at a time during forward (the
+    The loss and its gradients are computed a chunk of rows at a time during forward (the
     eager principle of :func:`side_loss` applied to the LM head); backward only scales them.
     Equal to the plain loss within floating-point rounding (different summation order).
+
+    Example:
+        >>> import torch, leanprop
+        >>> h = torch.randn(6, 4, requires_grad=True)
+        >>> w = torch.randn(10, 4, requires_grad=True)
+        >>> loss = leanprop.chunked_linear_cross_entropy(h, w, torch.randint(0, 10, (6,)))
+        >>> loss.backward()  # h.grad, w.grad as for F.cross_entropy(h @ w.T, target)
 
     Args:
         h: hidden states ``[N, D]`` (or ``[..., D]``, flattened).
         weight: output projection ``[V, D]``; bias: ``[V]`` or None.
         target: class indices ``[N]`` (or ``[...]``); ``ignore_index`` entries do not count.
-        chunk_size: rows per chunk; peak scratch memory is about ``2 * chunk_size * V``.
+        chunk_size: rows per chunk. None (default): as many rows as keep one chunk's float32
+            logits ``[rows, V]`` within ``chunk_mib``, so the scratch memory does not grow with
+            the vocabulary (about three such buffers exist at once).
+        chunk_mib: the budget for one chunk's logits when ``chunk_size`` is None.
         reduction: ``"mean"`` (over non-ignored rows) or ``"sum"``.
     """
     if reduction not in ("mean", "sum"):
         raise LeanpropValueError(
             f"chunked_linear_cross_entropy() got reduction={reduction!r}; allowed: 'mean', 'sum'."
         )
-    if chunk_size < 1:
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
         raise LeanpropValueError(
-            f"chunked_linear_cross_entropy() got chunk_size={chunk_size}; it must be >= 1."
+            f"chunked_linear_cross_entropy() got chunk_size={chunk_size!r}; it must be a "
+            "positive number of rows, or None (chosen from chunk_mib)."
+        )
+    if not chunk_mib > 0:
+        raise LeanpropValueError(
+            f"chunked_linear_cross_entropy() got chunk_mib={chunk_mib!r}; it must be a positive "
+            "number of MiB."
         )
     h2, t1 = h.reshape(-1, h.shape[-1]), target.reshape(-1)
     if h2.shape[0] != t1.shape[0] or weight.dim() != 2 or weight.shape[1] != h2.shape[1]:
@@ -404,6 +428,8 @@ def chunked_linear_cross_entropy(
             f"chunked_linear_cross_entropy() got h {tuple(h.shape)}, weight {tuple(weight.shape)}"
             f", target {tuple(target.shape)}; expected h [..., D], weight [V, D], target [...]."
         )
+    if chunk_size is None:  # float32 logits of one chunk within the budget
+        chunk_size = max(1, int(chunk_mib * 2**20) // (4 * weight.shape[0]))
     return _ChunkedLinearCE.apply(
         h2, weight, bias, t1, chunk_size, reduction == "mean", ignore_index
     )

@@ -69,7 +69,18 @@ def test_side_losses_suite(capsys):
         for method in ("combined", "checkpoint", "backward-at-once", "leanprop"):
             assert f"{kind} penalty: {method}" in text
     assert "mlp penalty: leanprop chunked" in text and "free penalty: leanprop chunked" not in text
-    assert text.count("agrees") == 7 and "DISAGREES" not in text
+    assert text.count("agrees") == 10 and "DISAGREES" not in text
+    working = {
+        (line.split("ce V=")[1].split(":")[0], "chunked" in line): float(
+            line.split("working memory ")[1].split(" MiB")[0]
+        )
+        for line in text.splitlines()
+        if "ce V=" in line
+    }
+    assert len(working) == 6
+    # the plain loss's working memory grows with the vocabulary, the chunked one's does not
+    assert working["65536", False] > 3 * working["16384", False]
+    assert working["65536", True] <= working["16384", True] < working["16384", False]
 
 
 def test_unknown_suite_is_rejected(capsys):

@@ -223,6 +223,23 @@ def test_chunked_cross_entropy_never_holds_the_logits():
     assert mem.peak_bytes < logits / 2  # gradients [V, D] + [N, D] + a few [16, V] chunks
 
 
+def test_chunked_cross_entropy_scratch_does_not_grow_with_the_vocabulary():
+    from leanprop import track_memory
+
+    torch.manual_seed(0)
+    n, d, budget_mib = 512, 16, 0.25
+    scratch = {}
+    for v in (2048, 16384):
+        h = torch.randn(n, d, requires_grad=True)
+        w = torch.randn(v, d, requires_grad=True)
+        t = torch.randint(0, v, (n,))
+        with track_memory(existing=[h, w, t]) as mem:
+            leanprop.chunked_linear_cross_entropy(h, w, t, chunk_mib=budget_mib).backward()
+        scratch[v] = mem.peak_bytes - (v * d + n * d) * 4  # minus the two gradients
+        assert scratch[v] < n * v * 4 / 4  # well below the logits
+    assert max(scratch.values()) <= 4 * budget_mib * 2**20, scratch
+
+
 def test_chunked_cross_entropy_bad_input():
     h, w, t = torch.randn(4, 3), torch.randn(5, 3), torch.randint(0, 5, (4,))
     with pytest.raises(LeanpropValueError, match="reduction='none'"):
@@ -231,6 +248,12 @@ def test_chunked_cross_entropy_bad_input():
         leanprop.chunked_linear_cross_entropy(h, w, t[:3])
     with pytest.raises(LeanpropValueError, match="chunk_size=0"):
         leanprop.chunked_linear_cross_entropy(h, w, t, chunk_size=0)
+    with pytest.raises(LeanpropValueError, match="chunk_mib=0"):
+        leanprop.chunked_linear_cross_entropy(h, w, t, chunk_mib=0)
+    loss = leanprop.chunked_linear_cross_entropy(h.requires_grad_(), w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(UnsupportedModelError, match="second backward"):
+        loss.backward()
 
 
 class _PenalizedNet(nn.Module):

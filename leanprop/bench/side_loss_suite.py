@@ -16,6 +16,12 @@ a parameter-free penalty with large intermediates (a pairwise Gram-matrix decorr
 * ``leanprop offload`` (CUDA only): ``side_loss(..., offload=True)``, the stored gradients wait
   in pinned host memory.
 
+And the same principle on an LM head: ``cross_entropy(h @ W.T, y)`` for growing vocabularies,
+``plain`` against :func:`leanprop.chunked_linear_cross_entropy` (default chunking: 32 MiB of
+logits per chunk). Each row notes the working memory, the peak less the gradients of ``h`` and
+``W`` (which both must produce): the plain loss's grows with the vocabulary, the chunked one's
+should not.
+
 :func:`leanprop.compare` times them, measures peak memory and checks the parameter gradients
 agree with ``combined`` (leanprop's are bit-identical; the tests check that).
 """
@@ -34,6 +40,10 @@ from leanprop.compare import as_dict
 SIZES = {
     "small": {"layers": 4, "batch": 512, "d": 256},
     "large": {"layers": 8, "batch": 4096, "d": 2048},
+}
+CE_SIZES = {
+    "small": {"tokens": 1024, "d": 128, "vocabs": (4096, 16384, 65536)},
+    "large": {"tokens": 8192, "d": 2048, "vocabs": (32768, 131072)},
 }
 ALPHA = 0.1
 CHUNKS = 4  # chunks of the batch for "leanprop chunked"
@@ -103,8 +113,47 @@ def _variants(
     return {m: (lambda m=m: run(m)) for m in methods}, model
 
 
+def _ce_variants(
+    tokens: int, d: int, vocab: int, device: str
+) -> tuple[dict[str, Callable[[], list[Tensor]]], tuple[Tensor, ...]]:
+    torch.manual_seed(0)
+    h = torch.randn(tokens, d, device=device, requires_grad=True)
+    w = (torch.randn(vocab, d, device=device) / d**0.5).requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), device=device)
+
+    def step(loss: Callable[[], Tensor]) -> list[Tensor]:
+        loss().backward()
+        out = [h.grad, w.grad]
+        h.grad = w.grad = None
+        return out
+
+    variants = {
+        "plain": lambda: step(lambda: nn.functional.cross_entropy(h @ w.mT, y)),
+        "leanprop chunked": lambda: step(lambda: leanprop.chunked_linear_cross_entropy(h, w, y)),
+    }
+    return variants, (h, w, y)
+
+
+def _ce_rows(size: str, device: str, reps: int) -> list[dict]:
+    cfg = CE_SIZES[size]
+    rows: list[dict] = []
+    for vocab in cfg["vocabs"]:
+        variants, tensors = _ce_variants(cfg["tokens"], cfg["d"], vocab, device)
+        res = leanprop.compare(
+            variants, device=device, reps=reps, rtol=1e-4, atol=1e-9, existing=tensors, show=False
+        )
+        grads_mib = sum(t.numel() * t.element_size() for t in tensors[:2]) / 2**20
+        for r in res:
+            row = as_dict(r, batch=cfg["tokens"], method=f"ce V={vocab}: {r.name}")
+            row["working_mib"] = r.peak_mib - grads_mib
+            row["extra"] = f"working memory {row['working_mib']:.1f} MiB"
+            rows.append(row)
+    return rows
+
+
 def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> list[dict]:
-    """Rows for both penalty kinds; sizes are by device (``small`` on CPU)."""
+    """Rows for both penalty kinds and the LM-head loss; sizes are by device (``small`` on
+    CPU)."""
     size = "small" if device == "cpu" else "large"
     rows: list[dict] = []
     for kind in ("mlp", "free"):
@@ -114,4 +163,4 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> li
         )
         batch = SIZES[size]["batch"]
         rows += [as_dict(r, batch=batch, method=f"{kind} penalty: {r.name}") for r in res]
-    return rows
+    return rows + _ce_rows(size, device, reps)
