@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -238,3 +239,26 @@ def test_fallback_output_without_batch_dimension():
         leanprop.per_sample(model, BatchGrad()),
     ):
         model(torch.randn(4, 3)).backward()
+
+
+@pytest.mark.parametrize("kind", [BatchGrad, Variance])
+def test_scratch_memory_stays_within_the_workspace_budget(kind, budget_mib=0.25):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 16, 3, padding=1)
+    x = torch.randn(32, 8, 16, 16)  # im2col patches of the whole batch: 2.25 MiB
+
+    def backward_peak(quantities):
+        with contextlib.ExitStack() as stack:
+            if quantities:
+                stack.enter_context(
+                    leanprop.per_sample(conv, *quantities, max_workspace_mib=budget_mib)
+                )
+            out = conv(x).square().sum()
+            with leanprop.track_memory(existing=[conv, x, out]) as mem:
+                out.backward()
+        conv.zero_grad(set_to_none=True)
+        return mem.peak_bytes
+
+    extra = backward_peak([kind()]) - backward_peak([])
+    results = conv.weight.numel() * 4 * (32 if kind is BatchGrad else 2)  # + mean, variance
+    assert extra <= results + budget_mib * 2**20 + 16 * 1024, (extra, results)
