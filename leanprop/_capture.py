@@ -536,9 +536,6 @@ class PerSample:
                 if site.rule.workspace is not None
                 else sum(call.params[k].numel() for k in names) * g.element_size()
             )
-            if site.rule.accepts_out and all(reducers[k].keeps_chunks() for k in names):
-                # written straight into the result (see Reducer.target): not scratch memory
-                per_sample -= sum(call.params[k].numel() for k in names) * g.element_size()
             dim = 0
         else:
             per_sample = 2 * sum(call.params[k].numel() for k in names) * 4

@@ -98,15 +98,10 @@ class Reducer:
         self.sgs: Tensor | None = None
         self.total: Tensor | None = None  # sum of the chunks written into `full`
 
-    def keeps_chunks(self) -> bool:
-        """Whether every chunk's individual gradients become part of the result (``BatchGrad``
-        without autograd recording), so a rule may write them straight into it."""
-        return BatchGrad in self.kinds and not torch.is_grad_enabled()
-
     def target(self, start: int, stop: int, like: Tensor) -> Tensor | None:
         """Buffer slice ``[stop - start, *shape]`` a rule may write chunk ``start:stop`` into
         (only for ``BatchGrad`` computed in several chunks without autograd recording)."""
-        if not self.keeps_chunks() or stop - start == self.n:
+        if BatchGrad not in self.kinds or stop - start == self.n or torch.is_grad_enabled():
             return None
         if self.full is None:
             self.full = like.new_empty(self.n, *self.like.shape)
