@@ -44,9 +44,9 @@ def _live(device: torch.device) -> list[Parked]:
     """Records on ``device`` whose graph is still alive and that were not taken, oldest first
     (the others are forgotten)."""
     with _lock:
-        alive = [(r, r()) for r in _parked]
-        _parked[:] = [r for r, p in alive if p is not None and p.state != "taken"]
-        return [p for _, p in alive if p is not None and p.state != "taken" and p.device == device]
+        records = [p for p in (r() for r in _parked) if p is not None and p.state != "taken"]
+        _parked[:] = [weakref.ref(p) for p in records]
+        return [p for p in records if p.device == device]
 
 
 @dataclass

@@ -193,7 +193,7 @@ def _chunks(
     """``(samples, weight)`` per chunk; ``[(None, None)]`` for the whole batch at once."""
     if chunk_size is None:
         return [(None, None)]
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if not _is_count(chunk_size):
         raise LeanpropValueError(
             f"side_loss() got chunk_size={chunk_size!r}; it must be a positive number of samples "
             "or None (the whole batch at once)."
@@ -215,6 +215,11 @@ def _chunks(
          "mean" else 1.0)
         for a in range(0, n, chunk_size)
     ]  # fmt: skip
+
+
+def _is_count(x: Any) -> bool:
+    """A positive whole number (``True`` is not one)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def _cut(hs: tuple[Tensor, ...], sl: slice | None) -> tuple[Tensor, ...]:
@@ -410,9 +415,7 @@ def chunked_linear_cross_entropy(
         raise LeanpropValueError(
             f"chunked_linear_cross_entropy() got reduction={reduction!r}; allowed: 'mean', 'sum'."
         )
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
+    if chunk_size is not None and not _is_count(chunk_size):
         raise LeanpropValueError(
             f"chunked_linear_cross_entropy() got chunk_size={chunk_size!r}; it must be a "
             "positive number of rows, or None (chosen from chunk_mib)."

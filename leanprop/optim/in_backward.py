@@ -24,6 +24,7 @@ call after its reduce-scatter.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -175,9 +176,7 @@ class InBackward(torch.optim.Optimizer):
             )
         trainable = [p for p in params_all if p.requires_grad]
         self._unit_of = {} if fsdp is None else fsdp_units(fsdp, trainable)
-        self._unit_size: dict[int, int] = {}
-        for unit in self._unit_of.values():
-            self._unit_size[unit] = self._unit_size.get(unit, 0) + 1
+        self._unit_size = Counter(self._unit_of.values())  # unit -> parameters in it
         self._unit_ready: dict[int, list[Tensor]] = {}
         self._ddp: DDPStepper | None = None
         if ddp is not None:
