@@ -1,8 +1,6 @@
 """leanprop: get more out of each PyTorch backward pass, with less memory."""
 
-from ._registry import register_rule
 from .compare import MismatchError, compare
-from .distributed import all_reduce_quantities
 from .errors import (
     BatchError,
     LeanpropError,
@@ -11,8 +9,16 @@ from .errors import (
 )
 from .memory import track_memory
 from .optim import InBackward
-from .per_sample import per_sample
-from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
+from .per_sample import (
+    BatchGrad,
+    BatchL2Grad,
+    Quantity,
+    SumGradSquared,
+    Variance,
+    all_reduce_quantities,
+    per_sample,
+    register_rule,
+)
 from .side_loss import chunked_linear_cross_entropy, scale_grad, side_loss, transform_grad
 from .timing import Timing, time_fn
 

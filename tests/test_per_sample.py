@@ -115,8 +115,8 @@ def test_empty_batch():
 def test_auto_conv_algorithm_follows_the_workspace_budget():
     from torch import nn
 
-    from leanprop._registry import RuleOptions
-    from leanprop.rules.conv import choose_algorithm
+    from leanprop.per_sample.registry import RuleOptions
+    from leanprop.per_sample.rules.conv import choose_algorithm
 
     conv, g = nn.Conv2d(2, 3, 3), torch.zeros(1, 3, 5, 5)
     assert choose_algorithm(conv, g, RuleOptions("auto", 10**9)) == "unfold"

@@ -199,7 +199,7 @@ def test_bf16_autocast(name):
 
 
 def test_error_during_backward_leaves_the_context_usable(monkeypatch):
-    from leanprop import _stats
+    from leanprop.per_sample import stats as _stats
 
     case = build("mlp")
     add = _stats.Reducer.add

@@ -30,8 +30,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from ..._capture import PerSample
-from ...quantities import BatchGrad, Quantity, validate_quantities
+from ...per_sample.capture import PerSample
+from ...per_sample.quantities import BatchGrad, Quantity, validate_quantities
 from . import extensions
 
 __all__ = ["backpack", "extend", "extensions", "unextend", "weight_jac_t_save_memory"]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 
 
 def batch_dim_of(module: nn.Module) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._registry import RuleOptions, register_rule
+from ..registry import RuleOptions, register_rule
 
 
 def _check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .errors import LeanpropValueError
+from ..errors import LeanpropValueError
 
 
 @dataclass(frozen=True)

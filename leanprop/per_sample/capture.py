@@ -32,11 +32,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from ._eager import in_eager_backward
-from ._fused import Intercept
-from ._registry import Rule, RuleOptions, rule_for
-from ._stats import Reducer, quantities_from_batch
-from .errors import BatchError, LeanpropValueError, UnsupportedModelError
+from .._eager import in_eager_backward
+from ..errors import BatchError, LeanpropValueError, UnsupportedModelError
+from .fused import Intercept
 from .quantities import (
     BatchGrad,
     BatchL2Grad,
@@ -45,7 +43,9 @@ from .quantities import (
     Variance,
     validate_quantities,
 )
+from .registry import Rule, RuleOptions, rule_for
 from .rules._fallback import batch_dim_of, fallback_batch_grads
+from .stats import Reducer, quantities_from_batch
 
 ConvAlgorithm = Literal["auto", "unfold", "grouped"]
 CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ._capture import ConvAlgorithm, PerSample
+from .capture import ConvAlgorithm, PerSample
 from .quantities import Quantity
 
 
@@ -20,8 +20,8 @@ def per_sample(
     Run the forward pass *and* ``backward`` inside the ``with`` block. When each backward pass
     ends, every trainable parameter that received a gradient carries the requested quantities
     as attributes (``grad_batch``, ``batch_l2``, ``sum_grad_squared``, ``variance``); see
-    :mod:`leanprop.quantities` for the definitions and the mean/sum scaling. Each backward
-    replaces the previous results.
+    ``leanprop/per_sample/quantities.py`` for the definitions and the mean/sum scaling. Each
+    backward replaces the previous results.
 
     Example:
         >>> import torch, leanprop

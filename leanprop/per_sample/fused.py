@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
-    from ._capture import PerSample, _Call
+    from .capture import PerSample, _Call
 
 FUSABLE_OPS = frozenset({F.linear, F.conv1d, F.conv2d, F.conv3d})
 

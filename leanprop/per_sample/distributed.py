@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._capture import PerSample
-from .errors import LeanpropValueError, UnsupportedModelError
+from ..errors import LeanpropValueError, UnsupportedModelError
+from .capture import PerSample
 from .quantities import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 
 
