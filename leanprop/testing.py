@@ -6,6 +6,7 @@ easy to trust and slow. Tolerances: float64 results should match leanprop to ~1e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -70,7 +71,7 @@ def quantities_from_individual(grads: Tensor) -> dict[str, Tensor]:
     """Reference quantities from individual gradients ``[N, *shape]`` (BackPACK definitions)."""
     return {
         "grad_batch": grads,
-        "batch_l2": grads.flatten(1).pow(2).sum(1),
+        "batch_l2": grads.reshape(grads.shape[0], math.prod(grads.shape[1:])).pow(2).sum(1),
         "sum_grad_squared": grads.pow(2).sum(0),
         "variance": grads.var(0, unbiased=False) if grads.shape[0] else grads.sum(0) * float("nan"),
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 
 from .capture import ConvAlgorithm, PerSample
@@ -14,6 +16,8 @@ def per_sample(
     conv_algorithm: ConvAlgorithm = "auto",
     max_workspace_mib: float | None = None,
     check: bool = True,
+    batch_dim: int = 0,
+    batch_dims: Mapping[str | int, int | None] | None = None,
 ) -> PerSample:
     """Compute per-sample quantities during the backward passes run inside the context.
 
@@ -48,6 +52,15 @@ def per_sample(
         check: after each backward, verify that the individual gradients add up to the batch
             gradient autograd computed, and raise if not (a use of a parameter that escaped
             the hooks). One host synchronisation per backward.
+        batch_dim: the dimension of the model's input tensors that holds the samples (0 for
+            ``[N, ...]``, 1 for sequence-first ``[T, N, ...]``). From there leanprop follows the
+            batch op by op, so a rule always knows which dimension of its input holds the
+            samples (another dimension of the same size is never taken for it), and a
+            parameter whose output is broadcast over the batch (a position embedding looked up
+            with ``arange(T)``) gets its exact per-sample contributions.
+        batch_dims: per-input exceptions, by argument name or position: ``{"src_key_padding_mask":
+            0}`` for a batch-first mask of a sequence-first model, ``None`` for an input without
+            batch.
 
     Returns:
         The context manager; it removes every hook and releases every captured tensor on
@@ -55,7 +68,8 @@ def per_sample(
 
     Raises:
         LeanpropValueError: unknown quantity or option.
-        BatchError: an input without batch dimension, or modules seeing different batch sizes.
+        BatchError: an input without batch dimension, modules seeing different batch sizes, or
+            a module whose input lost track of the samples (e.g. samples flattened together).
         UnsupportedModelError: BatchNorm in training mode, or a failed sum check.
 
     ``loss.backward(create_graph=True)`` makes the quantities differentiable.
@@ -66,4 +80,6 @@ def per_sample(
         conv_algorithm=conv_algorithm,
         max_workspace_mib=max_workspace_mib,
         check=check,
+        batch_dim=batch_dim,
+        batch_dims=batch_dims,
     )

@@ -22,18 +22,22 @@ How it works (all state lives on the :class:`PerSample` object, never on user mo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import tree_flatten
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from .._eager import in_eager_backward
+from .._torch_compat import current_graph_task_id, queue_callback
 from ..errors import BatchError, LeanpropValueError, UnsupportedModelError
+from . import broadcast
+from .batch import BatchDim, BatchTracker, Lost, _op_name, to_front
 from .fused import Intercept
 from .quantities import (
     BatchGrad,
@@ -84,6 +88,10 @@ class _Call:
     grads: list[Tensor | None]
     pending: int
     closed: bool = False
+    in_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # rule sites: the batch in
+    out_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # the input and the output
+    in_dims: list[int | None] | None = None  # fallback roots: batch dim of each input leaf
+    out_dims: list[int | None] | None = None  # ... and of each output leaf
 
 
 @dataclass(eq=False)
@@ -94,6 +102,7 @@ class _ParamState:
     batch: Tensor | None = None  # accumulated individual gradients (weight sharing)
     total: Tensor | None = None  # sum of the individual gradients, for the final check
     autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
+    autograd_task: int = -1  # the backward (graph task) that computed it
     results: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -103,6 +112,14 @@ def _like(x: Any, g: Tensor) -> Any:
     if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != g.dtype:
         return x.to(g.dtype)
     return x
+
+
+def _check_dim(what: str, d: object) -> None:
+    if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+        raise LeanpropValueError(
+            f"per_sample() got {what}={d!r}; it must be a non-negative int: the dimension of "
+            "the model's inputs that holds the samples (0 for [N, ...], 1 for [T, N, ...])."
+        )
 
 
 def _bits(dtype: torch.dtype) -> int:
@@ -126,6 +143,8 @@ class PerSample:
         conv_algorithm: ConvAlgorithm = "auto",
         max_workspace_mib: float | None = None,
         check: bool = True,
+        batch_dim: int = 0,
+        batch_dims: Mapping[str | int, int | None] | None = None,
         fuse: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -139,17 +158,39 @@ class PerSample:
                 f"per_sample() got conv_algorithm={conv_algorithm!r}; allowed: "
                 f"{', '.join(map(repr, CONV_ALGORITHMS))}."
             )
-        if max_workspace_mib is not None and not max_workspace_mib > 0:
+        if max_workspace_mib is not None and not (
+            isinstance(max_workspace_mib, int | float)
+            and not isinstance(max_workspace_mib, bool)
+            and 0 < max_workspace_mib < float("inf")
+        ):
             raise LeanpropValueError(
                 f"per_sample() got max_workspace_mib={max_workspace_mib!r}; it must be a "
-                "positive number of MiB (scratch memory per layer, e.g. 16) or None (default)."
+                "positive, finite number of MiB (scratch memory per layer, e.g. 16) or None "
+                "(default)."
             )
+        _check_dim("batch_dim", batch_dim)
+        if batch_dims is not None and not isinstance(batch_dims, Mapping):
+            raise LeanpropValueError(
+                f"per_sample() got batch_dims={batch_dims!r}; pass a dict from input names or "
+                "positions to the batch dimension of that input (None: it has no batch), e.g. "
+                "batch_dims={'src_key_padding_mask': 0}."
+            )
+        for key, d in (batch_dims or {}).items():
+            if d is not None:
+                _check_dim(f"batch_dims[{key!r}]", d)
         self.model = model
         self.quantities = quantities
         self.conv_algorithm = conv_algorithm
         self._workspace_mib = max_workspace_mib
         self._check = check
-        self._fuse = fuse  # swap Linear/Conv ops while active (a TorchFunctionMode)
+        self._fuse = fuse  # op interception while active (a TorchFunctionMode)
+        self._batch_dim = batch_dim
+        self._batch_dims = dict(batch_dims or {})
+        self._tracker = BatchTracker(())
+        self._root_running = False  # between the model's forward pre-hook and forward hook
+        self._fallback_depth = 0  # inside a fallback root's forward (it owns its parameters)
+        self._rule_params: frozenset[nn.Parameter] = frozenset()  # owned by rule sites
+        self._finish_task = -1  # graph task of the backward whose end will finish the cycle
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
         self._sites: list[_Site] = []
@@ -202,14 +243,24 @@ class PerSample:
                     self._handles.append(
                         site.module.register_forward_pre_hook(self._on_fallback_enter(site))
                     )
+                    self._handles.append(
+                        site.module.register_forward_hook(self._on_fallback_exit, always_call=True)
+                    )
                 elif site.fusable:
                     self._handles.append(
                         site.module.register_forward_pre_hook(self._on_fusable_enter(site))
                     )
             for state in self._states.values():
                 self._handles.append(state.param.register_hook(self._on_param_grad(state)))
-            self._handles.append(self.model.register_forward_pre_hook(self._on_model_enter))
-            if any(site.fusable for site in self._sites):
+            self._handles.append(
+                self.model.register_forward_pre_hook(self._on_model_enter, with_kwargs=True)
+            )
+            self._handles.append(self.model.register_forward_hook(self._on_model_exit))
+            self._tracker = BatchTracker(self._states)
+            self._rule_params = frozenset(
+                p for site in self._sites if site.rule is not None for p in site.direct.values()
+            )
+            if self._fuse:
                 self._intercept = Intercept(self)
                 self._intercept.__enter__()
             self._active = True
@@ -237,6 +288,8 @@ class PerSample:
         self._n = None
         self._cycle_open = False
         self._finish_queued = False
+        self._tracker = BatchTracker(())
+        self._root_running, self._fallback_depth = False, 0
         self.last_n, self.last_sums = None, {}
 
     def _plan(self, module: nn.Module, prefix: str, root: _Site | None) -> None:
@@ -297,18 +350,135 @@ class PerSample:
 
         return hook
 
-    def _on_model_enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """In facade mode a new forward of the whole model drops what an earlier forward
-        recorded without a backward that asked for quantities."""
-        if self.reset_on_forward and not self._cycle_open and not self._computing:
+    def _on_model_enter(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A forward of the whole model: drop a cycle that died, mark the batched inputs."""
+        if self._computing:
+            return
+        died = (self._finish_queued or self._root_running) and current_graph_task_id() == -1
+        if died:
+            # a backward that raised never ended its cycle, or a forward raised: start anew
             self._reset_cycle()
+        elif self.reset_on_forward and not self._cycle_open:
+            # facade: drop what a forward recorded without a backward that asked for quantities
+            self._reset_cycle()
+        self._root_running = True
+        self._fallback_depth = 0
+        if self._intercept is not None:
+            self._tracker.clear()
+            self._mark_inputs(args, kwargs)
+
+    def _on_model_exit(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        self._root_running = False
+
+    def _mark_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model's input tensors carry the batch at ``batch_dim`` (or ``batch_dims[key]``)."""
+        named: list[tuple[str | int, Any]] = [*enumerate(args), *kwargs.items()]
+        for key, value in named:
+            dim = self._batch_dims.get(key, self._batch_dim)
+            if dim is None:
+                continue
+            if isinstance(value, PackedSequence):
+                continue  # the RNN that takes it finds its samples (see _fallback_dims)
+            for t in tree_flatten(value)[0]:
+                if not isinstance(t, Tensor) or t.dim() == 0:
+                    continue
+                if t.dim() <= dim:
+                    raise BatchError(
+                        f"per_sample: the model's input {key!r} has shape {tuple(t.shape)}, "
+                        f"which has no batch dimension {dim}. Pass batch_dim= for where the "
+                        f"batch is, or batch_dims={{{key!r}: None}} if this input has no batch."
+                    )
+                n = t.shape[dim]
+                if self._tracker.n is None:
+                    self._tracker.n = n
+                elif n != self._tracker.n:
+                    raise BatchError(
+                        f"per_sample: the model's input {key!r} has shape {tuple(t.shape)}: "
+                        f"{n} in batch dimension {dim}, but another input has "
+                        f"{self._tracker.n} samples. Say where its batch is with "
+                        f"batch_dims={{{key!r}: DIM}} (or None if it has no batch)."
+                    )
+                self._tracker.mark(t, BatchDim(dim))
+
+    # ------------------------------------------------------------------ op interception
+    def _tracking(self) -> bool:
+        """Whether batch tracking decides where the batch is (else: ``batch_dim`` of each
+        module's input, e.g. when a sub-module is called directly)."""
+        return self._intercept is not None and self._root_running
+
+    def follows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Called by the op interception: whether this op touches a tracked tensor."""
+        return (
+            self._active
+            and not self._computing
+            and self._intercept is not None
+            and self._tracker.involved(args, kwargs)
+        )
+
+    def before_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
+        """Parameter-derived operands of an op that meets the batch: captured (broadcast.py)."""
+        if not self._root_running or not torch.is_grad_enabled():
+            return args
+        return broadcast.meet(
+            self._tracker, _op_name(func), args, self._rule_params, self._contribute,
+            self._count_use,
+        )  # fmt: skip
+
+    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any):
+        """Where the batch went in the op's outputs."""
+        if self._intercept is not None and not self._computing:
+            self._tracker.propagate(func, args, kwargs, out)
+
+    def _count_use(self, params: frozenset[nn.Parameter]) -> None:
+        for p in params:
+            self._states[p].uses += 1
+
+    def _contribute(self, batch: dict[nn.Parameter, Tensor]) -> None:
+        """Individual gradients ``[N, *p.shape]`` of one use, found outside any call."""
+        self._open_cycle()
+        for p, b in batch.items():
+            state = self._states[p]
+            b = b.detach() if not torch.is_grad_enabled() else b
+            state.batch = b if state.batch is None else state.batch + b
+
+    def _rule_batch(self, site: _Site, x: Any) -> BatchDim | None:
+        """Where the batch is in a rule site's input; None if it carries none."""
+        if not self._tracking():
+            return BatchDim(self._batch_dim)
+        info = self._tracker.info(x)
+        if isinstance(info, Lost):
+            raise BatchError(
+                f"per_sample: {type(site.module).__name__} '{site.name}' got an input in which "
+                f"leanprop cannot tell which dimension holds the samples: {info.reason}. Make "
+                "the batch a dimension of its own before this module (e.g. keep [N, T, D] "
+                "instead of flattening samples together), or report the op that lost it."
+            )
+        return info
+
+    def _rule_out_batch(self, site: _Site, out: Any, in_bd: BatchDim) -> BatchDim:
+        if not self._tracking():
+            return in_bd
+        info = self._tracker.info(out)
+        if not isinstance(info, BatchDim):
+            raise BatchError(
+                f"per_sample: the output of {type(site.module).__name__} '{site.name}' has no "
+                f"batch dimension leanprop can follow ({getattr(info, 'reason', 'none')})."
+            )
+        return info
 
     def _on_fallback_enter(self, site: _Site):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not self._computing:
                 site.calls_before = [s.calls for s in site.inner]
+                self._fallback_depth += 1
 
         return hook
+
+    def _on_fallback_exit(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if not self._computing and self._fallback_depth:
+            self._fallback_depth -= 1
 
     def _on_fusable_enter(self, site: _Site):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -332,10 +502,13 @@ class PerSample:
             or site.fused
         ):
             return None
-        n = self._batch_size(site, (x,), {})
+        bd = self._rule_batch(site, x)
+        if bd is None:  # batch-free input: its output is parameter-derived (broadcast.py)
+            return None
+        n = self._rule_batch_size(site, x, bd)
         site.calls += 1
         site.fused = True
-        call = _Call(site, dict(site.direct), (x,), {}, n, [None], 1)
+        call = _Call(site, dict(site.direct), (x,), {}, n, [None], 1, in_bd=bd, out_bd=bd)
         for p in call.params.values():
             self._states[p].uses += 1
         self._calls.append(call)
@@ -370,13 +543,27 @@ class PerSample:
             if site.fused:  # already recorded by begin_fused
                 site.fused = False
                 return None
+            if site.rule is None and self._computing:
+                return None
             if self._computing or not torch.is_grad_enabled():
                 return None
-            n = self._batch_size(site, args, kwargs)
-            site.calls += 1
-            params = self._site_params(site)
             leaves, _ = tree_flatten(out)
-            call = _Call(site, params, args, kwargs, n, [None] * len(leaves), 0)
+            if site.rule is not None:
+                bd = self._rule_batch(site, args[0] if args else None)
+                if bd is None:  # batch-free input: its output is parameter-derived
+                    site.calls += 1  # (a fallback root above leaves its parameters alone)
+                    return None
+                n = self._rule_batch_size(site, args[0], bd)
+                call = _Call(site, {}, args, kwargs, n, [None] * len(leaves), 0, in_bd=bd)
+                call.out_bd = self._rule_out_batch(site, leaves[0], bd)
+            else:
+                n, in_dims, out_dims = self._fallback_dims(site, args, kwargs, leaves)
+                if n is None:  # batch-free call: its outputs are parameter-derived
+                    return None
+                call = _Call(site, {}, args, kwargs, n, [None] * len(leaves), 0)
+                call.in_dims, call.out_dims = in_dims, out_dims
+            site.calls += 1
+            call.params = params = self._site_params(site)
             for i, t in enumerate(leaves):
                 if isinstance(t, Tensor) and t.requires_grad:
                     call.pending += 1
@@ -389,35 +576,86 @@ class PerSample:
 
         return hook
 
-    def _batch_size(self, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        if site.rule is not None:
-            problem = site.rule.check_input(site.module, args) if site.rule.check_input else None
-            if problem is not None:
-                raise BatchError(
-                    f"per_sample: {type(site.module).__name__} '{site.name}' {problem}. "
-                    "Per-sample quantities need a leading batch dimension N."
-                )
-            n = args[0].shape[0]
-        else:
-            bd = batch_dim_of(site.module)
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-            if not tensors or tensors[0].dim() <= bd:
-                shapes = [tuple(t.shape) for t in tensors]
-                raise BatchError(
-                    f"per_sample: {type(site.module).__name__} '{site.name}' got inputs of shapes "
-                    f"{shapes}; expected a batch dimension at dim {bd}."
-                )
-            n = tensors[0].shape[bd]
+    def _rule_batch_size(self, site: _Site, x: Tensor, bd: BatchDim) -> int:
+        """Samples in a rule site's input (batch at ``bd``); checks the input's shape."""
+        if x.dim() <= bd.dim:
+            raise BatchError(
+                f"per_sample: {type(site.module).__name__} '{site.name}' got an input of shape "
+                f"{tuple(x.shape)}, which has no batch dimension {bd.dim}. Per-sample quantities "
+                "need a batch dimension (batch_dim=, default 0)."
+            )
+        n = x.shape[bd.dim] // bd.inner
+        problem = None
+        if site.rule.check_input is not None:
+            problem = site.rule.check_input(site.module, (to_front(x, bd, n),))
+        if problem is None and bd != BatchDim(0) and site.rule.accepts_out:
+            problem = f"got its batch in dimension {bd.dim}; it needs the batch first"
+        if problem is not None:
+            raise BatchError(
+                f"per_sample: {type(site.module).__name__} '{site.name}' {problem}. "
+                "Per-sample quantities need a batch dimension N (first, or at batch_dim=)."
+            )
+        return self._same_n(site, n)
+
+    def _same_n(self, site: _Site, n: int) -> int:
         if self._n is None:
             self._n = n
         elif n != self._n:
             raise BatchError(
                 f"per_sample: {type(site.module).__name__} '{site.name}' got a batch of {n} "
                 f"samples, but earlier modules in this forward got {self._n}. Every tracked "
-                "module must see the same batch (batch first); run backward before a forward "
-                "with another batch size."
+                "module must see the same batch; run backward before a forward with another "
+                "batch size."
             )
         return n
+
+    def _fallback_dims(
+        self, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any], out_leaves: list[Any]
+    ) -> tuple[int | None, list[int | None] | None, list[int | None] | None]:
+        """Samples of a fallback root's call, and where the batch is in each input and output
+        leaf (None, None: by its documented layout, when batch tracking is off)."""
+        if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
+            raise UnsupportedModelError(
+                f"per_sample: {type(site.module).__name__} '{site.name}' got a PackedSequence. "
+                "Per-sample quantities of RNNs over packed sequences are not supported yet; "
+                "pad the sequences instead (torch.nn.utils.rnn.pad_packed_sequence), or freeze "
+                "this module's parameters."
+            )
+        leaves = tree_flatten((args, kwargs))[0]
+        if not self._tracking():
+            bd = batch_dim_of(site.module)
+            tensors = [t for t in leaves if isinstance(t, Tensor)]
+            if not tensors or tensors[0].dim() <= bd:
+                shapes = [tuple(t.shape) for t in tensors]
+                raise BatchError(
+                    f"per_sample: {type(site.module).__name__} '{site.name}' got inputs of "
+                    f"shapes {shapes}; expected a batch dimension at dim {bd}."
+                )
+            return self._same_n(site, tensors[0].shape[bd]), None, None
+
+        def dim_of(t: Any, what: str) -> int | None:
+            info = self._tracker.info(t)
+            if info is None:
+                return None
+            if isinstance(info, Lost) or info.inner != 1:
+                reason = info.reason if isinstance(info, Lost) else "samples flattened together"
+                raise BatchError(
+                    f"per_sample: {type(site.module).__name__} '{site.name}' got {what} in "
+                    f"which leanprop cannot tell which dimension holds the samples: {reason}."
+                )
+            return info.dim
+
+        in_dims = [dim_of(t, "an input") for t in leaves]
+        # an output that mixed samples is refused in backward, if it gets a gradient
+        out_dims = [
+            info.dim if isinstance(info := self._tracker.info(t), BatchDim) and info.inner == 1
+            else None
+            for t in out_leaves
+        ]  # fmt: skip
+        sizes = {t.shape[d] for t, d in zip(leaves, in_dims, strict=True) if d is not None}
+        if not sizes:
+            return None, in_dims, out_dims
+        return self._same_n(site, sizes.pop()), in_dims, out_dims
 
     # ------------------------------------------------------------------ backward
     def _open_cycle(self) -> None:
@@ -432,13 +670,15 @@ class PerSample:
         # the results are written and checked when that one ends
         if not self._finish_queued and not in_eager_backward():
             self._finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_callback(self._finish)
 
     def _on_param_grad(self, state: _ParamState):
         def hook(grad: Tensor) -> None:
             # not while computing: the fallback's own per-sample autograd calls fire it too
-            if self._active and self._cycle_open and not self._computing:
-                state.autograd_grad = grad
+            # recorded before the cycle opens too (autograd may reach a parameter first); the
+            # graph task tells which backward it came from
+            if self._active and not self._computing:
+                state.autograd_grad, state.autograd_task = grad, current_graph_task_id()
 
         return hook
 
@@ -496,8 +736,9 @@ class PerSample:
         closed: dict[str, Tensor] = {}
         l2_only = kinds == frozenset({BatchL2Grad})
         if single and l2_only and site.rule is not None and site.rule.batch_l2 is not None:
-            g = call.grads[0]
-            closed = site.rule.batch_l2(site.module, call.args, g, single, opts)
+            front_args, g = self._fronted(call)
+            args = tuple(_like(a, g) for a in front_args)
+            closed = site.rule.batch_l2(site.module, args, g, single, opts)
             for k, v in closed.items():
                 self._states[call.params[k]].results[BatchL2Grad.attr] = v
         names = (single - closed.keys()) | multi
@@ -525,16 +766,21 @@ class PerSample:
         state.total = total
         return total
 
+    def _fronted(self, call: _Call) -> tuple[tuple[Any, ...], Tensor]:
+        """A rule call's input and output gradient with the batch first: ``[N, ...]``."""
+        n, g = call.n, call.grads[0]
+        return (to_front(call.args[0], call.in_bd, n), *call.args[1:]), to_front(g, call.out_bd, n)
+
     def _chunks(
         self, call: _Call, names: frozenset[str], opts: RuleOptions, reducers: dict[str, Reducer]
     ) -> Iterator[dict]:
         site, n = call.site, call.n
         if site.rule is not None:
-            g = call.grads[0]
+            front_args, front_g = self._fronted(call)
             per_sample = (
-                site.rule.workspace(site.module, call.args, g, opts)
+                site.rule.workspace(site.module, front_args, front_g, opts)
                 if site.rule.workspace is not None
-                else sum(call.params[k].numel() for k in names) * g.element_size()
+                else sum(call.params[k].numel() for k in names) * front_g.element_size()
             )
             dim = 0
         else:
@@ -544,22 +790,36 @@ class PerSample:
         for start in range(0, n, size):
             stop = min(n, start + size)
 
-            def cut(x: Any, start: int = start, stop: int = stop, dim: int = dim) -> Any:
+            def cut(x: Any, start: int = start, stop: int = stop, dim: int | None = dim) -> Any:
+                if dim is None:
+                    return x
                 return _slice_batch(x, start, stop, n, dim)
 
             if site.rule is not None:
-                g = cut(call.grads[0])
-                args = tuple(_like(cut(a), g) for a in call.args)
+                g = cut(front_g)
+                args = tuple(_like(cut(a), g) for a in front_args)
                 if site.rule.accepts_out:
                     out = {k: reducers[k].target(start, stop, g) for k in names}
                     yield site.rule.batch_grads(site.module, args, g, names, opts, out=out)
                 else:
                     yield site.rule.batch_grads(site.module, args, g, names, opts)
-            else:
+            elif call.in_dims is None:  # batch tracking off: the module's documented layout
                 args = tuple(cut(a) for a in call.args)
                 kwargs = {k: cut(v) for k, v in call.kwargs.items()}
                 grads = [None if g is None else cut(g) for g in call.grads]
                 yield fallback_batch_grads(site.module, args, kwargs, grads, names, stop - start)
+            else:
+                leaves, spec = tree_flatten((call.args, call.kwargs))
+                cut_leaves = [cut(t, dim=d) for t, d in zip(leaves, call.in_dims, strict=True)]
+                args, kwargs = tree_unflatten(cut_leaves, spec)
+                grads = [
+                    None if g is None else cut(g, dim=d)
+                    for g, d in zip(call.grads, call.out_dims, strict=True)
+                ]
+                yield fallback_batch_grads(
+                    site.module, args, kwargs, grads, names, stop - start,
+                    in_dims=call.in_dims, out_dims=call.out_dims,
+                )  # fmt: skip
 
     def _finish(self) -> None:
         """End of the backward pass: complete partial calls, write and check the results."""
@@ -606,7 +866,25 @@ class PerSample:
         self._finish_queued = False
 
     def _verify(self) -> None:
-        """The individual gradients must add up to what autograd computed in this backward."""
+        """The individual gradients must add up to what autograd computed in this backward,
+        and every parameter that got a gradient must have its individual gradients."""
+        task = current_graph_task_id()
+        for s in self._states.values():
+            if s.autograd_task != task:  # from another backward (e.g. of a create_graph result)
+                s.autograd_grad = None
+        missing = [
+            f"'{s.name}'"
+            for s in self._states.values()
+            if s.total is None and not s.results and s.autograd_grad is not None
+        ]
+        if missing:
+            raise UnsupportedModelError(
+                f"per_sample: {', '.join(missing)} got a gradient in this backward but no "
+                "per-sample quantities: leanprop did not see the samples reach them (e.g. a "
+                "forward run outside the `with` block, under torch.no_grad(), or inside "
+                "checkpoint(use_reentrant=True) before the block it wraps). Run the forward "
+                "inside the block; prefer checkpoint(use_reentrant=False)."
+            )
         pairs = [
             (s, s.total.detach(), s.autograd_grad.detach())
             for s in self._states.values()

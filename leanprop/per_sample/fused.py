@@ -54,7 +54,9 @@ class FusedOp(torch.autograd.Function):
 
 
 class Intercept(TorchFunctionMode):
-    """Swaps fusable op calls made inside a fusable site's forward for :class:`FusedOp`."""
+    """The op interception of one :class:`PerSample`: swaps fusable op calls made inside a
+    fusable site's forward for :class:`FusedOp`, and has every op that touches a tracked tensor
+    followed by the capture (where the batch went, parameters broadcast over the batch)."""
 
     def __init__(self, capture: PerSample) -> None:
         super().__init__()
@@ -62,8 +64,16 @@ class Intercept(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        capture = self.capture
         if func in FUSABLE_OPS and not kwargs:
-            call = self.capture.begin_fused(args)
+            call = capture.begin_fused(args)
             if call is not None:
-                return FusedOp.apply(self.capture, call, func, *args)
-        return func(*args, **kwargs)
+                out = FusedOp.apply(capture, call, func, *args)
+                capture.after_op(func, args, kwargs, out)
+                return out
+        if not capture.follows(args, kwargs):
+            return func(*args, **kwargs)
+        args = capture.before_op(func, args, kwargs)
+        out = func(*args, **kwargs)
+        capture.after_op(func, args, kwargs, out)
+        return out

@@ -29,7 +29,8 @@ def _blocks(b: Tensor) -> tuple[Tensor, int]:
 
 def sq_norms(b: Tensor) -> Tensor:
     """``||b[n]||²`` for each n: ``[N]``."""
-    return torch.linalg.vector_norm(b.flatten(1), dim=1).square()
+    flat = b.reshape(b.shape[0], math.prod(b.shape[1:]))  # also for 0-dim parameters
+    return torch.linalg.vector_norm(flat, dim=1).square()
 
 
 def sum_sq(b: Tensor) -> Tensor:

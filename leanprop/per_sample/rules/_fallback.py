@@ -64,6 +64,8 @@ def fallback_batch_grads(
     grads_out: list[Tensor | None],
     names: frozenset[str],
     n: int,
+    in_dims: list[int | None] | None = None,
+    out_dims: list[int | None] | None = None,
 ) -> dict[str, Tensor]:
     """Individual gradients ``{name: [N, *p.shape]}`` of the module's parameters in ``names``.
 
@@ -73,13 +75,26 @@ def fallback_batch_grads(
         grads_out: gradient of each leaf of the flattened output, None where it got none.
         names: qualified parameter names (as in ``module.named_parameters()``) to differentiate.
         n: number of samples in this chunk.
+        in_dims, out_dims: the batch dimension of each leaf of the flattened ``(args,
+            kwargs)`` and output (None: no batch); by default found from the module's documented
+            layout (``batch_first``).
     """
     bd = batch_dim_of(module)
     params = {k: p for k, p in module.named_parameters() if k in names}
     leaves, spec = tree_flatten((args, kwargs))
-    in_dims = [_split_dim(t, bd, n) for t in leaves]
+    if in_dims is None:
+        in_dims = [_split_dim(t, bd, n) for t in leaves]
     got = [(i, g) for i, g in enumerate(grads_out) if g is not None]
-    g_dims = [_grad_dim(g, bd, n) for _, g in got]
+    if out_dims is None:
+        g_dims = [_grad_dim(g, bd, n) for _, g in got]
+    else:
+        g_dims = [out_dims[i] for i, _ in got]
+        if None in g_dims:
+            raise UnsupportedModelError(
+                f"per_sample: {type(module).__name__} returned an output without batch "
+                "dimension that got a gradient; the torch.func fallback cannot split it into "
+                "samples. Freeze this module's parameters, or register a rule for it."
+            )
 
     def one(p: dict[str, Tensor], in_leaves: list[Any], g_leaves: list[Tensor]) -> Tensor:
         full = [

@@ -1,0 +1,496 @@
+"""Which tensors carry the batch, and in which dimension.
+
+The model's input tensors carry the batch at ``batch_dim``. Every op run inside the model's
+forward is seen by the op interception (``fused.py``), which calls :meth:`BatchTracker.propagate`
+to say where the batch went in the op's outputs. So a rule knows which dimension of its input is
+the batch, and a dimension of the same size (sequence length T == batch size N) is never taken
+for it. Tensors derived from parameters only (position embeddings looked up with
+``arange(T)``) carry no batch: they are *parameter-derived* and ``broadcast.py`` takes their
+per-sample contributions where they meet the batch.
+
+A batch dimension may hold the samples as the outer factor of a flattened dimension:
+``x.view(-1, D)`` of ``[N, T, D]`` gives ``[N*T, D]`` with ``BatchDim(0, inner=T)``.
+
+Where the batch goes cannot be told (an op this module does not know changed the shape), or
+samples were mixed (a reduction or a slice over the batch), the tensor is :class:`Lost`; a rule
+that meets such a tensor raises an error instead of guessing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+@dataclass(frozen=True)
+class BatchDim:
+    """The batch is dimension ``dim``, of size ``N * inner`` with the sample as outer factor."""
+
+    dim: int
+    inner: int = 1
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The tensor depends on the batch, but no single dimension holds the samples."""
+
+    reason: str
+
+
+Info = BatchDim | Lost
+
+_ELEMENTWISE_SAME_SHAPE_UNKNOWN = "an op leanprop does not know changed the shape"
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property (x.mT, x.T): name of the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name[:1] in "ri" and name[1:] in _ARITH:  # __radd__, __iadd__
+            name = name[1:]
+    elif name.endswith("_") and not name.startswith("_"):
+        name = name[:-1]  # in-place variant
+    return name
+
+
+_ARITH = {"add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "and", "or", "xor", "mod"}
+_VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view"}
+_DIM_OPS = {  # same shape, acts along one dimension: mixes samples if that is the batch
+    "softmax", "log_softmax", "_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax",
+    "cummin", "sort", "argsort", "normalize", "glu",
+}  # fmt: skip
+_REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "norm", "logsumexp",
+    "all", "any", "argmax", "argmin", "nansum", "nanmean", "median", "var_mean", "std_mean",
+    "count_nonzero",
+}  # fmt: skip
+_BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it there
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "group_norm", "batch_norm", "instance_norm", "max_pool1d", "max_pool2d", "max_pool3d",
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+    "interpolate", "upsample", "unfold", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d",
+    "max_pool2d_with_indices", "local_response_norm",
+}  # fmt: skip
+_LOSSES = {
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+}  # fmt: skip
+_NON_TENSOR = {"size", "dim", "numel", "item", "tolist", "len", "stride", "data_ptr"}
+
+
+def _dims_arg(args: Sequence[Any], kwargs: dict[str, Any], pos: int, *names: str) -> Any:
+    for k in names:
+        if k in kwargs:
+            return kwargs[k]
+    return args[pos] if len(args) > pos else None
+
+
+def _reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[int]) -> Info:
+    """Where the batch lands when ``in_shape`` is viewed as ``out_shape`` (row-major)."""
+    prefix = math.prod(in_shape[: bd.dim])
+    acc = 1
+    for e, size in enumerate(out_shape):
+        if acc == prefix and size % n == 0 and (size > 0 or n == 0):
+            return BatchDim(e, size // n if n else 1)
+        acc *= size
+        if acc > prefix:
+            break
+    return Lost("a reshape split the batch dimension")
+
+
+def _index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTracker) -> Info:
+    """Where the batch lands in ``x[index]``."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(it, Tensor) and it.dtype == torch.bool for it in items):
+        return Lost("boolean-mask indexing")
+    if any(isinstance(it, Tensor | list) for it in items):
+        return _advanced_index(items, ndim, bd, n, tracker)
+    n_consumes = sum(1 for it in items if it is not None and it is not Ellipsis)
+    in_dim = out_dim = 0
+    for it in items:
+        if it is Ellipsis:
+            skip = ndim - n_consumes
+            if in_dim <= bd.dim < in_dim + skip:
+                return BatchDim(out_dim + bd.dim - in_dim, bd.inner)
+            in_dim, out_dim = in_dim + skip, out_dim + skip
+        elif it is None:
+            out_dim += 1
+        elif isinstance(it, slice):
+            if in_dim == bd.dim:
+                full = it.start in (None, 0) and it.stop is None and it.step in (None, 1)
+                if not full:
+                    return Lost("a slice over the batch dimension selects samples")
+                return BatchDim(out_dim, bd.inner)
+            in_dim, out_dim = in_dim + 1, out_dim + 1
+        else:  # an integer
+            if in_dim == bd.dim:
+                return Lost("an index into the batch dimension selects one sample")
+            in_dim += 1
+    return BatchDim(out_dim + bd.dim - in_dim, bd.inner)
+
+
+def _advanced_index(
+    items: list[Any], ndim: int, bd: BatchDim, n: int, tracker: BatchTracker
+) -> Info:
+    """``x[..., idx, ...]`` with index tensors: the batch survives where the batch dimension is
+    indexed by ``arange(N)`` (checked, one host synchronisation) or by a batched index, and
+    lands where that index varies in the broadcast index shape."""
+    if any(it is Ellipsis or it is None for it in items) or bd.inner != 1:
+        return Lost("advanced indexing")
+    items = items + [slice(None)] * (ndim - len(items))
+    adv = [d for d, it in enumerate(items) if not isinstance(it, slice)]
+    if any(not isinstance(items[d], Tensor) for d in adv):
+        return Lost("advanced indexing with a list")
+    it = items[bd.dim]
+    if isinstance(it, slice) and not (
+        it.start in (None, 0) and it.stop is None and it.step in (None, 1)
+    ):
+        return Lost("a slice over the batch dimension selects samples")
+    b_shape = torch.broadcast_shapes(*(items[d].shape for d in adv))
+    adjacent = adv == list(range(adv[0], adv[-1] + 1))
+    front = adv[0] if adjacent else 0  # where the broadcast index dimensions go
+    if bd.dim not in adv:
+        if any(tracker.info(items[d]) is not None for d in adv):
+            return Lost("advanced indexing with a batched index")
+        if bd.dim < adv[0] or not adjacent:
+            before = sum(1 for d in range(bd.dim) if d not in adv) if not adjacent else bd.dim
+            return BatchDim(before + (len(b_shape) if not adjacent else 0))
+        return BatchDim(bd.dim - len(adv) + len(b_shape))
+    positions = set()
+    for d in adv:
+        idx = items[d]
+        info = tracker.info(idx)
+        if isinstance(info, BatchDim):
+            positions.add(len(b_shape) - idx.dim() + info.dim)
+        elif info is not None:
+            return Lost(info.reason)
+        elif d == bd.dim:
+            varying = [e for e, size in enumerate(idx.shape) if size != 1]
+            if len(varying) != 1 or idx.shape[varying[0]] != n:
+                return Lost("advanced indexing selects samples")
+            ar = torch.arange(n, device=idx.device).view(idx.shape)
+            if not torch.equal(idx, ar):
+                return Lost("advanced indexing reorders samples")
+            positions.add(len(b_shape) - idx.dim() + varying[0])
+    if len(positions) != 1:
+        return Lost("advanced indexing")
+    return BatchDim(front + positions.pop())
+
+
+def _einsum(args: Sequence[Any], which: int, bd: BatchDim) -> Info:
+    eq = args[0].replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return Lost("einsum without explicit output")
+    ins, out = eq.split("->")
+    letters = ins.split(",")[which]
+    letter = letters[bd.dim]
+    return BatchDim(out.index(letter), bd.inner) if letter in out else Lost("einsum sums samples")
+
+
+def _matmul(a: Tensor, b: Tensor, which: int, bd: BatchDim, out_ndim: int) -> Info:
+    x = a if which == 0 else b
+    if x.dim() == 1:
+        return Lost("matrix product over the batch")
+    last = x.dim() - 1
+    contracted = last if which == 0 else last - 1
+    if bd.dim == contracted:
+        return Lost("a matrix product sums over the batch dimension")
+    if which == 0 and b.dim() == 1 and bd.dim == last - 1:
+        return BatchDim(out_ndim - 1, bd.inner)
+    if which == 1 and bd.dim == last:
+        return BatchDim(out_ndim - 1, bd.inner)
+    return BatchDim(out_ndim - (x.dim() - bd.dim), bd.inner)
+
+
+def result_dim(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
+    bd: BatchDim, out: Tensor, k: int, n: int, tracker: BatchTracker,
+) -> Info:  # fmt: skip
+    """Where the batch of input ``x`` lands in output ``k``, ``out``.
+
+    ``which`` is the position of ``x`` in ``args`` (also for an element of a list argument), or
+    its keyword."""
+    nd, od = x.dim(), out.dim()
+    if name == "scaled_dot_product_attention":  # q, k, v, attn_mask [N, ..., L, S]
+        if bd.dim >= nd - 2:
+            return Lost("attention over the batch dimension")
+        return BatchDim(od - (nd - bd.dim), bd.inner)
+    if name == "multi_head_attention_forward":
+        # query [L, N, E] (dim 1), key_padding_mask [N, S] (dim 0) -> ([L, N, E], [N, L, S])
+        expected = 0 if which == "key_padding_mask" or x.dim() == 2 else 1
+        if bd.dim != expected or bd.inner != 1 or out.dim() < 2:
+            return Lost("nn.MultiheadAttention with its batch elsewhere than documented")
+        return BatchDim(1 if k == 0 else 0)
+    if name in ("lstm", "gru", "rnn_tanh", "rnn_relu") and isinstance(args[-1], bool):
+        # (input, hx, params, ..., batch_first) -> (output, h_n[, c_n]); hidden states [L, N, H]
+        first = 0 if args[-1] else 1
+        expected = first if which == 0 else 1
+        if bd != BatchDim(expected):
+            return Lost(f"{name} with its batch elsewhere than documented")
+        return BatchDim(first if k == 0 else 1)
+    if isinstance(which, str):
+        return _elementwise(name, args, kwargs, x, bd, out)
+    if name in _VIEWS:
+        return _reshaped(x.shape, bd, n, out.shape)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d0, d1 = (_norm_dim(int(d), nd) for d in (args[1], args[2]))
+        return BatchDim({d0: d1, d1: d0}.get(bd.dim, bd.dim), bd.inner)
+    if name in ("t", "mT", "mH", "adjoint") or (name == "T" and nd == 2):
+        swap = {nd - 1: nd - 2, nd - 2: nd - 1}
+        return BatchDim(swap.get(bd.dim, bd.dim), bd.inner)
+    if name == "permute":
+        dims = args[1:] if len(args) > 2 or isinstance(args[1], int) else args[1]
+        dims = [_norm_dim(int(d), nd) for d in dims]
+        return BatchDim(dims.index(bd.dim), bd.inner)
+    if name in ("movedim", "moveaxis"):
+        src, dst = args[1], args[2]
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        order = [None] * nd
+        for s, t in zip(src, dst, strict=True):
+            order[_norm_dim(t, nd)] = _norm_dim(s, nd)
+        rest = iter(d for d in range(nd) if d not in order)
+        order = [next(rest) if o is None else o for o in order]
+        return BatchDim(order.index(bd.dim), bd.inner)
+    if name == "unsqueeze":
+        d = _norm_dim(int(_dims_arg(args, kwargs, 1, "dim")), od)
+        return BatchDim(bd.dim + (d <= bd.dim), bd.inner)
+    if name == "squeeze":
+        d = _dims_arg(args, kwargs, 1, "dim")
+        dims = range(nd) if d is None else [d] if isinstance(d, int) else d
+        gone = [_norm_dim(k, nd) for k in dims if x.shape[k] == 1]
+        if bd.dim in gone:
+            return BatchDim(bd.dim - sum(k < bd.dim for k in gone) if n == 1 else bd.dim, 1)
+        return BatchDim(bd.dim - sum(k < bd.dim for k in gone), bd.inner)
+    if name in ("select", "narrow", "split", "chunk", "unbind", "tensor_split", "unflatten"):
+        d = _norm_dim(int(_dims_arg(args, kwargs, 1 if name != "split" else 2, "dim") or 0), nd)
+        if name == "split" and len(args) <= 2 and "dim" not in kwargs:
+            d = 0
+        if name == "chunk":
+            d = _norm_dim(int(_dims_arg(args, kwargs, 2, "dim") or 0), nd)
+        if name == "narrow" and x.shape[d] == out.shape[d] and d == bd.dim:
+            return bd
+        if d == bd.dim:
+            return Lost(f"{name} along the batch dimension")
+        if name in ("select", "unbind"):
+            return BatchDim(bd.dim - (d < bd.dim), bd.inner)
+        return bd
+    if name == "getitem":
+        return _index_result(args[1], nd, bd, n, tracker)
+    if name in ("cat", "concat", "concatenate"):
+        d = _norm_dim(int(_dims_arg(args, kwargs, 1, "dim", "axis") or 0), nd)
+        return Lost("concatenation along the batch dimension") if d == bd.dim else bd
+    if name == "stack":
+        d = _norm_dim(int(_dims_arg(args, kwargs, 1, "dim") or 0), od)
+        return BatchDim(bd.dim + (d <= bd.dim), bd.inner)
+    if name in ("repeat", "tile"):
+        reps = list(args[1:]) if len(args) > 2 or isinstance(args[1], int) else list(args[1])
+        if reps[len(reps) - (nd - bd.dim)] != 1:
+            return Lost("repeat along the batch dimension")
+        return BatchDim(od - (nd - bd.dim), bd.inner)
+    if name in _DIM_OPS:
+        d = _dims_arg(args, kwargs, 1, "dim")
+        d = 1 if name == "normalize" and d is None else d
+        if d is None or _norm_dim(int(d), nd) == bd.dim:
+            return Lost(f"{name} along the batch dimension mixes samples")
+        return bd
+    if name in ("flip", "roll"):
+        d = _dims_arg(args, kwargs, 1 if name == "flip" else 2, "dims")
+        dims = [] if d is None else [d] if isinstance(d, int) else list(d)
+        if not dims or any(_norm_dim(k, nd) == bd.dim for k in dims):
+            return Lost(f"{name} along the batch dimension mixes samples")
+        return bd
+    if name in _REDUCTIONS:
+        d = _dims_arg(args, kwargs, 1, "dim")
+        if d is None or (name in ("norm", "std", "var") and not isinstance(d, int | list | tuple)):
+            return Lost(f"{name} over all elements sums samples")
+        dims = [_norm_dim(k, nd) for k in ([d] if isinstance(d, int) else d)]
+        if bd.dim in dims:
+            return Lost(f"{name} over the batch dimension sums samples")
+        if od == nd:  # keepdim
+            return bd
+        return BatchDim(bd.dim - sum(k < bd.dim for k in dims), bd.inner)
+    if name in ("matmul", "mm", "bmm"):
+        return _matmul(args[0], args[1], which, bd, od)
+    if name in ("addmm", "baddbmm", "addbmm"):
+        if which == 0:
+            return BatchDim(od - (nd - bd.dim), bd.inner)
+        return _matmul(args[1], args[2], which - 1, bd, od)
+    if name == "einsum":
+        return _einsum(args, which - 1, bd)
+    if name in ("linear", "embedding", "embedding_bag"):
+        if name == "linear" and bd.dim == nd - 1:
+            return Lost("a linear layer sums over the batch dimension")
+        if name == "embedding_bag" and nd == 1:
+            return Lost("embedding_bag with offsets")
+        return bd
+    if name in ("layer_norm", "rms_norm"):
+        k = len(args[1]) if isinstance(args[1], Sequence) else 1
+        return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
+    if name in _BATCH_FIRST_OPS or name == "pad":
+        if name == "pad":
+            k = len(args[1]) // 2
+            return Lost("padding the batch dimension") if bd.dim >= nd - k else bd
+        if bd.dim != 0 or bd.inner != 1:
+            return Lost(f"{name} needs the batch first")
+        return bd
+    if name in _LOSSES:
+        red = kwargs.get("reduction", "mean")
+        return bd if red == "none" and bd.dim == 0 else Lost("a loss reduces over samples")
+    return _elementwise(name, args, kwargs, x, bd, out)
+
+
+def _elementwise(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor, bd: BatchDim, out: Tensor
+) -> Info:
+    """Anything else: elementwise (broadcast from the right) if the shapes say so."""
+    nd, od = x.dim(), out.dim()
+    if od >= nd - bd.dim and tuple(out.shape[od - nd :]) == tuple(x.shape):
+        return BatchDim(od - (nd - bd.dim), bd.inner)
+    if od >= nd - bd.dim and out.shape[od - (nd - bd.dim)] == x.shape[bd.dim]:
+        bc = torch.broadcast_shapes
+        try:
+            shapes = [t.shape for t in _tensors(args, kwargs)]
+            if tuple(bc(*shapes)) == tuple(out.shape):
+                return BatchDim(od - (nd - bd.dim), bd.inner)
+        except RuntimeError:
+            pass
+    return Lost(f"'{name}' ({_ELEMENTWISE_SAME_SHAPE_UNKNOWN})")
+
+
+def _tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> list[Tensor]:
+    out: list[Tensor] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, list | tuple):
+            out.extend(t for t in a if isinstance(t, Tensor))
+    return out
+
+
+class BatchTracker:
+    """Where the batch is in each tensor of the current forward, and which tensors derive from
+    tracked parameters without carrying the batch.
+
+    Owned by one :class:`~leanprop.per_sample.capture.PerSample`; tensors are held weakly.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self.params = set(params)
+        self.n: int | None = None
+        self._info: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> params
+        self.enabled = True  # off inside a fallback root's own forward (it owns its params)
+
+    def clear(self) -> None:
+        """Forget every tensor (a new forward/backward cycle)."""
+        self.n = None
+        self._info = WeakIdKeyDictionary()
+        self._derived = WeakIdKeyDictionary()
+
+    def mark(self, t: Tensor, info: Info) -> None:
+        self._info[t] = info
+
+    def info(self, t: Any) -> Info | None:
+        """Where ``t`` carries the batch; None if it does not (or is not a tensor)."""
+        return self._info.get(t) if isinstance(t, Tensor) else None
+
+    def derived_params(self, t: Any) -> frozenset[nn.Parameter]:
+        """Tracked parameters a batch-free tensor derives from (empty if none or batched)."""
+        if not isinstance(t, Tensor):
+            return frozenset()
+        if t in self.params:
+            return frozenset({t})
+        return self._derived.get(t, frozenset())
+
+    def is_derived(self, t: Any) -> bool:
+        """A batch-free tensor computed from tracked parameters (not a parameter itself)."""
+        return isinstance(t, Tensor) and t in self._derived
+
+    def mark_derived(self, t: Tensor, params: frozenset[nn.Parameter]) -> None:
+        self._derived[t] = params
+
+    def involved(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether any input is tracked (fast check, before the op runs)."""
+        for t in _tensors(args, kwargs):
+            if t in self._info or t in self._derived or t in self.params:
+                return True
+        return False
+
+    def propagate(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``."""
+        name = _op_name(func)
+        if name in _NON_TENSOR:
+            return
+        outs = (
+            [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]
+        )
+        if not outs:
+            return
+        batched: list[tuple[int | str, Tensor, Info]] = []
+        derived: set[nn.Parameter] = set()
+        for i, a in enumerate(args):
+            for t in a if isinstance(a, list | tuple) else (a,):
+                if not isinstance(t, Tensor):
+                    continue
+                info = self._info.get(t)
+                if info is not None:
+                    batched.append((i, t, info))
+                else:
+                    derived |= self.derived_params(t)
+        for key, v in kwargs.items():
+            if isinstance(v, Tensor):
+                info = self._info.get(v)
+                if info is not None:
+                    batched.append((key, v, info))
+                else:
+                    derived |= self.derived_params(v)
+        if not batched:
+            if derived:
+                params = frozenset(derived)
+                for o in outs:
+                    self._derived[o] = params
+            return
+        n = self.n if self.n is not None else 0
+        for k, o in enumerate(outs):
+            results = set()
+            for i, t, info in batched:
+                if isinstance(info, Lost):
+                    results.add(info)
+                else:
+                    results.add(result_dim(name, args, kwargs, i, t, info, o, k, n, self))
+            res = results.pop() if len(results) == 1 else _merge(results)
+            self._info[o] = res
+
+
+def _merge(results: set[Info]) -> Info:
+    lost = [r for r in results if isinstance(r, Lost)]
+    return lost[0] if lost else Lost("inputs of one op carry the batch in different places")
+
+
+def _flat(out: Any) -> list[Any]:
+    if isinstance(out, list | tuple):
+        return [y for x in out for y in _flat(x)]
+    return [out]
+
+
+def to_front(t: Tensor, info: BatchDim, n: int) -> Tensor:
+    """``t`` with its batch moved to dimension 0 as ``[N, ...]`` (``inner`` split off)."""
+    if info.dim != 0:
+        t = t.movedim(info.dim, 0)
+    if info.inner != 1:
+        t = t.reshape(n, info.inner, *t.shape[1:])
+    return t

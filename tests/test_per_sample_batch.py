@@ -1,0 +1,251 @@
+"""Where the batch is: batch tracking, parameters broadcast over the batch, sequence-first
+inputs and real transformer models, each with sequence length T == batch size N (the
+coincidence that hid wrong results) and T != N, against the per-sample loop in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import leanprop
+from leanprop import BatchError, BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from leanprop.testing import quantities_from_individual
+
+from .helpers import assert_close
+
+ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+
+
+def per_sample_loop(model: nn.Module, loss_of, n: int) -> dict[str, torch.Tensor]:
+    """``loss_of(i)``: sample i's own loss, by running the model on it alone."""
+    names, params = zip(
+        *[(k, p) for k, p in model.named_parameters() if p.requires_grad], strict=True
+    )
+    rows = [torch.autograd.grad(loss_of(i), params, allow_unused=True) for i in range(n)]
+    return {
+        k: torch.stack([torch.zeros_like(params[j]) if r[j] is None else r[j] for r in rows])
+        for j, k in enumerate(names)
+    }
+
+
+def check(model, batch_loss, loss_of, n, quantities=ALL, **options):
+    expected = per_sample_loop(model, loss_of, n)
+    model.zero_grad()
+    with leanprop.per_sample(model, *quantities, **options):
+        batch_loss().backward()
+    scale = max(float(g.abs().max()) for g in expected.values())
+    for k, p in model.named_parameters():
+        ref = quantities_from_individual(expected[k])
+        for q in quantities:
+            assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-9, 1e-12 * scale)
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's embeddings: positions looked up with arange(T), broadcast over the batch."""
+
+    def __init__(self, vocab: int = 11, block: int = 8, dim: int = 4) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+        self.scale = nn.Parameter(torch.ones(()))  # a learned scalar in a parent: fallback
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return self.head(self.ln(h)) * self.scale
+
+
+def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+@pytest.mark.parametrize(("n", "t"), [(6, 6), (4, 6)])
+def test_position_embedding_broadcast_over_the_batch(n, t):
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    x, y = torch.randint(0, 11, (n, t)), torch.randint(0, 11, (n, t))
+    check(
+        model, lambda: token_loss(model(x), y),
+        lambda i: token_loss(model(x[i : i + 1]), y[i : i + 1]), n,
+    )  # fmt: skip
+
+
+class BertStyleEmbeddings(nn.Module):
+    """Token types from a buffer expanded to [N, T]: batch-shaped, but carrying no batch."""
+
+    def __init__(self, vocab: int = 9, dim: int = 4) -> None:
+        super().__init__()
+        self.tok, self.typ = nn.Embedding(vocab, dim), nn.Embedding(2, dim)
+        self.register_buffer("types", torch.zeros(1, 16, dtype=torch.long))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        types = self.types[:, : idx.shape[1]].expand(idx.shape[0], idx.shape[1])
+        return self.head(torch.tanh(self.tok(idx) + self.typ(types))).mean(1)
+
+
+@pytest.mark.parametrize(("n", "t"), [(5, 5), (3, 5)])
+def test_batch_shaped_parameter_derived_operand(n, t):
+    torch.manual_seed(0)
+    model = BertStyleEmbeddings().double()
+    x, y = torch.randint(0, 9, (n, t)), torch.randint(0, 3, (n,))
+    loss = lambda s: F.cross_entropy(model(x[s]), y[s], reduction="sum")  # noqa: E731
+    check(model, lambda: loss(slice(None)), lambda i: loss(slice(i, i + 1)), n)
+
+
+@pytest.mark.parametrize(("n", "t"), [(5, 5), (5, 3)])
+def test_sequence_first_inputs_with_batch_dim(n, t):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(t, n, 3, dtype=torch.float64)
+    check(
+        model, lambda: model(x).square().sum(), lambda i: model(x[:, i : i + 1]).square().sum(),
+        n, batch_dim=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "t"), [(4, 4), (4, 6)])
+def test_transformer_encoder_layer_sequence_first_with_padding_mask(n, t):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0).double()
+    x = torch.randn(t, n, 8, dtype=torch.float64)
+    pad = torch.zeros(n, t, dtype=torch.bool)
+    pad[0, -2:] = True
+
+    def loss(s: slice) -> torch.Tensor:
+        return layer(x[:, s], src_key_padding_mask=pad[s]).square().sum()
+
+    check(
+        layer, lambda: loss(slice(None)), lambda i: loss(slice(i, i + 1)), n,
+        (BatchGrad(), Variance()), batch_dim=1, batch_dims={"src_key_padding_mask": 0},
+    )  # fmt: skip
+
+
+def test_batch_first_mask_taken_as_sequence_first_is_refused_not_wrong():
+    """T == N: a [N, T] mask marked at dim 1 fits by size; leanprop must not use it."""
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0).double()
+    x = torch.randn(4, 4, 8, dtype=torch.float64)
+    pad = torch.zeros(4, 4, dtype=torch.bool)
+    pad[0, -1] = True
+    with (
+        pytest.raises(BatchError, match=r"cannot tell which dimension holds the samples"),
+        leanprop.per_sample(layer, BatchGrad(), batch_dim=1),
+    ):
+        layer(x, src_key_padding_mask=pad).sum().backward()
+
+
+def test_flattened_samples_reach_a_rule_with_their_inner_factor():
+    """HF Conv1D-style x.view(-1, D) then a Linear: the batch is the outer factor of N*T."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2).double()
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x.reshape(-1, 3)).view(*x.shape[:2], 2)
+
+    model = Flat()
+    x = torch.randn(4, 4, 3, dtype=torch.float64)
+    check(model, lambda: model(x).square().sum(), lambda i: model(x[i : i + 1]).square().sum(), 4)
+
+
+def test_mixing_samples_before_a_rule_is_an_error():
+    lin = nn.Linear(3, 2).double()
+
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x - x.mean(0))
+
+    model = Mix()
+    with (
+        pytest.raises(BatchError, match=r"mean over the batch dimension sums samples"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(torch.randn(4, 3, dtype=torch.float64))
+
+
+class Laundered(nn.Module):
+    """One branch's input comes back through numpy: leanprop cannot see that it is batched."""
+
+    def __init__(self, reduce_hidden: bool) -> None:
+        super().__init__()
+        self.seen, self.hidden = nn.Linear(3, 2), nn.Linear(3, 2)
+        self.reduce_hidden = reduce_hidden
+
+    def forward(self, x):
+        h = self.hidden(torch.from_numpy(x.detach().numpy()))
+        if self.reduce_hidden:
+            return self.seen(x).sum() + h.sum()
+        return self.seen(x) + h
+
+
+def test_batch_shaped_branch_meeting_the_batch_is_exact():
+    """The hidden branch has N rows where it meets the batch: row n is sample n's."""
+    torch.manual_seed(0)
+    model = Laundered(reduce_hidden=False).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    check(model, lambda: model(x).square().sum(), lambda i: model(x[i : i + 1]).square().sum(), 4)
+
+
+def test_parameters_reached_without_their_samples_are_an_error_not_missing():
+    model = Laundered(reduce_hidden=True)
+    with (
+        pytest.raises(leanprop.UnsupportedModelError, match=r"'hidden.weight'.*no per-sample"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(torch.randn(4, 3)).backward()
+
+
+# ---------------------------------------------------------------- real models (transformers)
+transformers = pytest.importorskip("transformers")
+
+
+def _quiet(model: nn.Module) -> nn.Module:
+    return model.double().train()
+
+
+@pytest.mark.parametrize(("n", "t"), [(5, 5), (3, 5)])
+def test_hf_gpt2_out_of_the_box(n, t):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=40, n_positions=16, n_embd=8, n_layer=2, n_head=2,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = _quiet(transformers.GPT2LMHeadModel(cfg))
+    ids = torch.randint(0, 40, (n, t))
+
+    def loss(s: slice) -> torch.Tensor:
+        logits = model(ids[s]).logits[:, :-1]
+        return token_loss(logits, ids[s][:, 1:])
+
+    quantities = (BatchGrad(), BatchL2Grad())
+    check(model, lambda: loss(slice(None)), lambda i: loss(slice(i, i + 1)), n, quantities)
+
+
+@pytest.mark.parametrize(("n", "t"), [(5, 5), (3, 5)])
+def test_hf_bert_with_padding_out_of_the_box(n, t):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=40, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = _quiet(transformers.BertForSequenceClassification(cfg))
+    ids, labels = torch.randint(0, 40, (n, t)), torch.randint(0, 2, (n,))
+    mask = torch.ones(n, t, dtype=torch.long)
+    mask[0, -2:] = 0
+
+    def loss(s: slice) -> torch.Tensor:
+        logits = model(input_ids=ids[s], attention_mask=mask[s]).logits
+        return F.cross_entropy(logits, labels[s], reduction="sum")
+
+    quantities = (BatchGrad(), Variance())
+    check(model, lambda: loss(slice(None)), lambda i: loss(slice(i, i + 1)), n, quantities)
