@@ -264,3 +264,86 @@ def test_scratch_memory_stays_within_the_workspace_budget(kind, budget_mib=0.25)
     extra = backward_peak([kind()]) - backward_peak([])
     results = conv.weight.numel() * 4 * (32 if kind is BatchGrad else 2)  # + mean, variance
     assert extra <= results + budget_mib * 2**20 + 16 * 1024, (extra, results)
+
+
+def test_exception_caught_inside_the_block_leaves_the_context_usable():
+    """A hook raising mid-backward (as anomaly detection does on a NaN) must not leave the
+    cycle open: the next iteration's backward computes and writes its own results."""
+    case = build("mlp")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        out = case.model(case.x)
+        out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("bad gradient")))
+        hidden = case.model[0](case.x)  # reaches the first layer's output hook first
+        with pytest.raises(RuntimeError, match="bad gradient"):
+            (case.loss(out, case.y, "sum") + hidden.sum()).backward()
+        case.model.zero_grad()
+        case.loss(case.model(case.x), case.y, "sum").backward()
+    expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad_batch, expected[k], f"{k} after a failed backward", 1e-9, 1e-12)
+
+
+def test_forward_that_raised_then_retried_with_a_smaller_batch():
+    case = build("mlp")
+    calls = []
+
+    def fail_first(module, args):
+        if not calls:
+            calls.append(1)
+            raise MemoryError("out of memory")
+
+    with leanprop.per_sample(case.model, BatchGrad()):
+        handle = case.model[2].register_forward_pre_hook(fail_first)
+        with pytest.raises(MemoryError):
+            case.model(case.x)
+        handle.remove()
+        x, y = case.x[:3], case.y[:3]
+        case.loss(case.model(x), y, "sum").backward()
+    expected = individual_gradients(case.model, case.loss, x, y, "sum")
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad_batch, expected[k], f"{k} after a failed forward", 1e-9, 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"max_workspace_mib": "16"}, r"max_workspace_mib='16'.*finite number"),
+        ({"max_workspace_mib": float("inf")}, r"max_workspace_mib=inf"),
+        ({"max_workspace_mib": True}, r"max_workspace_mib=True"),
+        ({"batch_dim": -1}, r"batch_dim=-1.*non-negative int"),
+        ({"batch_dim": "1"}, r"batch_dim='1'"),
+        ({"batch_dims": [0]}, r"batch_dims=\[0\].*dict"),
+        ({"batch_dims": {"mask": 1.5}}, r"batch_dims\['mask'\]=1.5"),
+    ],
+)
+def test_bad_option_values_are_refused_up_front(option, match):
+    with pytest.raises(LeanpropValueError, match=match):
+        leanprop.per_sample(nn.Linear(2, 2), BatchGrad(), **option)
+
+
+def test_input_without_the_batch_dimension_names_the_input():
+    model = nn.Linear(3, 2)
+    with (
+        pytest.raises(BatchError, match=r"input 1 has shape \(3,\).*batch_dims=\{1: None\}"),
+        leanprop.per_sample(model, BatchGrad(), batch_dim=1),
+    ):
+        model(torch.randn(3, 4, 3)[0], torch.randn(3))
+
+
+def test_zero_dim_parameter_with_batch_l2():
+    """A learnable temperature: a 0-dim parameter (its individual gradients are [N])."""
+
+    class Temperature(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.t = nn.Linear(3, 2), nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.lin(x) / self.t
+
+    model = Temperature().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with leanprop.per_sample(model, leanprop.BatchL2Grad(), BatchGrad()):
+        model(x).square().sum().backward()
+    rows = [torch.autograd.grad(model(x[i : i + 1]).square().sum(), model.t)[0] for i in range(5)]
+    assert_close(model.t.batch_l2, torch.stack(rows).square(), "t.batch_l2", 1e-10, 1e-12)
