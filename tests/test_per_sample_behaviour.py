@@ -321,13 +321,31 @@ def test_bad_option_values_are_refused_up_front(option, match):
         leanprop.per_sample(nn.Linear(2, 2), BatchGrad(), **option)
 
 
+class ScaledLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x, scale):
+        return self.lin(x) * scale
+
+
 def test_input_without_the_batch_dimension_names_the_input():
-    model = nn.Linear(3, 2)
+    model = ScaledLinear()
     with (
-        pytest.raises(BatchError, match=r"input 1 has shape \(3,\).*batch_dims=\{1: None\}"),
+        pytest.raises(BatchError, match=r"input 1 has shape \(2,\).*batch_dims=\{1: None\}"),
         leanprop.per_sample(model, BatchGrad(), batch_dim=1),
     ):
-        model(torch.randn(3, 4, 3)[0], torch.randn(3))
+        model(torch.randn(5, 4, 3), torch.randn(2))
+
+
+def test_layer_that_needs_the_batch_first_refuses_it_elsewhere():
+    conv = nn.Conv1d(2, 3, 3)
+    with (
+        pytest.raises(BatchError, match=r"Conv1d.*batch in dimension 1; it needs the batch first"),
+        leanprop.per_sample(conv, BatchGrad(), batch_dim=1),
+    ):
+        conv(torch.randn(2, 2, 5))
 
 
 def test_zero_dim_parameter_with_batch_l2():

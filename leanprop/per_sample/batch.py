@@ -45,8 +45,6 @@ class Lost:
 
 Info = BatchDim | Lost
 
-_ELEMENTWISE_SAME_SHAPE_UNKNOWN = "an op leanprop does not know changed the shape"
-
 
 def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
@@ -275,12 +273,9 @@ def result_dim(
         if bd.dim in gone:
             return BatchDim(bd.dim - sum(k < bd.dim for k in gone) if n == 1 else bd.dim, 1)
         return BatchDim(bd.dim - sum(k < bd.dim for k in gone), bd.inner)
-    if name in ("select", "narrow", "split", "chunk", "unbind", "tensor_split", "unflatten"):
-        d = _norm_dim(int(_dims_arg(args, kwargs, 1 if name != "split" else 2, "dim") or 0), nd)
-        if name == "split" and len(args) <= 2 and "dim" not in kwargs:
-            d = 0
-        if name == "chunk":
-            d = _norm_dim(int(_dims_arg(args, kwargs, 2, "dim") or 0), nd)
+    if name in ("select", "narrow", "split", "chunk", "unbind", "tensor_split"):
+        pos = 2 if name in ("split", "chunk", "tensor_split") else 1  # (x, size, dim), (x, dim)
+        d = _norm_dim(int(_dims_arg(args, kwargs, pos, "dim") or 0), nd)
         if name == "narrow" and x.shape[d] == out.shape[d] and d == bd.dim:
             return bd
         if d == bd.dim:
@@ -296,6 +291,10 @@ def result_dim(
     if name == "stack":
         d = _norm_dim(int(_dims_arg(args, kwargs, 1, "dim") or 0), od)
         return BatchDim(bd.dim + (d <= bd.dim), bd.inner)
+    if name in ("expand", "expand_as", "broadcast_to"):  # new dimensions go in front
+        if out.shape[od - (nd - bd.dim)] != x.shape[bd.dim]:
+            return Lost("expand along the batch dimension")
+        return BatchDim(od - (nd - bd.dim), bd.inner)
     if name in ("repeat", "tile"):
         reps = list(args[1:]) if len(args) > 2 or isinstance(args[1], int) else list(args[1])
         if reps[len(reps) - (nd - bd.dim)] != 1:
@@ -368,7 +367,7 @@ def _elementwise(
                 return BatchDim(od - (nd - bd.dim), bd.inner)
         except RuntimeError:
             pass
-    return Lost(f"'{name}' ({_ELEMENTWISE_SAME_SHAPE_UNKNOWN})")
+    return Lost(f"'{name}' (an op leanprop does not know changed the shape)")
 
 
 def _tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> list[Tensor]:
@@ -393,7 +392,6 @@ class BatchTracker:
         self.n: int | None = None
         self._info: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> params
-        self.enabled = True  # off inside a fallback root's own forward (it owns its params)
 
     def clear(self) -> None:
         """Forget every tensor (a new forward/backward cycle)."""

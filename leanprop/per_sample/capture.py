@@ -188,7 +188,6 @@ class PerSample:
         self._batch_dims = dict(batch_dims or {})
         self._tracker = BatchTracker(())
         self._root_running = False  # between the model's forward pre-hook and forward hook
-        self._fallback_depth = 0  # inside a fallback root's forward (it owns its parameters)
         self._rule_params: frozenset[nn.Parameter] = frozenset()  # owned by rule sites
         self._finish_task = -1  # graph task of the backward whose end will finish the cycle
         self._handles: list[RemovableHandle] = []
@@ -243,9 +242,6 @@ class PerSample:
                     self._handles.append(
                         site.module.register_forward_pre_hook(self._on_fallback_enter(site))
                     )
-                    self._handles.append(
-                        site.module.register_forward_hook(self._on_fallback_exit, always_call=True)
-                    )
                 elif site.fusable:
                     self._handles.append(
                         site.module.register_forward_pre_hook(self._on_fusable_enter(site))
@@ -289,7 +285,7 @@ class PerSample:
         self._cycle_open = False
         self._finish_queued = False
         self._tracker = BatchTracker(())
-        self._root_running, self._fallback_depth = False, 0
+        self._root_running = False
         self.last_n, self.last_sums = None, {}
 
     def _plan(self, module: nn.Module, prefix: str, root: _Site | None) -> None:
@@ -364,7 +360,6 @@ class PerSample:
             # facade: drop what a forward recorded without a backward that asked for quantities
             self._reset_cycle()
         self._root_running = True
-        self._fallback_depth = 0
         if self._intercept is not None:
             self._tracker.clear()
             self._mark_inputs(args, kwargs)
@@ -440,7 +435,6 @@ class PerSample:
         self._open_cycle()
         for p, b in batch.items():
             state = self._states[p]
-            b = b.detach() if not torch.is_grad_enabled() else b
             state.batch = b if state.batch is None else state.batch + b
 
     def _rule_batch(self, site: _Site, x: Any) -> BatchDim | None:
@@ -472,13 +466,8 @@ class PerSample:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not self._computing:
                 site.calls_before = [s.calls for s in site.inner]
-                self._fallback_depth += 1
 
         return hook
-
-    def _on_fallback_exit(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if not self._computing and self._fallback_depth:
-            self._fallback_depth -= 1
 
     def _on_fusable_enter(self, site: _Site):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -588,7 +577,7 @@ class PerSample:
         problem = None
         if site.rule.check_input is not None:
             problem = site.rule.check_input(site.module, (to_front(x, bd, n),))
-        if problem is None and bd != BatchDim(0) and site.rule.accepts_out:
+        if problem is None and bd != BatchDim(0) and site.rule.batch_first:
             problem = f"got its batch in dimension {bd.dim}; it needs the batch first"
         if problem is not None:
             raise BatchError(

@@ -54,6 +54,8 @@ class Rule:
     can_fuse: Callable[[nn.Module], bool] | None = None
     # batch_grads takes ``out={name: buffer or None}`` and may write its result there
     accepts_out: bool = False
+    # the layer's op itself needs the batch in dimension 0 (channels in 1)
+    batch_first: bool = False
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
@@ -68,6 +70,7 @@ def register_rule(
     param_grads: ParamGradsFn | None = None,
     can_fuse: Callable[[nn.Module], bool] | None = None,
     accepts_out: bool = False,
+    batch_first: bool = False,
 ) -> Callable[[BatchGradsFn], BatchGradsFn]:
     """Register ``batch_grads`` (the decorated function) as the rule of ``module_types``.
 
@@ -79,12 +82,15 @@ def register_rule(
             replaced during capture (``can_fuse(module)`` says for which modules).
         accepts_out: ``batch_grads`` takes ``out={name: buffer or None}``, contiguous
             ``[n_chunk, *p.shape]`` slices of the result to write into (saves a copy).
+        batch_first: the layer's op needs the batch in dimension 0 (convolutions, GroupNorm);
+            elsewhere the batch may be in any dimension (rules get it moved to the front).
     """
 
     def decorate(fn: BatchGradsFn) -> BatchGradsFn:
         rule = Rule(
-            fn, batch_l2, workspace, check_input, input_grad, param_grads, can_fuse, accepts_out
-        )
+            fn, batch_l2, workspace, check_input, input_grad, param_grads, can_fuse, accepts_out,
+            batch_first,
+        )  # fmt: skip
         for t in module_types:
             _RULES[t] = rule
         return fn

@@ -176,6 +176,7 @@ def conv_param_grads(
     param_grads=conv_param_grads,
     can_fuse=_can_fuse,
     accepts_out=True,
+    batch_first=True,
 )
 def conv_batch_grads(
     module: nn.Module,

@@ -51,7 +51,7 @@ def _group_norm_check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
     return None
 
 
-@register_rule(nn.GroupNorm, check_input=_group_norm_check)
+@register_rule(nn.GroupNorm, check_input=_group_norm_check, batch_first=True)
 def group_norm_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:

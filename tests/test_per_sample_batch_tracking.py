@@ -1,0 +1,106 @@
+"""Batch tracking op by op (``leanprop/per_sample/batch.py``), with T == N == D so that no
+dimension can be told from the batch by its size: a probe tensor holds its sample index n in
+every entry of sample n, and each op's tracked batch dimension must gather exactly sample n."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from leanprop.per_sample.batch import BatchDim, BatchTracker, Lost, to_front
+
+N = 4
+
+
+class Follow(TorchFunctionMode):
+    def __init__(self, tracker: BatchTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.tracker.propagate(func, args, kwargs, out)
+        return out
+
+
+def follow(op):
+    tracker = BatchTracker(())
+    tracker.n = N
+    x = torch.arange(N, dtype=torch.float64).view(N, 1, 1).expand(N, N, N).clone()
+    tracker.mark(x, BatchDim(0))
+    with Follow(tracker):
+        out = op(x)
+    outs = out if isinstance(out, tuple | list) else (out,)
+    return [(o, tracker.info(o)) for o in outs]
+
+
+KEEP = {
+    "view": lambda x: x.view(N, N * N),
+    "flatten samples": lambda x: x.reshape(N * N, N),
+    "flatten then back": lambda x: x.reshape(-1, N).view(N, N, N),
+    "transpose": lambda x: x.transpose(0, 2),
+    "permute": lambda x: x.permute(1, 2, 0),
+    "movedim": lambda x: x.movedim(0, -1),
+    "mT": lambda x: x.mT,
+    "unsqueeze": lambda x: x.unsqueeze(0),
+    "select other": lambda x: x.select(1, 2),
+    "narrow other": lambda x: x.narrow(2, 1, 2),
+    "split other": lambda x: x.split(2, 1),
+    "chunk other": lambda x: x.chunk(2, 2),
+    "unbind other": lambda x: x.unbind(1),
+    "getitem": lambda x: x[:, 1:, None, 0],
+    "getitem ellipsis": lambda x: x[..., :2],
+    "arange index": lambda x: x[torch.arange(N)[:, None], torch.tensor([[0, 2]])],
+    "cat other": lambda x: torch.cat([x, x], dim=1),
+    "stack": lambda x: torch.stack([x, x], dim=0),
+    "repeat other": lambda x: x.repeat(1, 2, 1),
+    "expand": lambda x: x.unsqueeze(1).expand(N, 2, N, N),
+    "sum other": lambda x: x.sum(1) / N,
+    "mean keepdim": lambda x: x.mean((1, 2), keepdim=True),
+    "softmax other": lambda x: x * F.softmax(x, -1) * N,
+    "matmul": lambda x: x @ torch.eye(N, dtype=x.dtype),
+    "matmul right": lambda x: torch.eye(N, dtype=x.dtype)[:1] @ x,
+    "einsum": lambda x: torch.einsum("ntd,de->etn", x, torch.eye(N, dtype=x.dtype)),
+    "linear": lambda x: F.linear(x, torch.eye(N, dtype=x.dtype)),
+    "elementwise": lambda x: torch.where(x >= 0, x, -x) * torch.ones(N, 1),
+    # the batch moved off dimension 0 first (sequence-first layouts)
+    "moved then sliced": lambda x: x.transpose(0, 1)[:, :, 1:],
+    "moved then flattened": lambda x: x.transpose(0, 1).reshape(N, N * N),
+    "moved then summed": lambda x: x.transpose(0, 1).sum(0) / N,
+    "moved then split": lambda x: x.transpose(0, 1).split(2, 0),
+    "moved then linear": lambda x: F.linear(x.transpose(0, 1), torch.eye(N, dtype=x.dtype)),
+}
+
+LOSE = {
+    "slice samples": lambda x: x[1:],
+    "index sample": lambda x: x[0],
+    "reordered index": lambda x: x[torch.tensor([1, 0, 2, 3])],
+    "sum samples": lambda x: x.sum(0),
+    "sum all": lambda x: x.sum(),
+    "softmax samples": lambda x: F.softmax(x, 0),
+    "cat samples": lambda x: torch.cat([x, x]),
+    "split samples": lambda x: x.split(2),
+    "flip samples": lambda x: x.flip(0),
+    "matmul over samples": lambda x: x.flatten(1).T @ x.flatten(1),
+    "moved, then summed over": lambda x: x.transpose(0, 1).sum(1),
+    "split the batch": lambda x: x.reshape(2, 2, N, N),
+    "unknown op": lambda x: torch.kron(x, torch.ones(1, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEEP))
+def test_batch_followed_exactly(name):
+    for out, info in follow(KEEP[name]):
+        assert isinstance(info, BatchDim), f"{name}: {info}"
+        front = to_front(out, info, N)
+        for n in range(N):
+            assert bool((front[n] == n).all()), f"{name}: dimension {info} is not the batch"
+
+
+@pytest.mark.parametrize("name", sorted(LOSE))
+def test_batch_lost_where_samples_are_selected_or_mixed(name):
+    for _out, info in follow(LOSE[name]):
+        assert isinstance(info, Lost), f"{name}: {info}"
