@@ -222,25 +222,41 @@ def test_error_during_backward_leaves_the_context_usable(monkeypatch):
 
 
 class SumsOverBatch(nn.Module):
-    """Owns a parameter and returns one number for the whole batch: no per-sample split."""
+    """Owns a parameter and returns one number for the whole batch."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.ones(3))
+        self.w = nn.Parameter(torch.ones(3, dtype=torch.float64))
 
     def forward(self, x):
         return (x * self.w).sum()
 
 
-def test_fallback_output_without_batch_dimension():
-    model = SumsOverBatch()
+def test_parameter_of_a_module_without_rule_summed_over_the_batch_is_exact():
+    model, x = SumsOverBatch(), torch.randn(4, 3, dtype=torch.float64)
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).backward()
+    assert_close(model.w.grad_batch, x, "w.grad_batch", 1e-12, 1e-14)
+
+
+class Kron(nn.Module):
+    """A parameter in an op whose output leanprop cannot split by sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1, 2))
+
+    def forward(self, x):
+        return torch.kron(x, self.w)
+
+
+def test_op_output_without_batch_dimension():
+    model = Kron()
     with (
-        pytest.raises(
-            UnsupportedModelError, match=r"SumsOverBatch returned an output without batch"
-        ),
+        pytest.raises(UnsupportedModelError, match=r"'kron' uses parameters.*cannot tell"),
         leanprop.per_sample(model, BatchGrad()),
     ):
-        model(torch.randn(4, 3)).backward()
+        model(torch.randn(4, 3)).sum().backward()
 
 
 @pytest.mark.parametrize("kind", [BatchGrad, Variance])

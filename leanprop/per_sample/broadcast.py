@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .batch import BatchDim, BatchTracker
+from .ops import Contribute, hand_back
 
 # ops that broadcast their tensor operands elementwise (or concatenate them): a batch-free
 # operand can be expanded to the batched shape first without changing the result
@@ -31,8 +32,6 @@ ELEMENTWISE_MEETINGS = frozenset(
      "addcmul", "addcdiv", "lerp", "masked_fill"}
 )  # fmt: skip
 CONCAT_MEETINGS = frozenset({"cat", "concat", "concatenate"})
-
-Contribute = Callable[[dict[nn.Parameter, Tensor]], None]
 
 
 class BroadcastCapture(torch.autograd.Function):
@@ -47,16 +46,8 @@ class BroadcastCapture(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, h: Tensor) -> tuple[Tensor | None, ...]:
         w, bd, n = ctx.w, ctx.bd, ctx.n
-        per_sample = _per_sample_parts(h, w.shape, bd, n)  # [N, *w.shape]
-        grads = torch.autograd.grad(
-            w, ctx.params, per_sample, retain_graph=True, allow_unused=True, is_grads_batched=True
-        )
-        ctx.contribute(
-            {
-                p: g if g is not None else p.new_zeros(n, *p.shape)
-                for p, g in zip(ctx.params, grads, strict=True)
-            }
-        )
+        if not ctx.contribute.closed:
+            hand_back(w, ctx.params, _per_sample_parts(h, w.shape, bd, n), ctx.contribute)
         return h.sum_to_size(w.shape), None, None, None, None, None
 
 
@@ -96,7 +87,8 @@ def meet(
     batched = [(t, i) for t, i in batched if isinstance(i, BatchDim)]
 
     def captured(t: Any) -> bool:
-        return tracker.is_derived(t) and tracker.derived_params(t) <= owned
+        params = tracker.derived_params(t)
+        return bool(params) and params <= owned
 
     if not batched or not any(captured(t) for t in tensors):
         return args

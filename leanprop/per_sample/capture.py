@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from .._eager import in_eager_backward
 from .._torch_compat import current_graph_task_id, queue_callback
 from ..errors import BatchError, LeanpropValueError, UnsupportedModelError
-from . import broadcast
+from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, _op_name, to_front
 from .fused import Intercept
 from .quantities import (
@@ -188,7 +188,9 @@ class PerSample:
         self._batch_dims = dict(batch_dims or {})
         self._tracker = BatchTracker(())
         self._root_running = False  # between the model's forward pre-hook and forward hook
-        self._rule_params: frozenset[nn.Parameter] = frozenset()  # owned by rule sites
+        self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
+        self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
+        self._contributions: ops.Contribute | None = None  # of the current cycle
         self._finish_task = -1  # graph task of the backward whose end will finish the cycle
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
@@ -253,7 +255,7 @@ class PerSample:
             )
             self._handles.append(self.model.register_forward_hook(self._on_model_exit))
             self._tracker = BatchTracker(self._states)
-            self._rule_params = frozenset(
+            self._captured = frozenset(self._op_params) | frozenset(
                 p for site in self._sites if site.rule is not None for p in site.direct.values()
             )
             if self._fuse:
@@ -281,6 +283,7 @@ class PerSample:
         self._sites.clear()
         self._fusable_by_weight.clear()
         self._states.clear()
+        self._op_params.clear()
         self._n = None
         self._cycle_open = False
         self._finish_queued = False
@@ -291,7 +294,14 @@ class PerSample:
     def _plan(self, module: nn.Module, prefix: str, root: _Site | None) -> None:
         direct = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
         rule = rule_for(module)
-        if direct and (rule is not None or root is None):
+        op_level = (
+            self._fuse and rule is None and root is None and not isinstance(module, nn.RNNBase)
+        )
+        if direct and op_level:  # its parameters are captured at each op that uses them (ops.py)
+            for k, p in direct.items():
+                self._state(p, f"{prefix}.{k}" if prefix else k)
+                self._op_params.add(p)
+        elif direct and (rule is not None or root is None):
             site = _Site(prefix or type(module).__name__, module, rule, direct)
             site.fusable = (
                 self._fuse
@@ -417,9 +427,54 @@ class PerSample:
         if not self._root_running or not torch.is_grad_enabled():
             return args
         return broadcast.meet(
-            self._tracker, _op_name(func), args, self._rule_params, self._contribute,
+            self._tracker, _op_name(func), args, self._captured, self._sink(),
             self._count_use,
         )  # fmt: skip
+
+    def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Called by the op interception for an op that touches a tracked tensor: parameters
+        broadcast over the batch (broadcast.py), parameters used in an op with no rule
+        (ops.py), and where the batch went in the outputs."""
+        args = self.before_op(func, args, kwargs)
+        captured = self._op_uses(func, args, kwargs)
+        if not captured:
+            out = func(*args, **kwargs)
+            self.after_op(func, args, kwargs, out)
+            return out
+        n = self._tracker.n or 0
+        device = next(iter(self._states)).device
+        return ops.run(
+            func, args, kwargs, captured,
+            lambda out: self.after_op(func, args, kwargs, out),
+            lambda t: info if isinstance(info := self._tracker.info(t), BatchDim) else None,
+            n, self._budget(device), self._sink(),
+        )  # fmt: skip
+
+    def _op_uses(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[int, tuple[nn.Parameter, ...]]:
+        """Tensors of an op (by position among the flattened tensors) that are captured
+        parameters or derive from them, when the op also takes a batched tensor."""
+        if not self._root_running or not torch.is_grad_enabled() or "out" in kwargs:
+            return {}
+        raw = getattr(func, "__name__", "")
+        if (raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i"):
+            return {}  # in-place: leave it (the sum check refuses an escaped use)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if not any(isinstance(self._tracker.info(t), BatchDim) for t in tensors):
+            return {}
+        uses: dict[int, tuple[nn.Parameter, ...]] = {}
+        for i, t in enumerate(tensors):
+            params = self._tracker.derived_params(t)
+            if (
+                params
+                and params <= self._captured
+                and (t not in self._states or t in self._op_params)
+            ):
+                uses[i] = tuple(params)
+        for params in uses.values():
+            self._count_use(frozenset(params))
+        return uses
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any):
         """Where the batch went in the op's outputs."""
@@ -429,6 +484,12 @@ class PerSample:
     def _count_use(self, params: frozenset[nn.Parameter]) -> None:
         for p in params:
             self._states[p].uses += 1
+
+    def _sink(self) -> ops.Contribute:
+        """The current cycle's place for contributions found outside any call."""
+        if self._contributions is None:
+            self._contributions = ops.Contribute(self._contribute)
+        return self._contributions
 
     def _contribute(self, batch: dict[nn.Parameter, Tensor]) -> None:
         """Individual gradients ``[N, *p.shape]`` of one use, found outside any call."""
@@ -845,6 +906,9 @@ class PerSample:
             call.args = call.kwargs = None
         self._calls.clear()
         self._bn_problem = None
+        if self._contributions is not None:
+            self._contributions.closed = True
+            self._contributions = None
         for site in self._sites:
             site.calls, site.running, site.fused = 0, False, False
         for state in self._states.values():

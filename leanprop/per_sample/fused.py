@@ -73,7 +73,4 @@ class Intercept(TorchFunctionMode):
                 return out
         if not capture.follows(args, kwargs):
             return func(*args, **kwargs)
-        args = capture.before_op(func, args, kwargs)
-        out = func(*args, **kwargs)
-        capture.after_op(func, args, kwargs, out)
-        return out
+        return capture.run_op(func, args, kwargs)

@@ -1,0 +1,241 @@
+"""Per-sample gradients of a parameter used directly in an op that no rule covers.
+
+A module without a closed-form rule (``nn.MultiheadAttention``, BatchNorm in eval mode, HF's
+``Conv1D``, a class token or a learned scale in a model's own forward) uses its parameters in
+ops. Each such op that also takes a batched operand runs through :class:`OpCapture`:
+
+* forward runs the op once, in a small graph of its own (detached inputs), so dropout and any
+  other randomness inside the op happen once and are kept;
+* backward computes the op's ordinary gradients from that graph, and each sample's
+  contribution ``c_n(w) = J_wᵀ (g ⊙ m_n)`` for every parameter operand ``w``, where ``m_n``
+  masks the output gradient ``g`` to sample n's entries (the batch dimension of each output is
+  known from batch tracking). Samples go in chunks through one batched vector-Jacobian product
+  (``is_grads_batched``), or one at a time where vmap cannot batch the op's backward.
+
+A parameter-derived operand (e.g. ``weight.t()``) hands its contributions on to its parameters
+with :func:`hand_back`. Exact for any op that keeps samples apart; costs about one backward of
+the op per sample, so closed-form rules stay the fast path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .batch import BatchDim, to_front
+
+
+class Contribute:
+    """Where one forward's captured uses hand their per-sample contributions; closed when that
+    forward/backward cycle ends, so a later backward through the same graph (of a
+    ``create_graph`` result, or retained) runs the ordinary backward only."""
+
+    def __init__(self, sink: Callable[[dict[nn.Parameter, Tensor]], None]) -> None:
+        self.sink = sink
+        self.closed = False
+
+    def __call__(self, batch: dict[nn.Parameter, Tensor]) -> None:
+        self.sink(batch)
+
+
+_TENSOR = object()  # marks where a tensor output goes back into the op's output structure
+
+
+def hand_back(
+    w: Tensor, params: tuple[nn.Parameter, ...], per_sample: Tensor, contribute: Contribute
+) -> None:
+    """Give each parameter ``w`` derives from its contributions ``(dw/dp)ᵀ per_sample[n]``.
+
+    Args:
+        w: a parameter, or a batch-free tensor computed from ``params``.
+        per_sample: ``[N, *w.shape]``, each sample's contribution to ``w``'s gradient.
+    """
+    if len(params) == 1 and w is params[0]:
+        contribute({w: per_sample})
+        return
+    grads = torch.autograd.grad(
+        w, params, per_sample, retain_graph=True, allow_unused=True, is_grads_batched=True
+    )
+    n = per_sample.shape[0]
+    contribute(
+        {
+            p: g if g is not None else p.new_zeros(n, *p.shape)
+            for p, g in zip(params, grads, strict=True)
+        }
+    )
+
+
+@dataclass(eq=False)
+class OpSpec:
+    """What :class:`OpCapture` needs besides the op's tensors."""
+
+    func: Callable[..., Any]
+    spec: Any  # pytree spec of (args, kwargs)
+    leaves: list[Any]  # non-tensor leaves (tensor places are filled from the inputs)
+    tensor_at: list[int]  # leaf index of each tensor input
+    captured: dict[int, tuple[nn.Parameter, ...]]  # tensor input -> the parameters it is/uses
+    originals: dict[int, Tensor]  # the captured inputs themselves (parameters or derived)
+    batch_of: Callable[[Tensor], BatchDim | None]  # where the batch is in an output
+    n: int
+    workspace_bytes: int
+    contribute: Contribute
+    out_spec: Any = None
+    out_leaves: list[Any] | None = None  # non-tensor output leaves (_TENSOR: a tensor)
+    out_batch: list[BatchDim | None] | None = None  # of each tensor output
+
+
+class OpCapture(torch.autograd.Function):
+    """``func(*args, **kwargs)`` whose backward also hands out per-sample contributions."""
+
+    @staticmethod
+    def forward(ctx: Any, op: OpSpec, *tensors: Tensor) -> tuple[Tensor, ...]:
+        with torch.enable_grad():
+            local = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            leaves = list(op.leaves)
+            for i, t in zip(op.tensor_at, local, strict=True):
+                leaves[i] = t
+            args, kwargs = tree_unflatten(leaves, op.spec)
+            out = op.func(*args, **kwargs)
+        out_leaves, op.out_spec = tree_flatten(out)
+        outs = [o for o in out_leaves if isinstance(o, Tensor)]
+        op.out_leaves = [_TENSOR if isinstance(o, Tensor) else o for o in out_leaves]
+        ctx.op = op
+        ctx.n_local = len(local)
+        ctx.save_for_backward(*local, *outs)
+        results = tuple(o.detach() for o in outs)
+        ctx.mark_non_differentiable(*(r for r in results if not r.is_floating_point()))
+        return results
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        op: OpSpec = ctx.op
+        saved = ctx.saved_tensors
+        local, outs = list(saved[: ctx.n_local]), list(saved[ctx.n_local :])
+        live = [
+            (k, o, g)
+            for k, (o, g) in enumerate(zip(outs, grads, strict=True))
+            if g is not None and o.requires_grad
+        ]
+        wanted = [i for i, t in enumerate(local) if t.requires_grad]
+        result: list[Tensor | None] = [None] * len(local)
+        if not live or not wanted:
+            return (None, *result)
+        create = torch.is_grad_enabled()
+        ordinary = torch.autograd.grad(
+            [o for _, o, _ in live], [local[i] for i in wanted], [g for _, _, g in live],
+            retain_graph=True, allow_unused=True, create_graph=create,
+        )  # fmt: skip
+        for i, g in zip(wanted, ordinary, strict=True):
+            result[i] = g
+        captured = [i for i in wanted if i in op.captured and not op.contribute.closed]
+        if captured:
+            per_sample = _per_sample(
+                [(o, g) for _, o, g in live],
+                [op.out_batch[k] for k, _, _ in live],
+                [local[i] for i in captured],
+                op,
+            )
+            for i, ps in zip(captured, per_sample, strict=True):
+                hand_back(op.originals[i], op.captured[i], ps, op.contribute)
+        return (None, *result)
+
+
+def _masked(g: Tensor, bd: BatchDim, n: int, start: int, stop: int) -> Tensor:
+    """``[stop - start, *g.shape]``: row j is ``g`` with everything but sample start+j zeroed."""
+    k = stop - start
+    front = to_front(g, bd, n)  # [N, (inner,) ...]
+    full = front.new_zeros(k, *front.shape)
+    idx = torch.arange(k, device=g.device)
+    full[idx, idx + start] = front[start:stop]
+    # back to g's layout: [k, N * inner, ...] with the batch moved back to its dimension
+    full = full.reshape(k, n * bd.inner, *full.shape[2 + (bd.inner != 1) :])
+    return full.movedim(1, bd.dim + 1)
+
+
+def _per_sample(
+    live: list[tuple[Tensor, Tensor]], batch: list[BatchDim | None], inputs: list[Tensor],
+    op: OpSpec,
+) -> list[Tensor]:  # fmt: skip
+    """Each sample's gradient contribution to each of ``inputs``: ``[N, *input.shape]``."""
+    for (o, _), bd in zip(live, batch, strict=True):
+        if bd is None:
+            raise _no_batch_error(op, o)
+    per_sample_bytes = sum(g.numel() * g.element_size() for _, g in live)
+    size = max(1, op.workspace_bytes // max(per_sample_bytes, 1))
+    parts: list[list[Tensor]] = [[] for _ in inputs]
+    outputs = [o for o, _ in live]
+    for start in range(0, op.n, size):
+        stop = min(op.n, start + size)
+        masks = [_masked(g, bd, op.n, start, stop) for (_, g), bd in zip(live, batch, strict=True)]
+        for j, g in enumerate(_batched_vjp(outputs, inputs, masks)):
+            parts[j].append(g)
+    return [torch.cat(p) if len(p) > 1 else p[0] for p in parts]
+
+
+def _batched_vjp(outputs: list[Tensor], inputs: list[Tensor], masks: list[Tensor]) -> list:
+    k = masks[0].shape[0]
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            grads = torch.autograd.grad(
+                outputs, inputs, masks, retain_graph=True, allow_unused=True,
+                is_grads_batched=True,
+            )  # fmt: skip
+    except RuntimeError:  # vmap cannot batch this op's backward (e.g. RNNs): one at a time
+        rows = [
+            torch.autograd.grad(
+                outputs, inputs, [m[j] for m in masks], retain_graph=True, allow_unused=True
+            )
+            for j in range(k)
+        ]
+        grads = [
+            None if rows[0][i] is None else torch.stack([r[i] for r in rows])
+            for i in range(len(inputs))
+        ]
+    return [
+        t.new_zeros(k, *t.shape) if g is None else g for t, g in zip(inputs, grads, strict=True)
+    ]
+
+
+def _no_batch_error(op: OpSpec, o: Tensor) -> Exception:
+    from ..errors import UnsupportedModelError
+
+    name = getattr(op.func, "__name__", repr(op.func))
+    return UnsupportedModelError(
+        f"per_sample: '{name}' uses parameters and returns an output of shape "
+        f"{tuple(o.shape)} in which leanprop cannot tell which dimension holds the samples, "
+        "so it cannot split its gradient by sample. Keep the batch a dimension of its own, or "
+        "freeze these parameters."
+    )
+
+
+def run(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+    captured: dict[int, tuple[nn.Parameter, ...]], follow: Callable[[Any], None],
+    batch_of: Callable[[Tensor], BatchDim | None], n: int, workspace_bytes: int,
+    contribute: Contribute,
+) -> Any:  # fmt: skip
+    """``func(*args, **kwargs)`` through :class:`OpCapture`.
+
+    ``captured`` maps the position of a tensor among the flattened ``(args, kwargs)`` tensors
+    to the parameters it stands for (itself, or those it derives from); ``follow(out)`` tracks
+    the batch into the outputs, ``batch_of`` then tells where it is in each."""
+    leaves, spec = tree_flatten((args, kwargs))
+    tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+    tensors = [leaves[i] for i in tensor_at]
+    op = OpSpec(
+        func, spec, [None if isinstance(t, Tensor) else t for t in leaves], tensor_at,
+        captured, {i: tensors[i] for i in captured}, batch_of, n, workspace_bytes, contribute,
+    )  # fmt: skip
+    results = OpCapture.apply(op, *tensors)
+    it = iter(results)
+    out = tree_unflatten([next(it) if o is _TENSOR else o for o in op.out_leaves], op.out_spec)
+    follow(out)
+    op.out_batch = [batch_of(r) for r in results]
+    return out
