@@ -67,6 +67,41 @@ def individual_gradients(
     }
 
 
+def individual_gradients_of_losses(
+    losses: Tensor, params: dict[str, Tensor], reduction: Literal["mean", "sum"] = "sum"
+) -> dict[str, Tensor]:
+    """Contribution of each sample, from the per-sample losses of *one* batch forward.
+
+    ``c_n = grad losses[n]`` (``/ N`` for ``reduction="mean"``), one backward through the
+    batch graph per sample: the dropout masks and any other randomness are those of that
+    forward, so this is the oracle for models in training mode. Valid when sample n's loss
+    depends on sample n only. The graph must be retained (it is retained here as well).
+
+    Args:
+        losses: ``[N]`` per-sample losses of the batch forward.
+        params: ``{name: parameter}`` to differentiate.
+    """
+    if reduction not in REDUCTIONS:
+        raise LeanpropValueError(
+            f"individual_gradients_of_losses() got reduction={reduction!r}; allowed: 'mean', 'sum'."
+        )
+    names, tensors = list(params), list(params.values())
+    n = losses.shape[0]
+    rows = []
+    for i in range(n):
+        grads = torch.autograd.grad(losses[i], tensors, retain_graph=True, allow_unused=True)
+        rows.append(
+            [
+                torch.zeros_like(p) if g is None else (g / n if reduction == "mean" else g)
+                for p, g in zip(tensors, grads, strict=True)
+            ]
+        )
+    return {
+        k: torch.stack([r[j] for r in rows]) if rows else tensors[j].new_zeros(0, *tensors[j].shape)
+        for j, k in enumerate(names)
+    }
+
+
 def quantities_from_individual(grads: Tensor) -> dict[str, Tensor]:
     """Reference quantities from individual gradients ``[N, *shape]`` (BackPACK definitions)."""
     return {

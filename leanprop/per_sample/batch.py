@@ -87,6 +87,11 @@ _LOSSES = {
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
 }  # fmt: skip
 _NON_TENSOR = {"size", "dim", "numel", "item", "tolist", "len", "stride", "data_ptr"}
+# new tensors whose values do not depend on the input's (only its shape, dtype or device)
+_FACTORIES = {
+    "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "empty_like", "zeros_like",
+    "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+}  # fmt: skip
 
 
 def _dims_arg(args: Sequence[Any], kwargs: dict[str, Any], pos: int, *names: str) -> Any:
@@ -239,6 +244,8 @@ def result_dim(
         if bd != BatchDim(expected):
             return Lost(f"{name} with its batch elsewhere than documented")
         return BatchDim(first if k == 0 else 1)
+    if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
+        return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
     if isinstance(which, str):
         return _elementwise(name, args, kwargs, x, bd, out)
     if name in _VIEWS:
@@ -431,7 +438,7 @@ class BatchTracker:
     def propagate(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``."""
         name = _op_name(func)
-        if name in _NON_TENSOR:
+        if name in _NON_TENSOR or name in _FACTORIES:
             return
         outs = (
             [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]

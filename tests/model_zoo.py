@@ -1,0 +1,344 @@
+"""Real-model patterns written out (no torchvision/timm: they would replace the CPU torch).
+
+Each builder returns ``(model, per_sample_losses, options)``: ``per_sample_losses()`` runs one
+batch forward and returns the losses ``[N]`` of the samples; ``options`` go to ``per_sample``.
+Models are in training mode with their usual dropout / drop-path, so the oracle is
+:func:`leanprop.testing.individual_gradients_of_losses` on that same forward. Sequence length
+or token count equals the batch size N wherever the model has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+N = 5
+Built = tuple[nn.Module, Callable[[], Tensor], dict[str, Any]]
+ZOO: dict[str, Callable[[], Built]] = {}
+
+
+def model(fn: Callable[[], Built]) -> Callable[[], Built]:
+    ZOO[fn.__name__] = fn
+    return fn
+
+
+def per_sample_sq(out: Tensor, batch_dim: int = 0) -> Tensor:
+    """``[N]``: each sample's sum of squares of the output."""
+    out = out.movedim(batch_dim, 0)
+    return out.reshape(out.shape[0], -1).square().sum(1)
+
+
+# ------------------------------------------------------------------ vision (timm-style)
+class DropPath(nn.Module):
+    """Stochastic depth: whole residual branches dropped per sample."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return x
+        keep = x.new_empty(x.shape[0], *([1] * (x.dim() - 1))).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, drop: float) -> None:
+        super().__init__()
+        self.heads, self.drop = heads, drop
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.drop if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        return self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int = 2, drop: float = 0.1) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, drop)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(drop), nn.Linear(2 * dim, dim)
+        )
+        self.ls1, self.ls2 = LayerScale(dim), LayerScale(dim)
+        self.drop_path = DropPath(0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+
+
+class ViT(nn.Module):
+    """timm's VisionTransformer layout: cls_token and pos_embed owned by the model itself."""
+
+    def __init__(self, dim: int = 8, patch: int = 2, image: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, patch, stride=patch)
+        tokens = (image // patch) ** 2 + 1
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.1)
+        self.pos_embed = nn.Parameter(torch.randn(1, tokens, dim) * 0.1)
+        self.pos_drop = nn.Dropout(0.1)
+        self.blocks = nn.Sequential(Block(dim), Block(dim))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, img: Tensor) -> Tensor:
+        x = self.patch_embed(img).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+@model
+def vit_timm_style() -> Built:
+    m = ViT()  # 4 patches + cls token = 5 tokens == N
+    img, y = torch.randn(N, 3, 4, 4), torch.randint(0, 3, (N,))
+    return m, lambda: F.cross_entropy(m(img), y, reduction="none"), {}
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.pw1, self.pw2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+        self.drop_path = DropPath(0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.dwconv(x).permute(0, 2, 3, 1)  # channels last
+        h = self.gamma * self.pw2(F.gelu(self.pw1(self.norm(h))))
+        return x + self.drop_path(h.permute(0, 3, 1, 2))
+
+
+@model
+def convnext_blocks() -> Built:
+    m = nn.Sequential(ConvNeXtBlock(4), ConvNeXtBlock(4))
+    x = torch.randn(N, 4, N, N)  # H == W == N
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1)
+        self.n1, self.n2 = norm(c), norm(c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x + self.n2(self.conv2(F.relu(self.n1(self.conv1(x))))))
+
+
+def _resnet(norm: Callable[[int], nn.Module]) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, stride=2, padding=1), norm(4), nn.ReLU(), ResBlock(4, norm),
+        ResBlock(4, norm), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
+    )  # fmt: skip
+
+
+@model
+def resnet_groupnorm() -> Built:
+    m = _resnet(lambda c: nn.GroupNorm(2, c))
+    x, y = torch.randn(N, 3, 8, 8), torch.randint(0, 3, (N,))
+    return m, lambda: F.cross_entropy(m(x), y, reduction="none"), {}
+
+
+@model
+def resnet_batchnorm_eval() -> Built:
+    m = _resnet(nn.BatchNorm2d)
+    for bn in m.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 1.5)
+            bn.eval()
+    x, y = torch.randn(N, 3, 8, 8), torch.randint(0, 3, (N,))
+    return m, lambda: F.cross_entropy(m(x), y, reduction="none"), {}
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2: pointwise expand, depthwise (strided), pointwise project."""
+
+    def __init__(self, c: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c, 4 * c, 1), nn.GroupNorm(1, 4 * c), nn.ReLU6(),
+            nn.Conv2d(4 * c, 4 * c, 3, stride, 1, groups=4 * c), nn.ReLU6(),
+            nn.Conv2d(4 * c, c, 1, bias=False),
+        )  # fmt: skip
+        self.stride = stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.body(x)
+        return x + h if self.stride == 1 else h
+
+
+@model
+def mobilenet_blocks() -> Built:
+    m = nn.Sequential(InvertedResidual(3, 1), InvertedResidual(3, 2), nn.Flatten())
+    x = torch.randn(N, 3, 6, 6)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+# ------------------------------------------------------------------ sequence models
+@model
+def transformer_encoder_sequence_first() -> Built:
+    layer = nn.TransformerEncoderLayer(8, 2, 16)  # defaults: dropout 0.1, batch_first=False
+    m = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(N, N, 8)  # [T, N, D], T == N
+    pad = torch.zeros(N, N, dtype=torch.bool)
+    pad[0, -2:] = True
+    options = {"batch_dim": 1, "batch_dims": {"src_key_padding_mask": 0}}
+    return m, lambda: per_sample_sq(m(x, src_key_padding_mask=pad), 1), options
+
+
+@model
+def transformer_encoder_batch_first() -> Built:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, norm_first=True)
+    m = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(N, N, 8)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab: int = 11, block: int = 8, dim: int = 8) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
+        self.drop = nn.Dropout(0.1)
+        self.blocks = nn.Sequential(Block(dim))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied
+
+    def forward(self, idx: Tensor) -> Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def token_losses(logits: Tensor, y: Tensor) -> Tensor:
+    """``[N]``: each sample's summed token cross-entropy."""
+    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    return ce.view(y.shape).sum(1)
+
+
+@model
+def nanogpt() -> Built:
+    m = NanoGPT()
+    x, y = torch.randint(0, 11, (N, N)), torch.randint(0, 11, (N, N))
+    return m, lambda: token_losses(m(x), y), {}
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type[nn.RNNBase], batch_first: bool) -> None:
+        super().__init__()
+        self.rnn = cell(3, 4, num_layers=2, bidirectional=True, batch_first=batch_first)
+        self.head = nn.Linear(8, 2)
+        self.batch_first = batch_first
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.rnn(x)
+        return self.head(h if self.batch_first else h.transpose(0, 1))
+
+
+@model
+def lstm_bidirectional_sequence_first() -> Built:
+    m = Recurrent(nn.LSTM, batch_first=False)
+    x = torch.randn(N, N, 3)
+    return m, lambda: per_sample_sq(m(x)), {"batch_dim": 1}
+
+
+@model
+def gru_bidirectional_batch_first() -> Built:
+    m = Recurrent(nn.GRU, batch_first=True)
+    x = torch.randn(N, N, 3)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+@model
+def embedding_bag_with_offsets() -> Built:
+    bag = nn.EmbeddingBag(10, 4, mode="mean")
+    head = nn.Linear(4, 2)
+    m = nn.ModuleDict({"bag": bag, "head": head})
+    idx = torch.randint(0, 10, (12,))
+    offsets = torch.tensor([0, 2, 5, 6, 9])
+
+    class Bags(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, idx: Tensor, offsets: Tensor) -> Tensor:
+            return self.m["head"](self.m["bag"](idx, offsets))
+
+    model_ = Bags()
+    return model_, lambda: per_sample_sq(model_(idx, offsets)), {"batch_dims": {0: None}}
+
+
+# ------------------------------------------------------------------ HF transformers
+def _hf_causal(config_cls: Any, model_cls: Any, **config: Any) -> Built:
+    m = model_cls(config_cls(**config))
+    ids = torch.randint(0, config["vocab_size"], (N, N))
+    mask = torch.ones(N, N, dtype=torch.long)
+    mask[0, :2] = 0  # left padding
+    return m, lambda: token_losses(m(input_ids=ids, attention_mask=mask).logits, ids), {}
+
+
+def hf_models() -> dict[str, Callable[[], Built]]:
+    import transformers as tf
+
+    def gpt2() -> Built:
+        return _hf_causal(
+            tf.GPT2Config, tf.GPT2LMHeadModel, vocab_size=30, n_positions=16, n_embd=8,
+            n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+
+    def llama() -> Built:
+        return _hf_causal(
+            tf.LlamaConfig, tf.LlamaForCausalLM, vocab_size=30, hidden_size=8,
+            intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=16, attention_dropout=0.1,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+
+    def bert() -> Built:
+        cfg = tf.BertConfig(
+            vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=16, max_position_embeddings=16,
+        )  # fmt: skip
+        m = tf.BertForSequenceClassification(cfg)
+        ids, labels = torch.randint(0, 30, (N, N)), torch.randint(0, 2, (N,))
+        mask = torch.ones(N, N, dtype=torch.long)
+        mask[0, -2:] = 0
+
+        def losses() -> Tensor:
+            logits = m(input_ids=ids, attention_mask=mask).logits
+            return F.cross_entropy(logits, labels, reduction="none")
+
+        return m, losses, {}
+
+    def vit() -> Built:
+        cfg = tf.ViTConfig(
+            image_size=4, patch_size=2, num_channels=3, hidden_size=8, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=16, num_labels=3,
+            hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        )  # fmt: skip
+        m = tf.ViTForImageClassification(cfg)
+        img, y = torch.randn(N, 3, 4, 4), torch.randint(0, 3, (N,))
+        return m, lambda: F.cross_entropy(m(pixel_values=img).logits, y, reduction="none"), {}
+
+    return {"hf_gpt2": gpt2, "hf_llama": llama, "hf_bert": bert, "hf_vit": vit}

@@ -1,0 +1,51 @@
+"""Real-model patterns in training mode (dropout, drop-path) against the per-sample gradients
+of the same batch forward, float64, every quantity; T == N wherever there is a sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leanprop
+from leanprop import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from leanprop.testing import individual_gradients_of_losses, quantities_from_individual
+
+from .helpers import assert_close
+from .model_zoo import ZOO, hf_models
+
+ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+
+
+def check(build, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    model, losses_fn, options = build()
+    model.double()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    with leanprop.per_sample(model, *ALL, **options):
+        losses = losses_fn()
+        losses.sum().backward(retain_graph=True)
+    expected = individual_gradients_of_losses(losses, params)
+    scale = max(float(g.abs().max()) for g in expected.values())
+    for k, p in params.items():
+        ref = quantities_from_individual(expected[k])
+        for q in ALL:
+            assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-8, 1e-10 * scale)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_model_pattern(name):
+    check(ZOO[name])
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "hf_bert", "hf_vit"])
+def test_hf_model_in_training_mode(name):
+    pytest.importorskip("transformers")
+    check(hf_models()[name])
