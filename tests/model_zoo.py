@@ -195,6 +195,30 @@ def mobilenet_blocks() -> Built:
     return m, lambda: per_sample_sq(m(x)), {}
 
 
+class FunctionalLayers(nn.Module):
+    """Parameters used through functions in the model's own forward (closed forms in
+    op_rules.py): F.linear, x @ W, addmm on flattened samples, W.t() (parameter-derived)."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(dim, dim)), nn.Parameter(torch.randn(dim))
+        self.w2 = nn.Parameter(torch.randn(dim, dim))
+        self.w3, self.b3 = nn.Parameter(torch.randn(dim, dim)), nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: Tensor) -> Tensor:  # x [N, T, D]
+        h = torch.tanh(F.linear(x, self.w1, self.b1))
+        h = torch.tanh(h @ self.w2)
+        h = torch.addmm(self.b3, h.reshape(-1, h.shape[-1]), self.w3).view_as(h)
+        return torch.tanh(h) @ self.w1.t()
+
+
+@model
+def functional_layers() -> Built:
+    m = FunctionalLayers()
+    x = torch.randn(N, N, 4)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
 # ------------------------------------------------------------------ sequence models
 @model
 def transformer_encoder_sequence_first() -> Built:

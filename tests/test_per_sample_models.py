@@ -49,3 +49,12 @@ def test_model_pattern(name):
 def test_hf_model_in_training_mode(name):
     pytest.importorskip("transformers")
     check(hf_models()[name])
+
+
+@pytest.mark.parametrize("name", ["functional_layers", "vit_timm_style"])
+def test_generic_op_capture_without_closed_forms(name, monkeypatch):
+    """The batched vector-Jacobian path of ops.py alone (closed forms switched off)."""
+    from leanprop.per_sample import ops
+
+    monkeypatch.setattr(ops, "closed_form", lambda *args, **kwargs: None)
+    check(ZOO[name])

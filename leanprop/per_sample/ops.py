@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .batch import BatchDim, to_front
+from .batch import BatchDim, _op_name, to_front
+from .op_rules import closed_form
 
 
 class Contribute:
@@ -88,6 +89,8 @@ class OpSpec:
     out_spec: Any = None
     out_leaves: list[Any] | None = None  # non-tensor output leaves (_TENSOR: a tensor)
     out_batch: list[BatchDim | None] | None = None  # of each tensor output
+    in_batch: list[BatchDim | None] | None = None  # of each tensor input
+    n_args: int = 0  # tensors passed positionally (the first ones)
 
 
 class OpCapture(torch.autograd.Function):
@@ -126,22 +129,34 @@ class OpCapture(torch.autograd.Function):
         result: list[Tensor | None] = [None] * len(local)
         if not live or not wanted:
             return (None, *result)
-        create = torch.is_grad_enabled()
-        ordinary = torch.autograd.grad(
-            [o for _, o, _ in live], [local[i] for i in wanted], [g for _, _, g in live],
-            retain_graph=True, allow_unused=True, create_graph=create,
-        )  # fmt: skip
-        for i, g in zip(wanted, ordinary, strict=True):
-            result[i] = g
         captured = [i for i in wanted if i in op.captured and not op.contribute.closed]
-        if captured:
+        fast: dict[int, Tensor] = {}
+        if captured and len(live) == 1 and op.out_batch[live[0][0]] is not None:
+            fast = closed_form(
+                _op_name(op.func), local, op.in_batch, captured, live[0][2],
+                op.out_batch[live[0][0]], op.n, op.n_args,
+            ) or {}  # fmt: skip
+        # the ordinary gradients; a closed form's are the sums of its per-sample ones
+        rest = [i for i in wanted if i not in fast]
+        if rest:
+            ordinary = torch.autograd.grad(
+                [o for _, o, _ in live], [local[i] for i in rest], [g for _, _, g in live],
+                retain_graph=True, allow_unused=True, create_graph=torch.is_grad_enabled(),
+            )  # fmt: skip
+            for i, g in zip(rest, ordinary, strict=True):
+                result[i] = g
+        for i, ps in fast.items():
+            result[i] = ps.sum(0)
+            hand_back(op.originals[i], op.captured[i], ps, op.contribute)
+        generic = [i for i in captured if i not in fast]
+        if generic:
             per_sample = _per_sample(
                 [(o, g) for _, o, g in live],
                 [op.out_batch[k] for k, _, _ in live],
-                [local[i] for i in captured],
+                [local[i] for i in generic],
                 op,
             )
-            for i, ps in zip(captured, per_sample, strict=True):
+            for i, ps in zip(generic, per_sample, strict=True):
                 hand_back(op.originals[i], op.captured[i], ps, op.contribute)
         return (None, *result)
 
@@ -233,6 +248,8 @@ def run(
         func, spec, [None if isinstance(t, Tensor) else t for t in leaves], tensor_at,
         captured, {i: tensors[i] for i in captured}, batch_of, n, workspace_bytes, contribute,
     )  # fmt: skip
+    op.in_batch = [batch_of(t) for t in tensors]
+    op.n_args = sum(isinstance(t, Tensor) for t in tree_flatten(args)[0])
     results = OpCapture.apply(op, *tensors)
     it = iter(results)
     out = tree_unflatten([next(it) if o is _TENSOR else o for o in op.out_leaves], op.out_spec)
