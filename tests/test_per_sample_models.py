@@ -58,3 +58,30 @@ def test_generic_op_capture_without_closed_forms(name, monkeypatch):
 
     monkeypatch.setattr(ops, "closed_form", lambda *args, **kwargs: None)
     check(ZOO[name])
+
+
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward-outside", "inside"])
+@pytest.mark.parametrize("name", [*sorted(ZOO), "hf_gpt2", "hf_llama"])
+def test_bf16_autocast(name, backward_inside):
+    """Layers compute in bfloat16; every quantity is float32 (the parameters' dtype) and close
+    to the float32 gradients of the same forward."""
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model, losses_fn, options = (ZOO.get(name) or hf_models()[name])()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    with leanprop.per_sample(model, *ALL, **options):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = losses_fn().float()
+            if backward_inside:
+                losses.sum().backward(retain_graph=True)
+        if not backward_inside:
+            losses.sum().backward(retain_graph=True)
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        for q in ALL:
+            assert getattr(p, q.attr).dtype == torch.float32, f"{k}.{q.attr}"
+        ref = expected[k]
+        rel = float((p.grad_batch - ref).norm() / (ref.norm() + 1e-12))
+        assert rel < 5e-2, f"{k}: relative error {rel:.2e} against the same forward"

@@ -49,7 +49,7 @@ from .quantities import (
 )
 from .registry import Rule, RuleOptions, rule_for
 from .rules._fallback import batch_dim_of, fallback_batch_grads
-from .stats import Reducer, quantities_from_batch
+from .stats import Reducer, quantities_from_batch, widen
 
 ConvAlgorithm = Literal["auto", "unfold", "grouped"]
 CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped")
@@ -92,6 +92,7 @@ class _Call:
     out_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # the input and the output
     in_dims: list[int | None] | None = None  # fallback roots: batch dim of each input leaf
     out_dims: list[int | None] | None = None  # ... and of each output leaf
+    autocast: tuple[str, torch.dtype] | None = None  # fallback roots: autocast of the forward
 
 
 @dataclass(eq=False)
@@ -103,6 +104,12 @@ class _ParamState:
     total: Tensor | None = None  # sum of the individual gradients, for the final check
     autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
     autograd_task: int = -1  # the backward (graph task) that computed it
+    compute_dtype: torch.dtype | None = None  # lowest precision its contributions came in
+
+    def saw(self, dtype: torch.dtype) -> None:
+        if self.compute_dtype is None or _bits(dtype) < _bits(self.compute_dtype):
+            self.compute_dtype = dtype
+
     results: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -112,6 +119,14 @@ def _like(x: Any, g: Tensor) -> Any:
     if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != g.dtype:
         return x.to(g.dtype)
     return x
+
+
+def _autocast_as(call: _Call, leaves: list[Any]) -> Any:
+    """Autocast as it was during the call's forward (off if it was off)."""
+    if call.autocast is not None:
+        return torch.autocast(call.autocast[0], dtype=call.autocast[1])
+    device = next((t.device.type for t in leaves if isinstance(t, Tensor)), "cpu")
+    return torch.autocast(device, enabled=False)
 
 
 def _check_dim(what: str, d: object) -> None:
@@ -491,11 +506,15 @@ class PerSample:
             self._contributions = ops.Contribute(self._contribute)
         return self._contributions
 
-    def _contribute(self, batch: dict[nn.Parameter, Tensor]) -> None:
+    def _contribute(
+        self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
+    ) -> None:
         """Individual gradients ``[N, *p.shape]`` of one use, found outside any call."""
         self._open_cycle()
         for p, b in batch.items():
             state = self._states[p]
+            state.saw(compute_dtype or b.dtype)
+            b = b.to(p.dtype)  # 16-bit contributions (autocast) are kept in the parameter's
             state.batch = b if state.batch is None else state.batch + b
 
     def _rule_batch(self, site: _Site, x: Any) -> BatchDim | None:
@@ -612,6 +631,9 @@ class PerSample:
                     return None
                 call = _Call(site, {}, args, kwargs, n, [None] * len(leaves), 0)
                 call.in_dims, call.out_dims = in_dims, out_dims
+                device = next(iter(site.direct.values())).device.type
+                if torch.is_autocast_enabled(device):
+                    call.autocast = (device, torch.get_autocast_dtype(device))
             site.calls += 1
             call.params = params = self._site_params(site)
             for i, t in enumerate(leaves):
@@ -773,6 +795,10 @@ class PerSample:
         (``{name: grad}``) where it came for free (missing where a closed form was used)."""
         site, kinds = call.site, self._kinds
         opts = self._options(next(iter(call.params.values())).device)
+        dtype = next(g.dtype for g in call.grads if g is not None)
+        dtype = call.autocast[1] if call.autocast is not None else dtype
+        for p in call.params.values():
+            self._states[p].saw(dtype)
         multi = frozenset(k for k, p in call.params.items() if self._states[p].uses > 1)
         single = frozenset(call.params) - multi
         sums: dict[str, Tensor] = {}
@@ -790,7 +816,7 @@ class PerSample:
             args = tuple(_like(a, g) for a in front_args)
             closed = site.rule.batch_l2(site.module, args, g, single, opts)
             for k, v in closed.items():
-                self._states[call.params[k]].results[BatchL2Grad.attr] = v
+                self._states[call.params[k]].results[BatchL2Grad.attr] = widen(v)
         names = (single - closed.keys()) | multi
         reducers = {
             k: Reducer(kinds if k in single else frozenset({BatchGrad}), call.params[k], call.n)
@@ -809,7 +835,7 @@ class PerSample:
         state = self._states[p]
         values, total = result
         if multi:
-            b = values[BatchGrad.attr]
+            b = values[BatchGrad.attr].to(p.dtype)
             state.batch = b if state.batch is None else state.batch + b
             return total
         state.results.update(values)
@@ -866,10 +892,12 @@ class PerSample:
                     None if g is None else cut(g, dim=d)
                     for g, d in zip(call.grads, call.out_dims, strict=True)
                 ]
-                yield fallback_batch_grads(
-                    site.module, args, kwargs, grads, names, stop - start,
-                    in_dims=call.in_dims, out_dims=call.out_dims,
-                )  # fmt: skip
+                with _autocast_as(call, leaves):  # recompute in the dtypes the forward ran in
+                    batch = fallback_batch_grads(
+                        site.module, args, kwargs, grads, names, stop - start,
+                        in_dims=call.in_dims, out_dims=call.out_dims,
+                    )  # fmt: skip
+                yield batch
 
     def _finish(self) -> None:
         """End of the backward pass: complete partial calls, write and check the results."""
@@ -913,7 +941,7 @@ class PerSample:
             site.calls, site.running, site.fused = 0, False, False
         for state in self._states.values():
             state.uses, state.batch, state.total = 0, None, None
-            state.results, state.autograd_grad = {}, None
+            state.results, state.autograd_grad, state.compute_dtype = {}, None, None
         self._n = None
         self._cycle_open = False
         self._finish_queued = False
@@ -953,7 +981,8 @@ class PerSample:
         bad = [
             f"'{s.name}' (relative error {e:.2e})"
             for (s, t, r), e in zip(pairs, rel, strict=True)
-            if e > _SUM_TOLERANCE.get(min(r.dtype, t.dtype, key=_bits), 5e-2)
+            if e
+            > _SUM_TOLERANCE.get(min(r.dtype, t.dtype, s.compute_dtype or t.dtype, key=_bits), 5e-2)
         ]
         if bad:
             raise UnsupportedModelError(

@@ -49,7 +49,8 @@ def closed_form(
     bd = in_batch[0 if name != "addmm" else 1]
     if bd is None or bd.dim >= x.dim() - 1 or out_bd.dim >= g.dim() - 1:
         return None
-    xs, gs = _rows(x, bd, n), _rows(g, out_bd, n)  # [N, S, I], [N, S, O]
+    # in the dtype the op computed in (autocast: the output gradient's)
+    xs, gs = _rows(x.to(g.dtype), bd, n), _rows(g, out_bd, n)  # [N, S, I], [N, S, O]
     out: dict[int, Tensor] = {}
     w_at, b_at = (1, 2) if name != "addmm" else (2, 0)
     if w_at in positions:

@@ -37,20 +37,26 @@ class Contribute:
     forward/backward cycle ends, so a later backward through the same graph (of a
     ``create_graph`` result, or retained) runs the ordinary backward only."""
 
-    def __init__(self, sink: Callable[[dict[nn.Parameter, Tensor]], None]) -> None:
+    def __init__(
+        self, sink: Callable[[dict[nn.Parameter, Tensor], torch.dtype | None], None]
+    ) -> None:
         self.sink = sink
         self.closed = False
 
-    def __call__(self, batch: dict[nn.Parameter, Tensor]) -> None:
-        self.sink(batch)
+    def __call__(
+        self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
+    ) -> None:
+        """``compute_dtype``: the autocast dtype the op ran in, if any (for the sum check)."""
+        self.sink(batch, compute_dtype)
 
 
 _TENSOR = object()  # marks where a tensor output goes back into the op's output structure
 
 
 def hand_back(
-    w: Tensor, params: tuple[nn.Parameter, ...], per_sample: Tensor, contribute: Contribute
-) -> None:
+    w: Tensor, params: tuple[nn.Parameter, ...], per_sample: Tensor, contribute: Contribute,
+    compute_dtype: torch.dtype | None = None,
+) -> None:  # fmt: skip
     """Give each parameter ``w`` derives from its contributions ``(dw/dp)ᵀ per_sample[n]``.
 
     Args:
@@ -58,7 +64,7 @@ def hand_back(
         per_sample: ``[N, *w.shape]``, each sample's contribution to ``w``'s gradient.
     """
     if len(params) == 1 and w is params[0]:
-        contribute({w: per_sample})
+        contribute({w: per_sample}, compute_dtype)
         return
     grads = torch.autograd.grad(
         w, params, per_sample, retain_graph=True, allow_unused=True, is_grads_batched=True
@@ -68,7 +74,8 @@ def hand_back(
         {
             p: g if g is not None else p.new_zeros(n, *p.shape)
             for p, g in zip(params, grads, strict=True)
-        }
+        },
+        compute_dtype,
     )
 
 
@@ -91,6 +98,7 @@ class OpSpec:
     out_batch: list[BatchDim | None] | None = None  # of each tensor output
     in_batch: list[BatchDim | None] | None = None  # of each tensor input
     n_args: int = 0  # tensors passed positionally (the first ones)
+    autocast_dtype: torch.dtype | None = None  # the op ran under autocast to this dtype
 
 
 class OpCapture(torch.autograd.Function):
@@ -147,7 +155,7 @@ class OpCapture(torch.autograd.Function):
                 result[i] = g
         for i, ps in fast.items():
             result[i] = ps.sum(0)
-            hand_back(op.originals[i], op.captured[i], ps, op.contribute)
+            hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
         generic = [i for i in captured if i not in fast]
         if generic:
             per_sample = _per_sample(
@@ -157,7 +165,7 @@ class OpCapture(torch.autograd.Function):
                 op,
             )
             for i, ps in zip(generic, per_sample, strict=True):
-                hand_back(op.originals[i], op.captured[i], ps, op.contribute)
+                hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
         return (None, *result)
 
 
@@ -249,6 +257,9 @@ def run(
         captured, {i: tensors[i] for i in captured}, batch_of, n, workspace_bytes, contribute,
     )  # fmt: skip
     op.in_batch = [batch_of(t) for t in tensors]
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        op.autocast_dtype = torch.get_autocast_dtype(device)
     op.n_args = sum(isinstance(t, Tensor) for t in tree_flatten(args)[0])
     results = OpCapture.apply(op, *tensors)
     it = iter(results)

@@ -27,14 +27,21 @@ def _blocks(b: Tensor) -> tuple[Tensor, int]:
     return flat, max(256, _BLOCK_BYTES // max(1, b.shape[0] * b.element_size()))
 
 
+def widen(b: Tensor) -> Tensor:
+    """16-bit values accumulate in float32."""
+    return b.float() if b.is_floating_point() and b.element_size() < 4 else b
+
+
 def sq_norms(b: Tensor) -> Tensor:
     """``||b[n]||²`` for each n: ``[N]``."""
+    b = widen(b)
     flat = b.reshape(b.shape[0], math.prod(b.shape[1:]))  # also for 0-dim parameters
     return torch.linalg.vector_norm(flat, dim=1).square()
 
 
 def sum_sq(b: Tensor) -> Tensor:
     """``sum_n b[n]²``: ``b.shape[1:]``."""
+    b = widen(b)
     if _recording(b):
         return b.pow(2).sum(0)
     flat, blk = _blocks(b)
@@ -47,6 +54,7 @@ def sum_sq(b: Tensor) -> Tensor:
 
 def mean_m2(b: Tensor) -> tuple[Tensor, Tensor]:
     """Mean and centred sum of squares ``sum_n (b[n] - mean)²`` over the samples."""
+    b = widen(b)
     mean = b.mean(0)
     if _recording(b):
         return mean, (b - mean).pow(2).sum(0)
@@ -104,11 +112,14 @@ class Reducer:
         (only for ``BatchGrad`` computed in several chunks without autograd recording)."""
         if BatchGrad not in self.kinds or stop - start == self.n or torch.is_grad_enabled():
             return None
+        if like.dtype != self.like.dtype:  # 16-bit chunks are converted (see add)
+            return None
         if self.full is None:
             self.full = like.new_empty(self.n, *self.like.shape)
         return self.full[start:stop]
 
     def add(self, b: Tensor) -> None:
+        b = b.to(self.like.dtype)  # a 16-bit layer's (autocast) in the parameter's dtype
         k = b.shape[0]
         if BatchGrad in self.kinds:
             if k == self.n or _recording(b):
