@@ -15,3 +15,24 @@ def current_graph_task_id() -> int:
 def queue_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the current backward pass ends (only inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def engine_backward(
+    tensors: tuple[torch.Tensor, ...],
+    grad_tensors: tuple[torch.Tensor | None, ...],
+    retain_graph: bool | None,
+    create_graph: bool,
+    inputs: tuple[torch.Tensor, ...],
+) -> None:
+    """``torch.autograd.backward`` after its ``__torch_function__`` check: runs the engine
+    with the caller's torch function modes still active (torch >= 2.12 checks there too)."""
+    from torch.autograd import _make_grads
+
+    grads = _make_grads(tensors, grad_tensors, is_grads_batched=False)
+    if retain_graph is None:
+        retain_graph = create_graph
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:  # older torch
+        run = torch.autograd.Variable._execution_engine.run_backward
+    run(tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True,
+        accumulate_grad=True)  # fmt: skip

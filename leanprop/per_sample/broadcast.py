@@ -47,7 +47,8 @@ class BroadcastCapture(torch.autograd.Function):
     def backward(ctx: Any, h: Tensor) -> tuple[Tensor | None, ...]:
         w, bd, n = ctx.w, ctx.bd, ctx.n
         if not ctx.contribute.closed:
-            hand_back(w, ctx.params, _per_sample_parts(h, w.shape, bd, n), ctx.contribute)
+            with ctx.contribute.computing():
+                hand_back(w, ctx.params, _per_sample_parts(h, w.shape, bd, n), ctx.contribute)
         return h.sum_to_size(w.shape), None, None, None, None, None
 
 

@@ -23,6 +23,7 @@ How it works (all state lives on the :class:`PerSample` object, never on user mo
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -103,8 +104,29 @@ class _ParamState:
     batch: Tensor | None = None  # accumulated individual gradients (weight sharing)
     total: Tensor | None = None  # sum of the individual gradients, for the final check
     autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
-    autograd_task: int = -1  # the backward (graph task) that computed it
+    # (graph task, cycle open, gradient) as autograd handed them over: the backward itself,
+    # and backward passes nested in it (a reentrant checkpoint's) count
+    autograd_grads: list[tuple[int, bool, Tensor]] = field(default_factory=list)
     compute_dtype: torch.dtype | None = None  # lowest precision its contributions came in
+
+    @property
+    def formed(self) -> bool:
+        """Something was contributed in this cycle already."""
+        return self.batch is not None or bool(self.results)
+
+    def add_batch(self, b: Tensor) -> None:
+        """Add individual gradients ``[N, *p.shape]`` of one more use."""
+        if self.results:  # formed as a single use, then used again
+            if BatchGrad.attr not in self.results:
+                raise UnsupportedModelError(
+                    f"per_sample: '{self.name}' was used again after its quantities were "
+                    "formed (its use was only seen when checkpoint(use_reentrant=True) "
+                    "recomputed it), and only statistics were kept. Use "
+                    "checkpoint(use_reentrant=False), or also request BatchGrad()."
+                )
+            b = b + self.results[BatchGrad.attr]
+            self.results, self.total = {}, None
+        self.batch = b if self.batch is None else self.batch + b
 
     def saw(self, dtype: torch.dtype) -> None:
         if self.compute_dtype is None or _bits(dtype) < _bits(self.compute_dtype):
@@ -424,9 +446,12 @@ class PerSample:
 
     # ------------------------------------------------------------------ op interception
     def _tracking(self) -> bool:
-        """Whether batch tracking decides where the batch is (else: ``batch_dim`` of each
+        """Whether batch tracking decides where the batch is: during the model's forward, and
+        while a checkpoint recomputes part of it in backward (else: ``batch_dim`` of each
         module's input, e.g. when a sub-module is called directly)."""
-        return self._intercept is not None and self._root_running
+        return self._intercept is not None and (
+            self._root_running or (self._tracker.n is not None and current_graph_task_id() != -1)
+        )
 
     def follows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Called by the op interception: whether this op touches a tracked tensor."""
@@ -439,7 +464,7 @@ class PerSample:
 
     def before_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
         """Parameter-derived operands of an op that meets the batch: captured (broadcast.py)."""
-        if not self._root_running or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self._tracking():
             return args
         return broadcast.meet(
             self._tracker, _op_name(func), args, self._captured, self._sink(),
@@ -470,7 +495,7 @@ class PerSample:
     ) -> dict[int, tuple[nn.Parameter, ...]]:
         """Tensors of an op (by position among the flattened tensors) that are captured
         parameters or derive from them, when the op also takes a batched tensor."""
-        if not self._root_running or not torch.is_grad_enabled() or "out" in kwargs:
+        if not torch.is_grad_enabled() or "out" in kwargs or not self._tracking():
             return {}
         raw = getattr(func, "__name__", "")
         if (raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i"):
@@ -503,8 +528,17 @@ class PerSample:
     def _sink(self) -> ops.Contribute:
         """The current cycle's place for contributions found outside any call."""
         if self._contributions is None:
-            self._contributions = ops.Contribute(self._contribute)
+            self._contributions = ops.Contribute(self._contribute, self._computing_block)
         return self._contributions
+
+    @contextmanager
+    def _computing_block(self) -> Iterator[None]:
+        """Per-sample work of ours: hooks ignore the autograd calls made inside."""
+        before, self._computing = self._computing, True
+        try:
+            yield
+        finally:
+            self._computing = before
 
     def _contribute(
         self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
@@ -514,8 +548,7 @@ class PerSample:
         for p, b in batch.items():
             state = self._states[p]
             state.saw(compute_dtype or b.dtype)
-            b = b.to(p.dtype)  # 16-bit contributions (autocast) are kept in the parameter's
-            state.batch = b if state.batch is None else state.batch + b
+            state.add_batch(b.to(p.dtype))  # 16-bit (autocast) kept in the parameter's dtype
 
     def _rule_batch(self, site: _Site, x: Any) -> BatchDim | None:
         """Where the batch is in a rule site's input; None if it carries none."""
@@ -738,6 +771,9 @@ class PerSample:
             self._cycle_open = True
             self._grad_mode = torch.is_grad_enabled()
             self._clear_attrs()
+            task = current_graph_task_id()
+            for state in self._states.values():  # drop those of earlier backward passes
+                state.autograd_grads = [e for e in state.autograd_grads if e[0] == task]
         # a side loss's eager backward (during forward) is part of the coming main backward:
         # the results are written and checked when that one ends
         if not self._finish_queued and not in_eager_backward():
@@ -746,11 +782,10 @@ class PerSample:
 
     def _on_param_grad(self, state: _ParamState):
         def hook(grad: Tensor) -> None:
-            # not while computing: the fallback's own per-sample autograd calls fire it too
-            # recorded before the cycle opens too (autograd may reach a parameter first); the
-            # graph task tells which backward it came from
+            # not while computing: the fallback's own per-sample autograd calls fire it too;
+            # recorded before the cycle opens too (autograd may reach a parameter first)
             if self._active and not self._computing:
-                state.autograd_grad, state.autograd_task = grad, current_graph_task_id()
+                state.autograd_grads.append((current_graph_task_id(), self._cycle_open, grad))
 
         return hook
 
@@ -799,7 +834,11 @@ class PerSample:
         dtype = call.autocast[1] if call.autocast is not None else dtype
         for p in call.params.values():
             self._states[p].saw(dtype)
-        multi = frozenset(k for k, p in call.params.items() if self._states[p].uses > 1)
+        # several contributions (weight sharing, or one already formed: a use only counted
+        # when a reentrant checkpoint recomputes it) are summed as individual gradients
+        multi = frozenset(
+            k for k, p in call.params.items() if self._states[p].uses > 1 or self._states[p].formed
+        )
         single = frozenset(call.params) - multi
         sums: dict[str, Tensor] = {}
         if call.n == 0:
@@ -835,8 +874,7 @@ class PerSample:
         state = self._states[p]
         values, total = result
         if multi:
-            b = values[BatchGrad.attr].to(p.dtype)
-            state.batch = b if state.batch is None else state.batch + b
+            state.add_batch(values[BatchGrad.attr].to(p.dtype))
             return total
         state.results.update(values)
         state.total = total
@@ -942,6 +980,7 @@ class PerSample:
         for state in self._states.values():
             state.uses, state.batch, state.total = 0, None, None
             state.results, state.autograd_grad, state.compute_dtype = {}, None, None
+            state.autograd_grads = []
         self._n = None
         self._cycle_open = False
         self._finish_queued = False
@@ -951,8 +990,10 @@ class PerSample:
         and every parameter that got a gradient must have its individual gradients."""
         task = current_graph_task_id()
         for s in self._states.values():
-            if s.autograd_task != task:  # from another backward (e.g. of a create_graph result)
-                s.autograd_grad = None
+            # this backward's, and those of backward passes nested in it while the cycle was
+            # open; not those of another backward (e.g. of a create_graph result) before it
+            mine = [g for t, in_cycle, g in s.autograd_grads if t == task or in_cycle]
+            s.autograd_grad = sum(mine[1:], mine[0]) if mine else None
         missing = [
             f"'{s.name}'"
             for s in self._states.values()

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .._torch_compat import engine_backward
+
 if TYPE_CHECKING:
     from .capture import PerSample, _Call
 
@@ -53,6 +55,33 @@ class FusedOp(torch.autograd.Function):
         ) * ctx.n_extra
 
 
+_BACKWARD_ENTRIES = (torch.Tensor.backward, torch.autograd.backward)
+
+
+def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
+    """``(tensors, grad_tensors, retain_graph, create_graph, inputs)`` of a plain backward
+    call, or None for forms left to torch (gradient edges, dict inputs)."""
+    names = ("gradient", "retain_graph", "create_graph", "inputs")
+    if func is torch.autograd.backward:
+        names = ("grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+    if not args or len(args) > len(names) + 1 or any(k not in names for k in kwargs):
+        return None
+    bound = dict(zip(names, args[1:], strict=False)) | kwargs
+    if bound.get("grad_variables") is not None:
+        return None
+    tensors = args[0]
+    tensors = (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
+    grads = bound.get("gradient", bound.get("grad_tensors"))
+    grads = (grads,) if grads is None or isinstance(grads, Tensor) else tuple(grads)
+    if len(grads) == 1 and len(tensors) > 1 and grads[0] is None:
+        grads = (None,) * len(tensors)
+    inputs = bound.get("inputs")
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, Tensor) else inputs
+    if not all(isinstance(t, Tensor) for t in (*tensors, *inputs)) or len(grads) != len(tensors):
+        return None
+    return tensors, grads, bound.get("retain_graph"), bool(bound.get("create_graph")), tuple(inputs)
+
+
 class Intercept(TorchFunctionMode):
     """The op interception of one :class:`PerSample`: swaps fusable op calls made inside a
     fusable site's forward for :class:`FusedOp`, and has every op that touches a tracked tensor
@@ -65,6 +94,13 @@ class Intercept(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         capture = self.capture
+        if func in _BACKWARD_ENTRIES:
+            call = _backward_call(func, args, kwargs)
+            if call is not None:
+                # keep this mode on while the engine runs, so that the forward a checkpoint
+                # recomputes during backward goes through it as the original forward did
+                with self:
+                    return engine_backward(*call)
         if func in FUSABLE_OPS and not kwargs:
             call = capture.begin_fused(args)
             if call is not None:

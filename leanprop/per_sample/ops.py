@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +39,12 @@ class Contribute:
     ``create_graph`` result, or retained) runs the ordinary backward only."""
 
     def __init__(
-        self, sink: Callable[[dict[nn.Parameter, Tensor], torch.dtype | None], None]
+        self,
+        sink: Callable[[dict[nn.Parameter, Tensor], torch.dtype | None], None],
+        computing: Callable[[], AbstractContextManager[None]],
     ) -> None:
         self.sink = sink
+        self.computing = computing  # marks the per-sample work (its autograd calls) as ours
         self.closed = False
 
     def __call__(
@@ -155,18 +159,27 @@ class OpCapture(torch.autograd.Function):
                 result[i] = g
         for i, ps in fast.items():
             result[i] = ps.sum(0)
-            hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
+            with op.contribute.computing():
+                hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
         generic = [i for i in captured if i not in fast]
         if generic:
-            per_sample = _per_sample(
-                [(o, g) for _, o, g in live],
-                [op.out_batch[k] for k, _, _ in live],
-                [local[i] for i in generic],
-                op,
-            )
-            for i, ps in zip(generic, per_sample, strict=True):
-                hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
+            with op.contribute.computing():
+                _generic(live, generic, local, op)
         return (None, *result)
+
+
+def _generic(
+    live: list[tuple[int, Tensor, Tensor]], generic: list[int], local: list[Tensor], op: OpSpec
+) -> None:
+    """Per-sample contributions of the captured inputs ``generic`` by batched VJPs."""
+    per_sample = _per_sample(
+        [(o, g) for _, o, g in live],
+        [op.out_batch[k] for k, _, _ in live],
+        [local[i] for i in generic],
+        op,
+    )
+    for i, ps in zip(generic, per_sample, strict=True):
+        hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
 
 
 def _masked(g: Tensor, bd: BatchDim, n: int, start: int, stop: int) -> Tensor:
