@@ -36,3 +36,33 @@ def engine_backward(
         run = torch.autograd.Variable._execution_engine.run_backward
     run(tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True,
         accumulate_grad=True)  # fmt: skip
+
+
+def engine_grad(
+    outputs: tuple[torch.Tensor, ...],
+    inputs: tuple[torch.Tensor, ...],
+    grad_outputs: tuple[torch.Tensor | None, ...],
+    retain_graph: bool | None,
+    create_graph: bool,
+    allow_unused: bool,
+    is_grads_batched: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad`` after its ``__torch_function__`` check (see
+    :func:`engine_backward`)."""
+    from torch import _vmap_internals
+    from torch.autograd import _make_grads
+
+    grads = _make_grads(outputs, grad_outputs, is_grads_batched=is_grads_batched)
+    if retain_graph is None:
+        retain_graph = create_graph
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:  # older torch
+        run = torch.autograd.Variable._execution_engine.run_backward
+
+    def vjp(g: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+        return run(outputs, g, retain_graph, create_graph, inputs, allow_unused,
+                   accumulate_grad=False)  # fmt: skip
+
+    if is_grads_batched:
+        return _vmap_internals._vmap(vjp, 0, 0, allow_none_pass_through=True)(grads)
+    return vjp(grads)

@@ -82,14 +82,42 @@ def test_each_backward_replaces_results():
             assert case.model[0].weight.grad_batch.shape[0] == n
 
 
-def test_second_backward_through_retained_graph_is_ignored():
-    case = build("mlp")
+@pytest.mark.parametrize(
+    "name", ["mlp", "sequence", "tied_lm", "conv3d", "own_parameter", "attention", "batchnorm_eval"]
+)
+def test_each_backward_through_a_retained_graph_has_its_own_results(name):
+    """BackPACK's pattern: one backward per output (a batched Jacobian), one forward."""
+    case = build(name)
+    width = case.model(case.x).reshape(case.x.shape[0], -1).shape[1]
+    outputs = (0, width - 1)
+    expected = {
+        c: individual_gradients(
+            case.model,
+            lambda o, y, r, c=c: o.reshape(o.shape[0], -1)[:, c].sum(),
+            case.x,
+            case.y,
+            "sum",
+        )
+        for c in outputs
+    }
+    with leanprop.per_sample(case.model, BatchGrad(), Variance()):
+        flat = case.model(case.x).reshape(case.x.shape[0], -1)
+        for c in outputs:
+            case.model.zero_grad()
+            flat[:, c].sum().backward(retain_graph=True)
+            for k, p in case.model.named_parameters():
+                assert_close(p.grad_batch, expected[c][k], f"output {c}: {k}", 1e-9, 1e-12)
+
+
+def test_second_backward_through_a_module_hooked_as_a_whole_is_an_error():
+    case = build("recurrent")
     with leanprop.per_sample(case.model, BatchGrad()):
-        loss = case.loss(case.model(case.x), case.y, "sum")
-        loss.backward(retain_graph=True)
-        first = case.model[0].weight.grad_batch
-        loss.backward()
-        assert case.model[0].weight.grad_batch is first
+        out = case.model(case.x)
+        out[:, 0].sum().backward(retain_graph=True)
+        with pytest.raises(
+            UnsupportedModelError, match=r"second backward.*LSTM 'lstm'.*Run the forward again"
+        ):
+            out[:, 1].sum().backward()
 
 
 def test_unknown_quantity_and_class_instead_of_instance():

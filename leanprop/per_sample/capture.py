@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -94,6 +94,7 @@ class _Call:
     in_dims: list[int | None] | None = None  # fallback roots: batch dim of each input leaf
     out_dims: list[int | None] | None = None  # ... and of each output leaf
     autocast: tuple[str, torch.dtype] | None = None  # fallback roots: autocast of the forward
+    forward: Any = None  # replaced ops: the forward they belong to (an ops.Contribute)
 
 
 @dataclass(eq=False)
@@ -225,6 +226,7 @@ class PerSample:
         self._batch_dims = dict(batch_dims or {})
         self._tracker = BatchTracker(())
         self._root_running = False  # between the model's forward pre-hook and forward hook
+        self._backward_done = False  # a backward ended since this forward's state was made
         self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
         self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
         self._contributions: ops.Contribute | None = None  # of the current cycle
@@ -242,6 +244,7 @@ class PerSample:
         self._grad_mode = False
         self._intercept: Intercept | None = None
         self._fusable_by_weight: dict[int, list[_Site]] = {}  # id(weight) -> fusable sites
+        self._rule_sites_of: dict[Tensor | None, list[_Site]] = {}  # weight -> rule sites
         self._bn_problem: str | None = None
         self.reset_on_forward = False  # see set_quantities
         # last backward, for leanprop.all_reduce_quantities: batch size and, if Variance was
@@ -281,9 +284,9 @@ class PerSample:
                     self._handles.append(
                         site.module.register_forward_pre_hook(self._on_fallback_enter(site))
                     )
-                elif site.fusable:
+                else:
                     self._handles.append(
-                        site.module.register_forward_pre_hook(self._on_fusable_enter(site))
+                        site.module.register_forward_pre_hook(self._on_rule_enter(site))
                     )
             for state in self._states.values():
                 self._handles.append(state.param.register_hook(self._on_param_grad(state)))
@@ -309,6 +312,9 @@ class PerSample:
 
     def _teardown(self) -> None:
         self._active = False
+        if self._contributions is not None:  # a later backward through the graph: ordinary
+            self._contributions.closed = True
+            self._contributions = None
         if self._intercept is not None:
             self._intercept.__exit__(None, None, None)
             self._intercept = None
@@ -319,6 +325,7 @@ class PerSample:
         self._calls.clear()
         self._sites.clear()
         self._fusable_by_weight.clear()
+        self._rule_sites_of.clear()
         self._states.clear()
         self._op_params.clear()
         self._n = None
@@ -351,6 +358,8 @@ class PerSample:
             if site.fusable:
                 weight = module._parameters.get("weight")
                 self._fusable_by_weight.setdefault(id(weight), []).append(site)
+            elif rule is not None and self._fuse and "weight" in direct:
+                self._rule_sites_of.setdefault(direct["weight"], []).append(site)
             if root is not None:
                 root.inner.append(site)
             if rule is None:  # fallback root: owns its whole sub-tree unless children are called
@@ -400,8 +409,9 @@ class PerSample:
         if self._computing:
             return
         died = (self._finish_queued or self._root_running) and current_graph_task_id() == -1
-        if died:
-            # a backward that raised never ended its cycle, or a forward raised: start anew
+        if died or self._backward_done:
+            # a new forward after a backward; or a backward that raised never ended its cycle,
+            # or a forward raised: start anew
             self._reset_cycle()
         elif self.reset_on_forward and not self._cycle_open:
             # facade: drop what a forward recorded without a backward that asked for quantities
@@ -476,6 +486,9 @@ class PerSample:
         broadcast over the batch (broadcast.py), parameters used in an op with no rule
         (ops.py), and where the batch went in the outputs."""
         args = self.before_op(func, args, kwargs)
+        rule_op = self._rule_op(args, kwargs)
+        if rule_op is not None:
+            return self._run_rule_op(func, args, kwargs, *rule_op)
         captured = self._op_uses(func, args, kwargs)
         if not captured:
             out = func(*args, **kwargs)
@@ -488,6 +501,57 @@ class PerSample:
             lambda out: self.after_op(func, args, kwargs, out),
             lambda t: info if isinstance(info := self._tracker.info(t), BatchDim) else None,
             n, self._budget(device), self._sink(),
+        )  # fmt: skip
+
+    def _rule_op(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Site, dict[int, str]] | None:
+        """A running rule site's own op (its parameters among the op's tensors), where the rule
+        can take the op's input as the module's: the site and {tensor position: name}."""
+        if self._computing or not torch.is_grad_enabled():
+            return None
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        for site in self._rule_sites_of.get(tensors[1] if len(tensors) > 1 else None, ()):
+            if site.running and not site.fused and site.rule.at_op_level(site.module):
+                names = {id(p): k for k, p in site.direct.items()}
+                return site, {i: names[id(t)] for i, t in enumerate(tensors) if id(t) in names}
+        return None
+
+    def _run_rule_op(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], site: _Site,
+        positions: dict[int, str],
+    ) -> Any:  # fmt: skip
+        """The op of a rule site through ops.OpCapture, its backward handled by the rule (a
+        call processed at each backward through it, so a retained graph's every backward
+        gets its own results)."""
+        x = args[0]
+        bd = self._rule_batch(site, x)
+        site.fused = True  # the module's forward hook has nothing left to record
+        if bd is None:  # batch-free input: the output is parameter-derived (broadcast.py)
+            site.calls += 1
+            out = func(*args, **kwargs)
+            self.after_op(func, args, kwargs, out)
+            return out
+        n = self._rule_batch_size(site, x, bd)
+        site.calls += 1
+        self._count_use(frozenset(site.direct.values()))
+        forward = self._sink()
+
+        def rule(local: list[Tensor], g: Tensor, out_bd: BatchDim) -> dict[int, Tensor]:
+            if not self._active or not self._kinds or forward.closed:
+                return {}
+            call = _Call(
+                site, dict(site.direct), (local[0],), {}, n, [g], 0, in_bd=bd, out_bd=out_bd
+            )
+            self._open_cycle()
+            sums = self._process(call)
+            return {i: sums[k] for i, k in positions.items() if k in sums}
+
+        return ops.run(
+            func, args, kwargs, {i: (site.direct[k],) for i, k in positions.items()},
+            lambda out: self.after_op(func, args, kwargs, out),
+            lambda t: info if isinstance(info := self._tracker.info(t), BatchDim) else None,
+            n, self._budget(x.device), forward, rule,
         )  # fmt: skip
 
     def _op_uses(
@@ -582,7 +646,7 @@ class PerSample:
 
         return hook
 
-    def _on_fusable_enter(self, site: _Site):
+    def _on_rule_enter(self, site: _Site):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             site.running = not self._computing
             site.fused = False
@@ -611,16 +675,19 @@ class PerSample:
         site.calls += 1
         site.fused = True
         call = _Call(site, dict(site.direct), (x,), {}, n, [None], 1, in_bd=bd, out_bd=bd)
+        call.forward = self._sink()
         for p in call.params.values():
             self._states[p].uses += 1
         self._calls.append(call)
         return call
 
-    def fused_backward(self, call: _Call, grad: Tensor) -> dict[str, Tensor] | None:
+    def fused_backward(self, call: _Call, x: Tensor, grad: Tensor) -> dict[str, Tensor] | None:
         """Output gradient of a replaced op: process the call, return its summed gradients
         (None when the capture is over and the op must do an ordinary backward)."""
-        if not self._active or call.closed or not self._kinds:
+        if not self._active or not self._kinds or call.forward.closed:
             return None
+        if call.closed:  # another backward through the same forward: a call of its own
+            call = replace(call, args=(x,), grads=[None], closed=False)
         self._open_cycle()
         call.grads[0] = grad
         call.pending = 0
@@ -668,6 +735,7 @@ class PerSample:
                 if torch.is_autocast_enabled(device):
                     call.autocast = (device, torch.get_autocast_dtype(device))
             site.calls += 1
+            call.forward = self._sink()
             call.params = params = self._site_params(site)
             for i, t in enumerate(leaves):
                 if isinstance(t, Tensor) and t.requires_grad:
@@ -791,7 +859,17 @@ class PerSample:
 
     def _on_output_grad(self, call: _Call, index: int):
         def hook(grad: Tensor) -> None:
-            if not self._active or call.closed or not self._kinds:
+            if not self._active or not self._kinds or self._computing:
+                return
+            if call.closed:
+                if call.forward is not None and not call.forward.closed:
+                    raise UnsupportedModelError(
+                        f"per_sample: a second backward through the same forward reached "
+                        f"{type(call.site.module).__name__} '{call.site.name}', whose inputs "
+                        "leanprop keeps for one backward only (a module hooked as a whole: "
+                        "RNNs, convolutions with a padding_mode other than 'zeros'). Run the "
+                        "forward again before each backward."
+                    )
                 return
             self._open_cycle()
             call.grads[index] = grad
@@ -959,31 +1037,43 @@ class PerSample:
                 if self._check:
                     self._verify()
         finally:
-            self._reset_cycle()
+            self._end_backward()
 
-    def _reset_cycle(self) -> None:
-        """Forget everything about the current forward/backward cycle."""
+    def _end_backward(self) -> None:
+        """Forget this backward's results. Another backward through the same forward (a
+        retained graph) computes its own, except after ``create_graph=True`` (its quantities
+        are in the graph: differentiating them must not start another cycle)."""
         self._computing = False
-        for h in self._tensor_handles:
-            h.remove()
-        self._tensor_handles.clear()
-        for call in self._calls:  # a late backward through them does an ordinary backward
+        for call in self._calls:  # module-level calls: their inputs are gone (see the hook)
             call.closed = True
             call.args = call.kwargs = None
         self._calls.clear()
         self._bn_problem = None
+        if self._grad_mode and self._contributions is not None:
+            self._contributions.closed = True
+        for state in self._states.values():
+            state.batch, state.total = None, None
+            state.results, state.autograd_grad, state.compute_dtype = {}, None, None
+            state.autograd_grads = []
+        self._cycle_open = False
+        self._finish_queued = False
+        self._backward_done = True
+
+    def _reset_cycle(self) -> None:
+        """Forget everything about the current forward and its backward passes."""
+        self._end_backward()
+        for h in self._tensor_handles:
+            h.remove()
+        self._tensor_handles.clear()
         if self._contributions is not None:
             self._contributions.closed = True
             self._contributions = None
         for site in self._sites:
             site.calls, site.running, site.fused = 0, False, False
         for state in self._states.values():
-            state.uses, state.batch, state.total = 0, None, None
-            state.results, state.autograd_grad, state.compute_dtype = {}, None, None
-            state.autograd_grads = []
+            state.uses = 0
         self._n = None
-        self._cycle_open = False
-        self._finish_queued = False
+        self._backward_done = False
 
     def _verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward,

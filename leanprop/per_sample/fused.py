@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .._torch_compat import engine_backward
+from .._torch_compat import engine_backward, engine_grad
 
 if TYPE_CHECKING:
     from .capture import PerSample, _Call
@@ -44,7 +44,7 @@ class FusedOp(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         module, rule = ctx.module, ctx.call.site.rule
         want = frozenset(k for k, i in (("weight", 4), ("bias", 5)) if ctx.needs_input_grad[i])
-        sums = ctx.capture.fused_backward(ctx.call, g) or {}
+        sums = ctx.capture.fused_backward(ctx.call, x, g) or {}
         sums = {k: v for k, v in sums.items() if k in want}
         missing = want - sums.keys()
         if missing:
@@ -82,6 +82,34 @@ def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return tensors, grads, bound.get("retain_graph"), bool(bound.get("create_graph")), tuple(inputs)
 
 
+def _grad_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
+    """The arguments of :func:`engine_grad` for a plain ``torch.autograd.grad`` call, or None
+    for forms left to torch (gradient edges, dict inputs, materialize_grads)."""
+    names = ("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph", "only_inputs",
+             "allow_unused", "is_grads_batched", "materialize_grads")  # fmt: skip
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    if bound.get("materialize_grads") or "outputs" not in bound or "inputs" not in bound:
+        return None
+    outputs, inputs = bound["outputs"], bound["inputs"]
+    outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+    inputs = (inputs,) if isinstance(inputs, Tensor) else inputs
+    if isinstance(inputs, dict) or not all(isinstance(t, Tensor) for t in (*outputs, *inputs)):
+        return None
+    grads = bound.get("grad_outputs")
+    grads = (grads,) if grads is None or isinstance(grads, Tensor) else tuple(grads)
+    if len(grads) == 1 and grads[0] is None:
+        grads = (None,) * len(outputs)
+    if len(grads) != len(outputs) or not inputs:
+        return None
+    return (
+        outputs, tuple(inputs), grads, bound.get("retain_graph"),
+        bool(bound.get("create_graph")), bool(bound.get("allow_unused")),
+        bool(bound.get("is_grads_batched")),
+    )  # fmt: skip
+
+
 class Intercept(TorchFunctionMode):
     """The op interception of one :class:`PerSample`: swaps fusable op calls made inside a
     fusable site's forward for :class:`FusedOp`, and has every op that touches a tracked tensor
@@ -94,13 +122,18 @@ class Intercept(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         capture = self.capture
+        # keep this mode on while the engine runs, so that the forward a checkpoint recomputes
+        # during backward goes through it as the original forward did
         if func in _BACKWARD_ENTRIES:
             call = _backward_call(func, args, kwargs)
             if call is not None:
-                # keep this mode on while the engine runs, so that the forward a checkpoint
-                # recomputes during backward goes through it as the original forward did
                 with self:
                     return engine_backward(*call)
+        if func is torch.autograd.grad:
+            call = _grad_call(args, kwargs)
+            if call is not None:
+                with self:
+                    return engine_grad(*call)
         if func in FUSABLE_OPS and not kwargs:
             call = capture.begin_fused(args)
             if call is not None:

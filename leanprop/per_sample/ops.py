@@ -20,7 +20,7 @@ the op per sample, so closed-form rules stay the fast path.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +103,39 @@ class OpSpec:
     in_batch: list[BatchDim | None] | None = None  # of each tensor input
     n_args: int = 0  # tensors passed positionally (the first ones)
     autocast_dtype: torch.dtype | None = None  # the op ran under autocast to this dtype
+    # a layer rule that takes over the captured inputs: rule(inputs, grad, out_batch) stores
+    # their quantities itself and returns the summed gradients it has ({position: grad})
+    rule: Callable[[list[Tensor], Tensor, BatchDim], dict[int, Tensor]] | None = None
+
+
+def _local_graph(op: OpSpec, tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
+    """The op on views of its tensors: our gradients stop at the views (autograd.grad's
+    inputs), which stay differentiable with respect to the op's inputs (create_graph)."""
+    with torch.enable_grad():
+        local = [t.view_as(t) if t.requires_grad else t for t in tensors]
+        leaves = list(op.leaves)
+        for i, t in zip(op.tensor_at, local, strict=True):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, op.spec)
+        return local, op.func(*args, **kwargs)
+
+
+def _fresh_graph(
+    op: OpSpec, tensors: Sequence[Tensor], outs: list[Tensor]
+) -> tuple[list[Tensor], list[Tensor]]:
+    local, out = _local_graph(op, tensors)
+    fresh = [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
+    if not all(torch.equal(a, b) for a, b in zip(fresh, outs, strict=True)):
+        from ..errors import UnsupportedModelError
+
+        name = getattr(op.func, "__name__", repr(op.func))
+        raise UnsupportedModelError(
+            f"per_sample: backward(create_graph=True) through '{name}', which draws random "
+            "numbers (dropout inside the op): its second derivatives would use other random "
+            "numbers. Switch the op's randomness off (eval mode or p=0) to differentiate the "
+            "quantities."
+        )
+    return local, fresh
 
 
 class OpCapture(torch.autograd.Function):
@@ -110,19 +143,13 @@ class OpCapture(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, op: OpSpec, *tensors: Tensor) -> tuple[Tensor, ...]:
-        with torch.enable_grad():
-            local = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-            leaves = list(op.leaves)
-            for i, t in zip(op.tensor_at, local, strict=True):
-                leaves[i] = t
-            args, kwargs = tree_unflatten(leaves, op.spec)
-            out = op.func(*args, **kwargs)
+        local, out = _local_graph(op, tensors)
         out_leaves, op.out_spec = tree_flatten(out)
         outs = [o for o in out_leaves if isinstance(o, Tensor)]
         op.out_leaves = [_TENSOR if isinstance(o, Tensor) else o for o in out_leaves]
         ctx.op = op
         ctx.n_local = len(local)
-        ctx.save_for_backward(*local, *outs)
+        ctx.save_for_backward(*local, *outs, *tensors)
         results = tuple(o.detach() for o in outs)
         ctx.mark_non_differentiable(*(r for r in results if not r.is_floating_point()))
         return results
@@ -131,7 +158,13 @@ class OpCapture(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         op: OpSpec = ctx.op
         saved = ctx.saved_tensors
-        local, outs = list(saved[: ctx.n_local]), list(saved[ctx.n_local :])
+        k = ctx.n_local
+        local, outs = list(saved[:k]), list(saved[k : len(saved) - k])
+        if torch.is_grad_enabled():
+            # create_graph: differentiate a fresh graph of the op (a backward of the results,
+            # run later, may free the saved one while passing through it)
+            with op.contribute.computing():  # not an op of the model: not captured again
+                local, outs = _fresh_graph(op, saved[len(saved) - k :], outs)
         live = [
             (k, o, g)
             for k, (o, g) in enumerate(zip(outs, grads, strict=True))
@@ -143,13 +176,18 @@ class OpCapture(torch.autograd.Function):
             return (None, *result)
         captured = [i for i in wanted if i in op.captured and not op.contribute.closed]
         fast: dict[int, Tensor] = {}
-        if captured and len(live) == 1 and op.out_batch[live[0][0]] is not None:
+        summed: dict[int, Tensor] = {}
+        single = len(live) == 1 and op.out_batch[live[0][0]] is not None
+        if captured and single and op.rule is not None:
+            summed = op.rule(local, live[0][2], op.out_batch[live[0][0]])
+        elif captured and single:
             fast = closed_form(
                 _op_name(op.func), local, op.in_batch, captured, live[0][2],
                 op.out_batch[live[0][0]], op.n, op.n_args,
             ) or {}  # fmt: skip
         # the ordinary gradients; a closed form's are the sums of its per-sample ones
-        rest = [i for i in wanted if i not in fast]
+        result = [summed.get(i) for i in range(len(local))]
+        rest = [i for i in wanted if i not in fast and i not in summed]
         if rest:
             ordinary = torch.autograd.grad(
                 [o for _, o, _ in live], [local[i] for i in rest], [g for _, _, g in live],
@@ -161,7 +199,7 @@ class OpCapture(torch.autograd.Function):
             result[i] = ps.sum(0)
             with op.contribute.computing():
                 hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
-        generic = [i for i in captured if i not in fast]
+        generic = [i for i in captured if i not in fast] if op.rule is None else []
         if generic:
             with op.contribute.computing():
                 _generic(live, generic, local, op)
@@ -255,7 +293,7 @@ def run(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
     captured: dict[int, tuple[nn.Parameter, ...]], follow: Callable[[Any], None],
     batch_of: Callable[[Tensor], BatchDim | None], n: int, workspace_bytes: int,
-    contribute: Contribute,
+    contribute: Contribute, rule: Callable[..., dict[int, Tensor]] | None = None,
 ) -> Any:  # fmt: skip
     """``func(*args, **kwargs)`` through :class:`OpCapture`.
 
@@ -269,6 +307,7 @@ def run(
         func, spec, [None if isinstance(t, Tensor) else t for t in leaves], tensor_at,
         captured, {i: tensors[i] for i in captured}, batch_of, n, workspace_bytes, contribute,
     )  # fmt: skip
+    op.rule = rule
     op.in_batch = [batch_of(t) for t in tensors]
     device = tensors[0].device.type
     if torch.is_autocast_enabled(device):

@@ -56,6 +56,12 @@ class Rule:
     accepts_out: bool = False
     # the layer's op itself needs the batch in dimension 0 (channels in 1)
     batch_first: bool = False
+    # the layer's op takes the module's input as is (its rule may run at the op, on the op's
+    # input; else the module's forward is hooked)
+    op_takes_module_input: Callable[[nn.Module], bool] | None = None
+
+    def at_op_level(self, module: nn.Module) -> bool:
+        return self.op_takes_module_input is None or self.op_takes_module_input(module)
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
@@ -71,6 +77,7 @@ def register_rule(
     can_fuse: Callable[[nn.Module], bool] | None = None,
     accepts_out: bool = False,
     batch_first: bool = False,
+    op_takes_module_input: Callable[[nn.Module], bool] | None = None,
 ) -> Callable[[BatchGradsFn], BatchGradsFn]:
     """Register ``batch_grads`` (the decorated function) as the rule of ``module_types``.
 
@@ -84,12 +91,14 @@ def register_rule(
             ``[n_chunk, *p.shape]`` slices of the result to write into (saves a copy).
         batch_first: the layer's op needs the batch in dimension 0 (convolutions, GroupNorm);
             elsewhere the batch may be in any dimension (rules get it moved to the front).
+        op_takes_module_input: whether the module calls its op on its input unchanged (default
+            yes); where not (a convolution padding its input first), the module is hooked.
     """
 
     def decorate(fn: BatchGradsFn) -> BatchGradsFn:
         rule = Rule(
             fn, batch_l2, workspace, check_input, input_grad, param_grads, can_fuse, accepts_out,
-            batch_first,
+            batch_first, op_takes_module_input,
         )  # fmt: skip
         for t in module_types:
             _RULES[t] = rule

@@ -177,6 +177,7 @@ def conv_param_grads(
     can_fuse=_can_fuse,
     accepts_out=True,
     batch_first=True,
+    op_takes_module_input=lambda module: module.padding_mode == "zeros",
 )
 def conv_batch_grads(
     module: nn.Module,
