@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -92,3 +93,15 @@ def test_unknown_suite_is_rejected(capsys):
 def test_unknown_method_error():
     with pytest.raises(ValueError, match="unknown per-sample benchmark method 'x'"):
         per_sample_suite.make_step("x", per_sample_suite.torch.device("cpu"), 2)
+
+
+def test_real_models_suite(capsys):
+    assert cli.main(["bench", "real-models", "--batch", "2", "--reps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    models = ["resnet18gn"]
+    if importlib.util.find_spec("transformers") is not None:
+        models += ["gpt2", "bert", "vit"]
+    for model in models:
+        for method in ("plain", "leanprop_batchgrad", "leanprop_l2", "leanprop_variance"):
+            line = next(row for row in lines if f"{model}/{method} " in row)
+            assert "failed" not in line, line

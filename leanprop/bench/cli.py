@@ -20,6 +20,7 @@ from . import (
     distributed_suite,
     in_backward_suite,
     per_sample_suite,
+    real_models_suite,
     side_loss_suite,
     variance_suite,
 )
@@ -54,6 +55,12 @@ SUITES: dict[str, Suite] = {
         "AdamW inside backward under DDP (2 processes): ordinary DDP, bucket views, leanprop",
         distributed_suite.run,
         {"small": (), "large": ()},
+    ),
+    "real-models": Suite(
+        "individual gradients on GPT-2/BERT/ViT-like models and a GroupNorm ResNet-18: "
+        "plain, leanprop, torch.func, Opacus",
+        real_models_suite.run,
+        {"small": (8,), "large": (32,)},
     ),
     "side-losses": Suite(
         "penalties on intermediate activations: combined, checkpoint, backward-at-once, leanprop",

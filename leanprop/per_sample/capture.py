@@ -38,7 +38,7 @@ from .._eager import in_eager_backward
 from .._torch_compat import current_graph_task_id, queue_callback
 from ..errors import BatchError, LeanpropValueError, UnsupportedModelError
 from . import broadcast, ops
-from .batch import BatchDim, BatchTracker, Lost, _op_name, to_front
+from .batch import BatchDim, BatchTracker, Lost, _op_name, _tensors, to_front
 from .fused import Intercept
 from .quantities import (
     BatchGrad,
@@ -142,6 +142,11 @@ def _like(x: Any, g: Tensor) -> Any:
     if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != g.dtype:
         return x.to(g.dtype)
     return x
+
+
+def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The op's tensors in the order ops.run numbers them."""
+    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
 
 
 def _autocast_as(call: _Call, leaves: list[Any]) -> Any:
@@ -510,7 +515,11 @@ class PerSample:
         can take the op's input as the module's: the site and {tensor position: name}."""
         if self._computing or not torch.is_grad_enabled():
             return None
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        weight = args[1] if len(args) > 1 and isinstance(args[1], Tensor) else None
+        weight = kwargs.get("weight", weight) if weight is None else weight
+        if weight not in self._rule_sites_of:
+            return None
+        tensors = _flat_tensors(args, kwargs)
         for site in self._rule_sites_of.get(tensors[1] if len(tensors) > 1 else None, ()):
             if site.running and not site.fused and site.rule.at_op_level(site.module):
                 names = {id(p): k for k, p in site.direct.items()}
@@ -564,7 +573,10 @@ class PerSample:
         raw = getattr(func, "__name__", "")
         if (raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i"):
             return {}  # in-place: leave it (the sum check refuses an escaped use)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        quick = _tensors(args, kwargs)  # cheap first look (one level of nesting)
+        if not any(self._tracker.derived_params(t) for t in quick):
+            return {}
+        tensors = _flat_tensors(args, kwargs)
         if not any(isinstance(self._tracker.info(t), BatchDim) for t in tensors):
             return {}
         uses: dict[int, tuple[nn.Parameter, ...]] = {}
