@@ -189,7 +189,8 @@ def test_embedding_scale_grad_by_freq():
 
 
 class EscapingUse(nn.Module):
-    """Uses a child's weight directly in its own forward: invisible to the child's hooks."""
+    """Uses a child's weight directly in its own forward (a tied output layer written as
+    ``F.linear``): captured at that op, since the child's hooks cannot see it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -199,15 +200,37 @@ class EscapingUse(nn.Module):
         return F.linear(self.emb(tokens), self.emb.weight)
 
 
-def test_use_outside_owning_module_is_detected():
+def test_use_outside_owning_module_is_exact():
     model = EscapingUse().double()
-    tokens = torch.randint(0, 6, (4, 2))
+    tokens = torch.randint(0, 6, (4, 4))  # T == N
+    loss = lambda out, y, r: out.square().sum()  # noqa: E731
+    expected = individual_gradients(model, loss, tokens, tokens, "sum")
+    with leanprop.per_sample(model, BatchGrad(), leanprop.BatchL2Grad()):
+        loss(model(tokens), None, "sum").backward()
+    assert_close(model.emb.weight.grad_batch, expected["emb.weight"], "emb.weight", 1e-10, 1e-12)
+
+
+class InPlaceUse(nn.Module):
+    """Uses a child's weight in an in-place matrix product outside the child: an op leanprop
+    leaves alone (it cannot split an in-place result's gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + torch.zeros_like(h).addmm_(x, self.lin.weight.t())
+
+
+def test_escaped_use_is_caught_by_the_sum_check():
+    model = InPlaceUse().double()
     with (
-        pytest.raises(UnsupportedModelError, match=r"do not add up.*'emb.weight'"),
+        pytest.raises(UnsupportedModelError, match=r"do not add up.*'lin.weight'"),
         leanprop.per_sample(model, BatchGrad()),
     ):
-        model(tokens).sum().backward()
-    assert not model.emb._forward_hooks
+        model(torch.randn(4, 3, dtype=torch.float64)).square().sum().backward()
+    assert not model.lin._forward_hooks
 
 
 @pytest.mark.parametrize("name", ["mlp", "conv2d", "tied_lm"])

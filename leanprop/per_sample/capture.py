@@ -250,6 +250,7 @@ class PerSample:
         self._intercept: Intercept | None = None
         self._fusable_by_weight: dict[int, list[_Site]] = {}  # id(weight) -> fusable sites
         self._rule_sites_of: dict[Tensor | None, list[_Site]] = {}  # weight -> rule sites
+        self._rule_sites_using: dict[Tensor, list[_Site]] = {}  # parameter -> its rule sites
         self._bn_problem: str | None = None
         self.reset_on_forward = False  # see set_quantities
         # last backward, for leanprop.all_reduce_quantities: batch size and, if Variance was
@@ -331,6 +332,7 @@ class PerSample:
         self._sites.clear()
         self._fusable_by_weight.clear()
         self._rule_sites_of.clear()
+        self._rule_sites_using.clear()
         self._states.clear()
         self._op_params.clear()
         self._n = None
@@ -365,6 +367,9 @@ class PerSample:
                 self._fusable_by_weight.setdefault(id(weight), []).append(site)
             elif rule is not None and self._fuse and "weight" in direct:
                 self._rule_sites_of.setdefault(direct["weight"], []).append(site)
+            if rule is not None:
+                for p in direct.values():
+                    self._rule_sites_using.setdefault(p, []).append(site)
             if root is not None:
                 root.inner.append(site)
             if rule is None:  # fallback root: owns its whole sub-tree unless children are called
@@ -585,8 +590,8 @@ class PerSample:
             if (
                 params
                 and params <= self._captured
-                and (t not in self._states or t in self._op_params)
-            ):
+                and not any(site.running for site in self._rule_sites_using.get(t, ()))
+            ):  # a rule site's parameter is captured here only where it escapes its module
                 uses[i] = tuple(params)
         for params in uses.values():
             self._count_use(frozenset(params))
