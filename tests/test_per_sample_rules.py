@@ -1,0 +1,86 @@
+"""Contract of every layer rule (float64), called directly: the individual gradients add up to
+autograd's gradient, a closed-form ``batch_l2`` equals the norms of the materialised individual
+gradients, and a fusable rule's ordinary backward equals autograd's. A rule registered without
+a case here fails the first test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from leanprop.per_sample import registry
+from leanprop.per_sample.registry import RuleOptions, rule_for
+
+from .helpers import assert_close
+
+
+def _cases() -> dict[type[nn.Module], tuple[nn.Module, torch.Tensor]]:
+    torch.manual_seed(0)
+    n = 4
+    return {
+        nn.Linear: (nn.Linear(5, 3), torch.randn(n, 4, 5)),  # sequence input (T == N)
+        nn.Conv1d: (nn.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), torch.randn(n, 4, 9)),
+        nn.Conv2d: (nn.Conv2d(2, 4, 3, dilation=2, padding=2), torch.randn(n, 2, 7, 6)),
+        nn.Conv3d: (nn.Conv3d(1, 2, 2, stride=(1, 2, 1)), torch.randn(n, 1, 4, 5, 3)),
+        nn.Embedding: (nn.Embedding(7, 3, padding_idx=0), torch.randint(0, 7, (n, 4))),
+        nn.LayerNorm: (nn.LayerNorm(5), torch.randn(n, 4, 5)),
+        nn.GroupNorm: (nn.GroupNorm(2, 4), torch.randn(n, 4, 3, 3)),
+    }
+
+
+def test_every_registered_rule_has_a_contract_case():
+    rule_for(nn.Linear(1, 1))  # registers the built-in rules
+    assert set(registry._RULES) <= set(_cases()), set(registry._RULES) - set(_cases())
+
+
+def _setup(kind: type[nn.Module]):
+    module, x = _cases()[kind]
+    module.double()
+    if x.is_floating_point():
+        x = x.double().requires_grad_()
+    out = module(x)
+    g = torch.randn_like(out)
+    names = frozenset(k for k, _ in module.named_parameters())
+    inputs = [x] if x.requires_grad else []
+    keys = ["__input__"] * len(inputs) + [k for k, _ in module.named_parameters()]
+    grads = torch.autograd.grad(out, [*inputs, *module.parameters()], g)
+    expected = dict(zip(keys, grads, strict=True))
+    return module, x.detach(), g, names, expected
+
+
+@pytest.mark.parametrize("algorithm", ["unfold", "grouped"])
+@pytest.mark.parametrize("kind", list(_cases()), ids=lambda k: k.__name__)
+def test_individual_gradients_add_up_to_autograds(kind, algorithm):
+    module, x, g, names, expected = _setup(kind)
+    rule = rule_for(module)
+    batch = rule.batch_grads(module, (x,), g, names, RuleOptions(algorithm, 2**30))
+    for k in names:
+        assert batch[k].shape == (x.shape[0], *expected[k].shape)
+        assert_close(batch[k].sum(0), expected[k], f"{kind.__name__}.{k}", 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("kind", list(_cases()), ids=lambda k: k.__name__)
+def test_closed_form_norms_equal_materialised_ones(kind):
+    module, x, g, names, _ = _setup(kind)
+    rule = rule_for(module)
+    if rule.batch_l2 is None:
+        pytest.skip(f"{kind.__name__} has no closed-form norms")
+    opts = RuleOptions("auto", 2**30)
+    batch = rule.batch_grads(module, (x,), g, names, opts)
+    closed = rule.batch_l2(module, (x,), g, names, opts)
+    assert closed, f"{kind.__name__}: no closed form chosen"
+    for k, v in closed.items():
+        ref = batch[k].flatten(1).square().sum(1)
+        assert_close(v, ref, f"{kind.__name__}.{k} batch_l2", 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("kind", list(_cases()), ids=lambda k: k.__name__)
+def test_ordinary_backward_of_a_fused_rule_equals_autograds(kind):
+    module, x, g, names, expected = _setup(kind)
+    rule = rule_for(module)
+    if rule.input_grad is None or (rule.can_fuse is not None and not rule.can_fuse(module)):
+        pytest.skip(f"{kind.__name__} is not fused")
+    assert_close(rule.input_grad(module, x, g), expected["__input__"], "input grad", 1e-10, 1e-12)
+    for k, v in rule.param_grads(module, x, g, names).items():
+        assert_close(v, expected[k], f"{kind.__name__}.{k}", 1e-10, 1e-12)
