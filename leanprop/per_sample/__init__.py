@@ -3,18 +3,21 @@
 One backward, followed through this folder:
 
 * ``api.py``: :func:`per_sample`, the public context manager (options, docs).
-* ``capture.py``: :class:`PerSample`: plans which modules own which parameters, records each
-  call during forward, and when an output gradient arrives during backward computes that call's
-  individual gradients over chunks of samples; ends the cycle (write results, sum check) when the
-  backward ends, or aborts it on an exception.
+* ``capture.py``: :class:`PerSample`: plans which modules own which parameters, follows each
+  forward (through ``fused.py``'s op interception) and, as output gradients arrive during
+  backward, computes each call's individual gradients over chunks of samples; ends the cycle
+  (write results, sum check) when the backward ends, or aborts it on an exception.
+* ``fused.py``: the op interception (one ``TorchFunctionMode``, also kept on during backward so
+  checkpoints recompute through it); swaps Linear/Conv ops so autograd does not compute their
+  parameter gradients twice.
 * ``batch.py``: which tensors carry the batch, and in which dimension (model inputs at
   ``batch_dim``, followed op by op).
 * ``broadcast.py``: parameters whose output is broadcast over the batch (position embeddings,
-  class tokens, learned scales): their per-sample contributions where they meet the batch.
-* ``fused.py``: the op interception (one ``TorchFunctionMode``) that swaps Linear/Conv ops so
-  autograd does not compute their parameter gradients twice, and feeds ``batch.py``.
+  class tokens, learned scales): their per-sample contributions where they meet it.
+* ``ops.py`` and ``op_rules.py``: any other op that uses a parameter (a layer rule's own op,
+  a closed form for linear/matmul/addmm, or a batched vector-Jacobian product).
 * ``registry.py`` and ``rules/``: one plain-function rule per layer family, and the torch.func
-  fallback for any other module.
+  fallback for modules hooked as a whole (RNNs).
 * ``stats.py``: statistics over samples (cache-blocked, centred variance); ``quantities.py``:
   what can be requested; ``distributed.py``: :func:`all_reduce_quantities` over ranks.
 """

@@ -39,7 +39,9 @@ def per_sample(
     Args:
         model: any module graph (residual connections, modules called several times, sequence
             inputs ``[N, T, ...]``). Linear, Conv1d/2d/3d, Embedding, LayerNorm and GroupNorm use
-            closed-form rules; other modules owning parameters use a ``torch.func`` fallback.
+            closed-form rules; a parameter used directly in any other op is captured at that
+            op (closed forms for linear/matmul/addmm and elementwise uses, else a batched
+            vector-Jacobian product of the op); RNNs go through a ``torch.func`` fallback.
             Frozen parameters (``requires_grad=False``) are skipped.
         *quantities: instances of ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``,
             ``Variance``.

@@ -4,7 +4,7 @@ A module without a closed-form rule (``nn.MultiheadAttention``, BatchNorm in eva
 ``Conv1D``, a class token or a learned scale in a model's own forward) uses its parameters in
 ops. Each such op that also takes a batched operand runs through :class:`OpCapture`:
 
-* forward runs the op once, in a small graph of its own (detached inputs), so dropout and any
+* forward runs the op once, in a small graph of its own (on views of its inputs), so dropout and any
   other randomness inside the op happen once and are kept;
 * backward computes the op's ordinary gradients from that graph, and each sample's
   contribution ``c_n(w) = J_wᵀ (g ⊙ m_n)`` for every parameter operand ``w``, where ``m_n``
