@@ -432,3 +432,23 @@ def test_zero_dim_parameter_with_batch_l2():
         model(x).square().sum().backward()
     rows = [torch.autograd.grad(model(x[i : i + 1]).square().sum(), model.t)[0] for i in range(5)]
     assert_close(model.t.batch_l2, torch.stack(rows).square(), "t.batch_l2", 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("inner_on", ["model", "submodule"])
+def test_nested_contexts_each_compute_theirs(inner_on):
+    case = build("residual")
+    expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
+    inner_model = case.model if inner_on == "model" else case.model.head
+    with (
+        leanprop.per_sample(case.model, BatchGrad()),
+        leanprop.per_sample(inner_model, Variance()),
+    ):
+        case.loss(case.model(case.x), case.y, "sum").backward()
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
+    for k, p in inner_model.named_parameters():
+        key = k if inner_on == "model" else f"head.{k}"
+        ref = expected[key].var(0, unbiased=False)
+        assert_close(p.variance, ref, f"{key}.variance", 1e-10, 1e-12)
+    for m in case.model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
