@@ -452,3 +452,13 @@ def test_nested_contexts_each_compute_theirs(inner_on):
         assert_close(p.variance, ref, f"{key}.variance", 1e-10, 1e-12)
     for m in case.model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
+
+
+def test_packed_sequence_into_an_rnn_is_a_clear_error():
+    lstm = nn.LSTM(3, 4)
+    packed = nn.utils.rnn.pack_sequence([torch.randn(5, 3), torch.randn(2, 3)])
+    with (
+        pytest.raises(UnsupportedModelError, match=r"LSTM.*PackedSequence.*pad the sequences"),
+        leanprop.per_sample(lstm, BatchGrad()),
+    ):
+        lstm(packed)
