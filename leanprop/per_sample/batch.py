@@ -19,13 +19,13 @@ that meets such a tensor raises an error instead of guessing.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(frozen=True)
@@ -387,6 +387,38 @@ def _tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> list[Tensor]:
     return out
 
 
+class _ByTensor:
+    """A dict keyed by tensor identity that holds its tensors weakly.
+
+    Looked up on every op of the forward, so lighter than ``torch.utils.weak``'s dictionary
+    (which builds a weak reference per lookup): the id finds the entry, and the entry's weak
+    reference confirms it is still the same tensor (an id reused after a tensor died never
+    matches a dead reference)."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def __setitem__(self, t: Tensor, value: Any) -> None:
+        key, d = id(t), self._d
+
+        def drop(ref: weakref.ref, key: int = key) -> None:
+            entry = d.get(key)
+            if entry is not None and entry[0] is ref:
+                del d[key]
+
+        d[key] = (weakref.ref(t, drop), value)
+
+    def get(self, t: Any, default: Any = None) -> Any:
+        entry = self._d.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return default
+        return entry[1]
+
+    def __contains__(self, t: Any) -> bool:
+        entry = self._d.get(id(t))
+        return entry is not None and entry[0]() is t
+
+
 class BatchTracker:
     """Where the batch is in each tensor of the current forward, and which tensors derive from
     tracked parameters without carrying the batch.
@@ -397,14 +429,14 @@ class BatchTracker:
     def __init__(self, params: Iterable[nn.Parameter]) -> None:
         self.params = set(params)
         self.n: int | None = None
-        self._info: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> params
+        self._info = _ByTensor()  # tensor -> Info
+        self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
 
     def clear(self) -> None:
         """Forget every tensor (a new forward/backward cycle)."""
         self.n = None
-        self._info = WeakIdKeyDictionary()
-        self._derived = WeakIdKeyDictionary()
+        self._info = _ByTensor()
+        self._derived = _ByTensor()
 
     def mark(self, t: Tensor, info: Info) -> None:
         self._info[t] = info
