@@ -609,12 +609,13 @@ class PerSample:
     def _sink(self) -> ops.Contribute:
         """The current cycle's place for contributions found outside any call."""
         if self._contributions is None:
-            self._contributions = ops.Contribute(self._contribute, self._computing_block)
+            self._contributions = ops.Contribute(self._contribute, self.own_work)
         return self._contributions
 
     @contextmanager
-    def _computing_block(self) -> Iterator[None]:
-        """Per-sample work of ours: hooks ignore the autograd calls made inside."""
+    def own_work(self) -> Iterator[None]:
+        """Work of ours (per-sample and backward computations): its ops are not followed or
+        captured, and hooks ignore the autograd calls made inside."""
         before, self._computing = self._computing, True
         try:
             yield

@@ -47,9 +47,10 @@ class FusedOp(torch.autograd.Function):
         sums = ctx.capture.fused_backward(ctx.call, x, g) or {}
         sums = {k: v for k, v in sums.items() if k in want}
         missing = want - sums.keys()
-        if missing:
-            sums.update(rule.param_grads(module, x, g, missing))
-        grad_x = rule.input_grad(module, x, g) if ctx.needs_input_grad[3] else None
+        with ctx.capture.own_work():  # the layer's backward ops are not the model's
+            if missing:
+                sums.update(rule.param_grads(module, x, g, missing))
+            grad_x = rule.input_grad(module, x, g) if ctx.needs_input_grad[3] else None
         return (None, None, None, grad_x, sums.get("weight"), sums.get("bias")) + (
             None,
         ) * ctx.n_extra
