@@ -17,6 +17,12 @@ def queue_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def _run_engine() -> Callable[..., tuple[torch.Tensor | None, ...]]:
+    """The autograd engine's entry (its Python wrapper where this torch has one)."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    return run if run is not None else torch.autograd.Variable._execution_engine.run_backward
+
+
 def engine_backward(
     tensors: tuple[torch.Tensor, ...],
     grad_tensors: tuple[torch.Tensor | None, ...],
@@ -29,13 +35,9 @@ def engine_backward(
     from torch.autograd import _make_grads
 
     grads = _make_grads(tensors, grad_tensors, is_grads_batched=False)
-    if retain_graph is None:
-        retain_graph = create_graph
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if run is None:  # older torch
-        run = torch.autograd.Variable._execution_engine.run_backward
-    run(tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True,
-        accumulate_grad=True)  # fmt: skip
+    retain = create_graph if retain_graph is None else retain_graph
+    _run_engine()(tensors, grads, retain, create_graph, inputs, allow_unreachable=True,
+                  accumulate_grad=True)  # fmt: skip
 
 
 def engine_grad(
@@ -53,15 +55,11 @@ def engine_grad(
     from torch.autograd import _make_grads
 
     grads = _make_grads(outputs, grad_outputs, is_grads_batched=is_grads_batched)
-    if retain_graph is None:
-        retain_graph = create_graph
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if run is None:  # older torch
-        run = torch.autograd.Variable._execution_engine.run_backward
+    retain = create_graph if retain_graph is None else retain_graph
+    run = _run_engine()
 
     def vjp(g: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-        return run(outputs, g, retain_graph, create_graph, inputs, allow_unused,
-                   accumulate_grad=False)  # fmt: skip
+        return run(outputs, g, retain, create_graph, inputs, allow_unused, accumulate_grad=False)
 
     if is_grads_batched:
         return _vmap_internals._vmap(vjp, 0, 0, allow_none_pass_through=True)(grads)
