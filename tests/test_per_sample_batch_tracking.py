@@ -66,6 +66,15 @@ KEEP = {
     "einsum": lambda x: torch.einsum("ntd,de->etn", x, torch.eye(N, dtype=x.dtype)),
     "linear": lambda x: F.linear(x, torch.eye(N, dtype=x.dtype)),
     "elementwise": lambda x: torch.where(x >= 0, x, -x) * torch.ones(N, 1),
+    "matmul vector": lambda x: x @ torch.ones(N, dtype=x.dtype) / N,
+    "vector matmul": lambda x: torch.ones(N, dtype=x.dtype) @ x.transpose(1, 2) / N,
+    "einsum list": lambda x: torch.einsum("ed,ntd->nte", [torch.eye(N, dtype=x.dtype), x]),
+    "index_select other": lambda x: x.index_select(2, torch.tensor([0, 2])),
+    "gather other": lambda x: x.gather(1, torch.zeros(N, 1, N, dtype=torch.long)),
+    "topk other": lambda x: x.topk(2, dim=2).values,
+    "max of two": lambda x: torch.max(x, torch.zeros(N, N)),
+    "sum axis": lambda x: x.sum(axis=1) / N,
+    "outer": lambda x: torch.outer(x[:, 0, 0], torch.ones(3, dtype=x.dtype)),
     # the batch moved off dimension 0 first (sequence-first layouts)
     "moved then sliced": lambda x: x.transpose(0, 1)[:, :, 1:],
     "moved then flattened": lambda x: x.transpose(0, 1).reshape(N, N * N),
@@ -88,6 +97,15 @@ LOSE = {
     "moved, then summed over": lambda x: x.transpose(0, 1).sum(1),
     "split the batch": lambda x: x.reshape(2, 2, N, N),
     "unknown op": lambda x: torch.kron(x, torch.ones(1, 1, 2)),
+    "addbmm over samples": lambda x: torch.addbmm(torch.zeros(N, N, dtype=x.dtype), x, x),
+    "index_select samples": lambda x: x.index_select(0, torch.arange(N).flip(0)),
+    "gather samples": lambda x: x.gather(0, torch.zeros(1, N, N, dtype=torch.long)),
+    "topk samples": lambda x: x.topk(N, dim=0).values,
+    "unfold samples": lambda x: x.unfold(0, 2, 1),
+    "std unbiased flag": lambda x: x.std(True),
+    "sum over no dims": lambda x: x.sum(dim=[]),
+    "keyword transpose": lambda x: x.transpose(dim0=0, dim1=1).contiguous().view(N, N, N)[1:],
+    "batched index on samples": lambda x: x[x[:, 0, 0].long().flip(0)],
 }
 
 

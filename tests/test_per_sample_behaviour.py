@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -43,10 +44,9 @@ def test_gradient_of_total_variance_matches_double_backward(name):
 def test_hooks_removed_and_tensors_released_on_exit():
     case = build("mlp")
     model = case.model
-    with leanprop.per_sample(model, BatchGrad()) as ps:
+    with leanprop.per_sample(model, BatchGrad()):
         out = model(case.x)  # forward without backward
         ref = weakref.ref(out)
-        assert ps._calls
     del out
     gc.collect()
     assert ref() is None, "a captured tensor outlived the context"
@@ -157,6 +157,20 @@ def test_no_batch_dimension(module, x):
         leanprop.per_sample(module, BatchGrad()),
     ):
         module(x)
+
+
+def test_forwards_without_backward_then_another_batch_size():
+    """Validation forwards under grad (no backward), then a smaller last batch: no spurious
+    batch-size error, and the results are the last forward's."""
+    case = build("mlp")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        for _ in range(3):
+            case.model(case.x)
+        x, y = case.x[:4], case.y[:4]
+        case.loss(case.model(x), y, "sum").backward()
+    expected = individual_gradients(case.model, case.loss, x, y, "sum")
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
 
 
 def test_mismatched_batch_sizes():
@@ -462,3 +476,54 @@ def test_packed_sequence_into_an_rnn_is_a_clear_error():
         leanprop.per_sample(lstm, BatchGrad()),
     ):
         lstm(packed)
+
+
+def test_gradient_penalty_is_refused_not_wrong():
+    """The inner autograd.grad (with respect to the input) computes nothing per sample; the
+    loss's gradient through the model's own gradients cannot be split, and the check says so."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    with (
+        pytest.raises(UnsupportedModelError, match=r"do not add up.*gradient penalty"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        out = model(x)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (out.square().sum() + g.square().sum()).backward()
+
+
+class FilledWithParameter(nn.Module):
+    """A learned fill value (0-d) in masked_fill, and a clamp at zero with torch.max."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.fill = nn.Linear(4, 4), nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.max(h.masked_fill(h > 0.3, self.fill), torch.zeros_like(h))
+
+
+@pytest.mark.parametrize("weight_norm", [False, True], ids=["masked-fill", "weight-norm"])
+def test_less_common_parameter_uses_are_exact(weight_norm):
+    torch.manual_seed(0)
+    if weight_norm:  # the old API: a Linear whose parameters are weight_g and weight_v
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = nn.Sequential(nn.utils.weight_norm(nn.Linear(3, 4)), nn.Tanh()).double()
+        x = torch.randn(4, 3, dtype=torch.float64)
+    else:
+        model, x = FilledWithParameter().double(), torch.randn(4, 4, dtype=torch.float64)
+    loss = lambda out, y, r: out.square().sum()  # noqa: E731
+    expected = individual_gradients(model, loss, x, x, "sum")
+    with leanprop.per_sample(model, BatchGrad()):
+        loss(model(x), None, "sum").backward()
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+def test_failed_sum_check_leaves_no_results():
+    model = InPlaceUse().double()
+    with pytest.raises(UnsupportedModelError), leanprop.per_sample(model, BatchGrad()):
+        model(torch.randn(4, 3, dtype=torch.float64)).square().sum().backward()
+    assert not any(hasattr(p, "grad_batch") for p in model.parameters())

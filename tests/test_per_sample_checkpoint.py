@@ -75,3 +75,27 @@ def test_reentrant_reuse_without_individual_gradients_is_an_error():
         leanprop.per_sample(model, BatchL2Grad()),
     ):
         model(x).square().sum().backward()
+
+
+class CheckpointedLast(nn.Module):
+    """The reentrant checkpoint is the last block: backward reaches it first, so its inner
+    backward runs before any other layer's; its weight is tied to the first layer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.blk = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.blk.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.blk, torch.tanh(self.inp(x)), use_reentrant=True)
+
+
+def test_reentrant_checkpoint_reached_first_is_exact():
+    torch.manual_seed(0)
+    model = CheckpointedLast().double()
+    x = torch.randn(4, 4, 4, dtype=torch.float64)
+    expected = loop_oracle(model, x)
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-9, 1e-12)

@@ -69,6 +69,14 @@ _DIM_OPS = {  # same shape, acts along one dimension: mixes samples if that is t
     "softmax", "log_softmax", "_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax",
     "cummin", "sort", "argsort", "normalize", "glu",
 }  # fmt: skip
+# ops taking (x, ..., dim at position pos, ...): {name: (pos, default dim)}
+_INDEX_OPS = {
+    "index_select": (1, None), "gather": (1, None), "scatter": (1, None),
+    "scatter_add": (1, None), "scatter_reduce": (1, None), "index_add": (1, None),
+    "index_copy": (1, None), "index_fill": (1, None), "take_along_dim": (2, None),
+    "topk": (2, -1), "kthvalue": (2, -1), "renorm": (2, None), "softmin": (1, None),
+    "fft_fft": (3, -1), "fft_ifft": (3, -1), "fft_rfft": (3, -1), "fft_irfft": (3, -1),
+}  # fmt: skip
 _REDUCTIONS = {
     "sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "norm", "logsumexp",
     "all", "any", "argmax", "argmin", "nansum", "nanmean", "median", "var_mean", "std_mean",
@@ -176,6 +184,8 @@ def _advanced_index(
     for d in adv:
         idx = items[d]
         info = tracker.info(idx)
+        if isinstance(info, BatchDim) and d == bd.dim:
+            return Lost("the batch dimension indexed by a batched index (may reorder samples)")
         if isinstance(info, BatchDim):
             positions.add(len(b_shape) - idx.dim() + info.dim)
         elif info is not None:
@@ -211,8 +221,10 @@ def _matmul(a: Tensor, b: Tensor, which: int, bd: BatchDim, out_ndim: int) -> In
     contracted = last if which == 0 else last - 1
     if bd.dim == contracted:
         return Lost("a matrix product sums over the batch dimension")
-    if which == 0 and b.dim() == 1 and bd.dim == last - 1:
-        return BatchDim(out_ndim - 1, bd.inner)
+    if which == 0 and b.dim() == 1:  # [..., K] @ [K] -> [...]: only the last dim goes
+        return BatchDim(bd.dim, bd.inner)
+    if which == 1 and a.dim() == 1:  # [K] @ [..., K, M] -> [..., M]
+        return BatchDim(bd.dim if bd.dim < last - 1 else out_ndim - 1, bd.inner)
     if which == 1 and bd.dim == last:
         return BatchDim(out_ndim - 1, bd.inner)
     return BatchDim(out_ndim - (x.dim() - bd.dim), bd.inner)
@@ -253,7 +265,9 @@ def result_dim(
     if name in ("transpose", "swapaxes", "swapdims"):
         d0, d1 = (_norm_dim(int(d), nd) for d in (args[1], args[2]))
         return BatchDim({d0: d1, d1: d0}.get(bd.dim, bd.dim), bd.inner)
-    if name in ("t", "mT", "mH", "adjoint") or (name == "T" and nd == 2):
+    if name == "T" and nd != 2:  # reverses every dimension
+        return BatchDim(nd - 1 - bd.dim, bd.inner)
+    if name in ("t", "mT", "mH", "adjoint") or name == "T":
         swap = {nd - 1: nd - 2, nd - 2: nd - 1}
         return BatchDim(swap.get(bd.dim, bd.dim), bd.inner)
     if name == "permute":
@@ -278,7 +292,7 @@ def result_dim(
         dims = range(nd) if d is None else [d] if isinstance(d, int) else d
         gone = [_norm_dim(k, nd) for k in dims if x.shape[k] == 1]
         if bd.dim in gone:
-            return BatchDim(bd.dim - sum(k < bd.dim for k in gone) if n == 1 else bd.dim, 1)
+            return Lost("squeeze removed the batch dimension (a batch of one sample)")
         return BatchDim(bd.dim - sum(k < bd.dim for k in gone), bd.inner)
     if name in ("select", "narrow", "split", "chunk", "unbind", "tensor_split"):
         pos = 2 if name in ("split", "chunk", "tensor_split") else 1  # (x, size, dim), (x, dim)
@@ -307,6 +321,19 @@ def result_dim(
         if reps[len(reps) - (nd - bd.dim)] != 1:
             return Lost("repeat along the batch dimension")
         return BatchDim(od - (nd - bd.dim), bd.inner)
+    if name in _INDEX_OPS:  # (x, dim, index, ...): picks or places entries along dim
+        pos, default = _INDEX_OPS[name]
+        d = _dims_arg(args, kwargs, pos, "dim", "axis")
+        d = default if d is None else d
+        if which != 0 or d is None or _norm_dim(int(d), nd) == bd.dim:
+            return Lost(f"{name} along the batch dimension (or with a batched index)")
+        return BatchDim(bd.dim, bd.inner) if name != "unfold" else bd
+    if name == "unfold" and len(args) == 4:  # Tensor.unfold(dim, size, step), not F.unfold
+        return Lost("unfold along the batch dimension") if _norm_dim(args[1], nd) == bd.dim else bd
+    if name in ("outer", "ger"):
+        return BatchDim(which, bd.inner)
+    if name == "diag_embed":
+        return bd if bd.dim < nd - 1 else Lost("diag_embed of the batch dimension")
     if name in _DIM_OPS:
         d = _dims_arg(args, kwargs, 1, "dim")
         d = 1 if name == "normalize" and d is None else d
@@ -319,8 +346,11 @@ def result_dim(
         if not dims or any(_norm_dim(k, nd) == bd.dim for k in dims):
             return Lost(f"{name} along the batch dimension mixes samples")
         return bd
+    if name in ("max", "min") and len(args) > 1 and isinstance(args[1], Tensor):
+        return _elementwise(name, args, kwargs, x, bd, out)  # torch.max(a, b): elementwise
     if name in _REDUCTIONS:
-        d = _dims_arg(args, kwargs, 1, "dim")
+        d = _dims_arg(args, kwargs, 1, "dim", "axis")
+        d = None if isinstance(d, bool) or d == [] or d == () else d  # std(x, True): unbiased
         if d is None or (name in ("norm", "std", "var") and not isinstance(d, int | list | tuple)):
             return Lost(f"{name} over all elements sums samples")
         dims = [_norm_dim(k, nd) for k in ([d] if isinstance(d, int) else d)]
@@ -331,6 +361,8 @@ def result_dim(
         return BatchDim(bd.dim - sum(k < bd.dim for k in dims), bd.inner)
     if name in ("matmul", "mm", "bmm"):
         return _matmul(args[0], args[1], which, bd, od)
+    if name == "addbmm" and which in (1, 2) and bd.dim == 0:
+        return Lost("addbmm sums over the batch dimension")
     if name in ("addmm", "baddbmm", "addbmm"):
         if which == 0:
             return BatchDim(od - (nd - bd.dim), bd.inner)
@@ -480,12 +512,12 @@ class BatchTracker:
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
         for i, a in enumerate(args):
-            for t in a if isinstance(a, list | tuple) else (a,):
+            for j, t in enumerate(a if isinstance(a, list | tuple) else (a,)):
                 if not isinstance(t, Tensor):
                     continue
                 info = self._info.get(t)
-                if info is not None:
-                    batched.append((i, t, info))
+                if info is not None:  # a list's j-th tensor counts as argument i + j (einsum)
+                    batched.append((i + j, t, info))
                 else:
                     derived |= self.derived_params(t)
         for key, v in kwargs.items():
@@ -508,7 +540,10 @@ class BatchTracker:
                 if isinstance(info, Lost):
                     results.add(info)
                 else:
-                    results.add(result_dim(name, args, kwargs, i, t, info, o, k, n, self))
+                    try:
+                        results.add(result_dim(name, args, kwargs, i, t, info, o, k, n, self))
+                    except (IndexError, TypeError, ValueError, KeyError):
+                        results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
 

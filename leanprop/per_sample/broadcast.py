@@ -29,7 +29,7 @@ from .ops import Contribute, hand_back
 # operand can be expanded to the batched shape first without changing the result
 ELEMENTWISE_MEETINGS = frozenset(
     {"add", "sub", "mul", "div", "truediv", "true_divide", "rsub", "where", "maximum", "minimum",
-     "addcmul", "addcdiv", "lerp", "masked_fill"}
+     "addcmul", "addcdiv", "lerp"}
 )  # fmt: skip
 CONCAT_MEETINGS = frozenset({"cat", "concat", "concatenate"})
 

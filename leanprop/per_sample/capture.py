@@ -232,6 +232,8 @@ class PerSample:
         self._tracker = BatchTracker(())
         self._root_running = False  # between the model's forward pre-hook and forward hook
         self._backward_done = False  # a backward ended since this forward's state was made
+        self._backward_depth = 0  # backward passes called through the op interception
+        self._passive = 0  # inside a backward that is not for the parameters (backward_scope)
         self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
         self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
         self._contributions: ops.Contribute | None = None  # of the current cycle
@@ -319,7 +321,7 @@ class PerSample:
     def _teardown(self) -> None:
         self._active = False
         if self._contributions is not None:  # a later backward through the graph: ordinary
-            self._contributions.closed = True
+            self._contributions.close()
             self._contributions = None
         if self._intercept is not None:
             self._intercept.__exit__(None, None, None)
@@ -345,6 +347,8 @@ class PerSample:
     def _plan(self, module: nn.Module, prefix: str, root: _Site | None) -> None:
         direct = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
         rule = rule_for(module)
+        if rule is not None and not set(direct) <= {"weight", "bias"}:
+            rule = None  # e.g. weight_norm's weight_g/weight_v: not what the rule knows
         op_level = (
             self._fuse and rule is None and root is None and not isinstance(module, nn.RNNBase)
         )
@@ -430,6 +434,11 @@ class PerSample:
         if self._intercept is not None:
             self._tracker.clear()
             self._mark_inputs(args, kwargs)
+            if self._n is not None and self._tracker.n != self._n and not self._cycle_open:
+                # an earlier forward of another batch size never had its backward (e.g. a
+                # validation loss under grad): this forward starts anew (a late backward
+                # through the earlier one gets no quantities, and the check says so)
+                self._reset_cycle()
 
     def _on_model_exit(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         self._root_running = False
@@ -472,6 +481,10 @@ class PerSample:
         return self._intercept is not None and (
             self._root_running or (self._tracker.n is not None and current_graph_task_id() != -1)
         )
+
+    def tracks(self, t: Any) -> bool:
+        """Whether ``t`` is one of the parameters this context computes quantities of."""
+        return isinstance(t, Tensor) and t in self._states
 
     def follows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Called by the op interception: whether this op touches a tracked tensor."""
@@ -553,7 +566,7 @@ class PerSample:
 
         def rule(local: list[Tensor], g: Tensor, out_bd: BatchDim) -> dict[int, Tensor]:
             if not self._active or not self._kinds or forward.closed:
-                return {}
+                return {}  # (closed: also while a passive backward runs)
             call = _Call(
                 site, dict(site.direct), (local[0],), {}, n, [g], 0, in_bd=bd, out_bd=out_bd
             )
@@ -609,7 +622,9 @@ class PerSample:
     def _sink(self) -> ops.Contribute:
         """The current cycle's place for contributions found outside any call."""
         if self._contributions is None:
-            self._contributions = ops.Contribute(self._contribute, self.own_work)
+            self._contributions = ops.Contribute(
+                self._contribute, self.own_work, lambda: self._passive > 0
+            )
         return self._contributions
 
     @contextmanager
@@ -692,20 +707,21 @@ class PerSample:
         n = self._rule_batch_size(site, x, bd)
         site.calls += 1
         site.fused = True
-        call = _Call(site, dict(site.direct), (x,), {}, n, [None], 1, in_bd=bd, out_bd=bd)
+        # the input lives in the replaced op's autograd graph (it saves it), not in the call
+        call = _Call(site, dict(site.direct), None, {}, n, [None], 1, in_bd=bd, out_bd=bd)
         call.forward = self._sink()
         for p in call.params.values():
             self._states[p].uses += 1
-        self._calls.append(call)
         return call
 
     def fused_backward(self, call: _Call, x: Tensor, grad: Tensor) -> dict[str, Tensor] | None:
         """Output gradient of a replaced op: process the call, return its summed gradients
         (None when the capture is over and the op must do an ordinary backward)."""
         if not self._active or not self._kinds or call.forward.closed:
-            return None
+            return None  # (closed: also while a passive backward runs)
         if call.closed:  # another backward through the same forward: a call of its own
-            call = replace(call, args=(x,), grads=[None], closed=False)
+            call = replace(call, grads=[None], closed=False)
+        call.args = (x,)
         self._open_cycle()
         call.grads[0] = grad
         call.pending = 0
@@ -862,9 +878,35 @@ class PerSample:
                 state.autograd_grads = [e for e in state.autograd_grads if e[0] == task]
         # a side loss's eager backward (during forward) is part of the coming main backward:
         # the results are written and checked when that one ends
-        if not self._finish_queued and not in_eager_backward():
+        # inside a backward started through the op interception the cycle ends when the
+        # outermost one returns (backward_scope); else when the engine's task ends
+        if not self._finish_queued and not in_eager_backward() and not self._backward_depth:
             self._finish_queued = True
             queue_callback(self._finish)
+
+    @contextmanager
+    def backward_scope(self, passive: bool) -> Iterator[None]:
+        """A backward (or autograd.grad) called inside the context. The cycle ends when the
+        outermost one returns, so backward passes nested in it (a reentrant checkpoint's) are
+        part of it. ``passive``: a pass that is not for the parameters (``autograd.grad`` with
+        respect to inputs only, e.g. for a gradient penalty) computes nothing per sample."""
+        if self._computing or not self._active:  # our own autograd calls
+            yield
+            return
+        self._backward_depth += 1
+        self._passive += passive
+        try:
+            yield
+        except BaseException:
+            self._backward_depth -= 1
+            self._passive -= passive
+            if not self._backward_depth and self._cycle_open and not in_eager_backward():
+                self._reset_cycle()  # the backward is aborted: the next one starts clean
+            raise
+        self._backward_depth -= 1
+        self._passive -= passive
+        if not self._backward_depth and self._cycle_open and not in_eager_backward():
+            self._finish()
 
     def _on_param_grad(self, state: _ParamState):
         def hook(grad: Tensor) -> None:
@@ -877,7 +919,7 @@ class PerSample:
 
     def _on_output_grad(self, call: _Call, index: int):
         def hook(grad: Tensor) -> None:
-            if not self._active or not self._kinds or self._computing:
+            if not self._active or not self._kinds or self._computing or self._passive:
                 return
             if call.closed:
                 if call.forward is not None and not call.forward.closed:
@@ -1043,6 +1085,9 @@ class PerSample:
                 for state in self._states.values():
                     if state.batch is not None:
                         state.results, state.total = quantities_from_batch(state.batch, self._kinds)
+                if self._check:  # before anything is written: no unchecked results are left
+                    self._verify()
+                for state in self._states.values():
                     for attr, value in state.results.items():
                         setattr(state.param, attr, value)
                 self.last_n, self.last_sums = self._n, {}
@@ -1052,8 +1097,6 @@ class PerSample:
                         for s in self._states.values()
                         if s.total is not None
                     }
-                if self._check:
-                    self._verify()
         finally:
             self._end_backward()
 
@@ -1068,7 +1111,7 @@ class PerSample:
         self._calls.clear()
         self._bn_problem = None
         if self._grad_mode and self._contributions is not None:
-            self._contributions.closed = True
+            self._contributions.close()
         for state in self._states.values():
             state.batch, state.total = None, None
             state.results, state.autograd_grad, state.compute_dtype = {}, None, None
@@ -1084,7 +1127,7 @@ class PerSample:
             h.remove()
         self._tensor_handles.clear()
         if self._contributions is not None:
-            self._contributions.closed = True
+            self._contributions.close()
             self._contributions = None
         for site in self._sites:
             site.calls, site.running, site.fused = 0, False, False
@@ -1136,8 +1179,9 @@ class PerSample:
         if bad:
             raise UnsupportedModelError(
                 "per_sample: the individual gradients do not add up to the batch gradient for "
-                f"{', '.join(bad)}. Some use of these parameters happened outside the module "
-                "that owns them (e.g. `F.linear(h, self.emb.weight)` in a parent's forward), "
-                "or the model mixes samples. Call the owning module instead, or wrap the use "
-                "in a small nn.Module so it gets its own rule."
+                f"{', '.join(bad)}. Some use of these parameters escaped leanprop (an in-place "
+                "op on a parameter outside its module), the loss differentiates through the "
+                "model's own gradients (a gradient penalty: not supported), or the model mixes "
+                "samples. Call the owning module instead, or wrap the use in a small nn.Module "
+                "so it gets its own rule."
             )

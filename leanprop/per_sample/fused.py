@@ -127,12 +127,17 @@ class Intercept(TorchFunctionMode):
         # during backward goes through it as the original forward did
         if func in _BACKWARD_ENTRIES:
             call = _backward_call(func, args, kwargs)
-            if call is not None:
+            with capture.backward_scope(passive=False):
+                if call is None:
+                    return func(*args, **kwargs)
                 with self:
                     return engine_backward(*call)
         if func is torch.autograd.grad:
             call = _grad_call(args, kwargs)
-            if call is not None:
+            passive = call is not None and not any(capture.tracks(t) for t in call[1])
+            with capture.backward_scope(passive):
+                if call is None:
+                    return func(*args, **kwargs)
                 with self:
                     return engine_grad(*call)
         if func in FUSABLE_OPS and not kwargs:

@@ -42,10 +42,20 @@ class Contribute:
         self,
         sink: Callable[[dict[nn.Parameter, Tensor], torch.dtype | None], None],
         computing: Callable[[], AbstractContextManager[None]],
+        passive: Callable[[], bool],
     ) -> None:
         self.sink = sink
         self.computing = computing  # marks the per-sample work (its autograd calls) as ours
-        self.closed = False
+        self.passive = passive  # a backward that is not for parameters (e.g. d output / d x)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """No contributions wanted now: the forward is over, or this backward is passive."""
+        return self._closed or self.passive()
+
+    def close(self) -> None:
+        self._closed = True
 
     def __call__(
         self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
