@@ -237,7 +237,6 @@ class PerSample:
         self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
         self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
         self._contributions: ops.Contribute | None = None  # of the current cycle
-        self._finish_task = -1  # graph task of the backward whose end will finish the cycle
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
         self._sites: list[_Site] = []
