@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function
 
 from ._eager import eager_backward
 from ._offload import Parked, park
@@ -326,6 +327,38 @@ def scale_grad(h: Tensor, s: float | Tensor) -> Tensor:
     return transform_grad(h, lambda g: g * s)
 
 
+def rows_per_chunk(weight: Tensor, chunk_size: int | None, chunk_mib: float) -> int:
+    """``chunk_size``, or as many rows as keep one chunk's float32 logits within the budget."""
+    if chunk_size is not None:
+        return chunk_size
+    return max(1, int(chunk_mib * 2**20) // (4 * weight.shape[0]))
+
+
+def logit_grads(
+    h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, chunk: int,
+    ignore_index: int, acc: torch.dtype,
+) -> Iterator[tuple[int, int, Tensor, Tensor]]:  # fmt: skip
+    """Chunks of ``cross_entropy(h Wᵀ + b, target, reduction="sum")``: for each chunk of rows
+    ``start:stop``, the gradient with respect to its logits ``[rows, V]`` (in ``h.dtype``) and
+    its summed loss (in ``acc``). The only vocabulary-sized buffers are one chunk's."""
+    for start in range(0, h.shape[0], chunk):
+        hc, tc = h[start : start + chunk], target[start : start + chunk]
+        logits = hc @ weight.mT  # [c, V]
+        if bias is not None:
+            logits = logits + bias
+        keep = tc != ignore_index
+        safe = torch.where(keep, tc, 0)
+        lse = torch.logsumexp(logits.to(acc), dim=1)
+        picked = logits.gather(1, safe[:, None])[:, 0].to(acc)
+        loss = ((lse - picked) * keep).sum()
+        g = (logits.to(acc) - lse[:, None]).exp_()  # softmax
+        del logits, lse, picked  # one vocabulary-sized buffer at a time
+        g[torch.arange(len(tc), device=g.device), safe] -= 1.0
+        g = (g * keep[:, None]).to(h.dtype)
+        yield start, start + len(tc), g, loss
+        del g
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Loss and gradients of ``cross_entropy(h Wᵀ + b, target)`` computed chunk by chunk."""
 
@@ -339,26 +372,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_b = torch.zeros_like(bias) if need_b else None
         total = h.new_zeros((), dtype=torch.float32 if h.dtype != torch.float64 else h.dtype)
         valid = (target != ignore_index).sum()
-        for start in range(0, h.shape[0], chunk):
-            hc, tc = h[start : start + chunk], target[start : start + chunk]
-            logits = hc @ weight.mT  # [c, V], the only vocabulary-sized buffer
-            if bias is not None:
-                logits = logits + bias
-            keep = tc != ignore_index
-            safe = torch.where(keep, tc, 0)
-            lse = torch.logsumexp(logits.to(total.dtype), dim=1)
-            picked = logits.gather(1, safe[:, None])[:, 0].to(total.dtype)
-            total = total + ((lse - picked) * keep).sum()
-            if need_h or need_w or need_b:
-                g = (logits.to(total.dtype) - lse[:, None]).exp_()  # softmax
-                g[torch.arange(len(tc), device=g.device), safe] -= 1.0
-                g = (g * keep[:, None]).to(h.dtype)  # d loss_sum / d logits  [c, V]
-                if need_h:
-                    grad_h[start : start + chunk] = g @ weight
-                if need_w:
-                    grad_w.addmm_(g.mT, hc)  # no [V, D] temporary
-                if need_b:
-                    grad_b += g.sum(0)
+        for start, stop, g, loss in logit_grads(
+            h, weight, bias, target, chunk, ignore_index, total.dtype
+        ):
+            total = total + loss  # g: d loss_sum / d logits  [c, V]
+            if need_h:
+                grad_h[start:stop] = g @ weight
+            if need_w:
+                grad_w.addmm_(g.mT, h[start:stop])  # no [V, D] temporary
+            if need_b:
+                grad_b += g.sum(0)
         denom = valid.clamp(min=1).to(total.dtype) if mean else None
         ctx.grads, ctx.denom = (grad_h, grad_w, grad_b), denom
         return (total / denom if mean else total).to(h.dtype)
@@ -411,6 +434,13 @@ def chunked_linear_cross_entropy(
         chunk_mib: the budget for one chunk's logits when ``chunk_size`` is None.
         reduction: ``"mean"`` (over non-ignored rows) or ``"sum"``.
     """
+    tensors = (h, weight, target) if bias is None else (h, weight, target, bias)
+    if has_torch_function(tensors):  # e.g. per_sample's op interception sees it as one op
+        return handle_torch_function(
+            chunked_linear_cross_entropy, tensors, h, weight, target, bias,
+            chunk_size=chunk_size, chunk_mib=chunk_mib, reduction=reduction,
+            ignore_index=ignore_index,
+        )  # fmt: skip
     if reduction not in ("mean", "sum"):
         raise LeanpropValueError(
             f"chunked_linear_cross_entropy() got reduction={reduction!r}; allowed: 'mean', 'sum'."
@@ -431,8 +461,7 @@ def chunked_linear_cross_entropy(
             f"chunked_linear_cross_entropy() got h {tuple(h.shape)}, weight {tuple(weight.shape)}"
             f", target {tuple(target.shape)}; expected h [..., D], weight [V, D], target [...]."
         )
-    if chunk_size is None:  # float32 logits of one chunk within the budget
-        chunk_size = max(1, int(chunk_mib * 2**20) // (4 * weight.shape[0]))
+    chunk_size = rows_per_chunk(weight, chunk_size, chunk_mib)
     return _ChunkedLinearCE.apply(
         h2, weight, bias, t1, chunk_size, reduction == "mean", ignore_index
     )

@@ -249,3 +249,42 @@ def test_hf_bert_with_padding_out_of_the_box(n, t):
 
     quantities = (BatchGrad(), Variance())
     check(model, lambda: loss(slice(None)), lambda i: loss(slice(i, i + 1)), n, quantities)
+
+
+class ChunkedHead(nn.Module):
+    """An LM whose loss is leanprop.chunked_linear_cross_entropy (chunks cut across samples)."""
+
+    def __init__(self, tied: bool, reduction: str) -> None:
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(11, 4), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 11)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.reduction = reduction
+
+    def forward(self, idx, y):
+        h = torch.tanh(self.mix(self.emb(idx)))
+        return leanprop.chunked_linear_cross_entropy(
+            h.flatten(0, 1), self.head.weight, y.flatten(), self.head.bias, chunk_size=3,
+            reduction=self.reduction,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_chunked_lm_head_loss_composes_with_per_sample(tied, reduction):
+    torch.manual_seed(0)
+    model = ChunkedHead(tied, reduction).double()
+    n = t = 4
+    idx, y = torch.randint(0, 11, (n, t)), torch.randint(0, 11, (n, t))
+    y[0, 1] = -100  # ignored
+    valid = int((y != -100).sum()) if reduction == "mean" else 1
+
+    def own_loss(i: int) -> torch.Tensor:  # sample i's share of the batch loss
+        per = ChunkedHead.forward(model, idx[i : i + 1], y[i : i + 1])
+        if reduction == "mean":
+            per = per * int((y[i] != -100).sum()) / valid
+        return per
+
+    model.reduction = "mean" if reduction == "mean" else "sum"
+    check(model, lambda: model(idx, y), own_loss, n, (BatchGrad(), BatchL2Grad()))

@@ -6,7 +6,10 @@ HF's ``Conv1D``: ``addmm(b, x.view(-1, I), W)``), output gradient ``g: [..., O]`
 
 * ``linear(x, W, b)``, ``W: [O, I]``: ``W_n = g_nᵀ x_n``, ``b_n = sum_s g_n[s]``;
 * ``matmul(x, W)``, ``W: [I, O]``: ``W_n = x_nᵀ g_n``;
-* ``addmm(b, x, W)``: as ``matmul``, plus ``b_n = sum_s g_n[s]``.
+* ``addmm(b, x, W)``: as ``matmul``, plus ``b_n = sum_s g_n[s]``;
+* ``chunked_linear_cross_entropy(h, W, target, b)`` (a loss summed over rows, the rows of each
+  sample together): ``W_n = sum_s d_nsᵀ h_ns`` with ``d`` the gradient of the loss with respect
+  to the logits, recomputed a chunk of rows at a time (``[N, V, D]`` is the result).
 
 Each returns ``{tensor position: [N, *shape]}`` for the captured positions, or None when the
 call has another form (the generic batched vector-Jacobian product then runs).
@@ -15,10 +18,12 @@ call has another form (the generic batched vector-Jacobian product then runs).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..side_loss import logit_grads, rows_per_chunk
 from .batch import BatchDim, to_front
 
 
@@ -29,12 +34,18 @@ def _rows(t: Tensor, bd: BatchDim, n: int) -> Tensor:
 
 
 def closed_form(
-    name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
-    positions: Sequence[int], g: Tensor, out_bd: BatchDim, n: int, n_args: int,
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], tensors: Sequence[Tensor],
+    in_batch: Sequence[BatchDim | None], positions: Sequence[int], g: Tensor,
+    out_bd: BatchDim | None, n: int, n_args: int,
 ) -> dict[int, Tensor] | None:  # fmt: skip
     """Per-sample contributions of the tensors at ``positions``, by a closed form, or None.
 
-    ``n_args``: how many of ``tensors`` were positional (the rest came as keywords)."""
+    ``args, kwargs``: the op's call; ``tensors``: its tensors in order, ``n_args`` of them
+    positional; ``out_bd``: the batch in the output (None: it has none, e.g. a summed loss)."""
+    if name == "chunked_linear_cross_entropy":
+        return _chunked_cross_entropy(args, kwargs, in_batch[0], positions, g, n)
+    if out_bd is None:
+        return None
     if name in ("linear", "matmul", "mm"):
         x, w = (tensors[0], tensors[1]) if len(tensors) >= 2 else (None, None)
         bias = tensors[2] if name == "linear" and len(tensors) == 3 else None
@@ -59,4 +70,38 @@ def closed_form(
         if bias.dim() != 1:
             return None
         out[b_at] = gs.sum(1)
+    return out if set(out) == set(positions) else None
+
+
+def _chunked_cross_entropy(
+    args: Sequence[Any], kwargs: dict[str, Any], bd: BatchDim | None, positions: Sequence[int],
+    g: Tensor, n: int,
+) -> dict[int, Tensor] | None:  # fmt: skip
+    h, weight, target = args[0], args[1], args[2]
+    bias = args[3] if len(args) > 3 else kwargs.get("bias")
+    h2, t1 = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+    rows = h2.shape[0]
+    if bd is None or bd.dim != 0 or not n or rows % n or not set(positions) <= {1, 3}:
+        return None  # rows not grouped by sample: the generic path decides
+    inner = rows // n  # rows of one sample (h is [N*T, D] or [N, T, D])
+    chunk = rows_per_chunk(weight, kwargs.get("chunk_size"), kwargs.get("chunk_mib", 32.0))
+    ignore = kwargs.get("ignore_index", -100)
+    scale = g
+    if kwargs.get("reduction", "mean") == "mean":
+        scale = g / (t1 != ignore).sum().clamp(min=1).to(g.dtype)
+    acc = torch.float32 if h2.dtype != torch.float64 else h2.dtype
+    per_w = weight.new_zeros(n, *weight.shape) if 1 in positions else None
+    per_b = bias.new_zeros(n, *bias.shape) if 3 in positions and bias is not None else None
+    for start, stop, d, _ in logit_grads(h2, weight, bias, t1, chunk, ignore, acc):
+        for s in range(start // inner, (stop - 1) // inner + 1):  # samples in the chunk
+            lo, hi = max(start, s * inner), min(stop, (s + 1) * inner)
+            if per_w is not None:
+                per_w[s].addmm_(d[lo - start : hi - start].mT, h2[lo:hi])
+            if per_b is not None:
+                per_b[s] += d[lo - start : hi - start].sum(0)
+    out: dict[int, Tensor] = {}
+    if per_w is not None:
+        out[1] = per_w.mul_(scale.to(per_w.dtype))
+    if per_b is not None:
+        out[3] = per_b.mul_(scale.to(per_b.dtype))
     return out if set(out) == set(positions) else None

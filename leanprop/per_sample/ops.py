@@ -187,12 +187,16 @@ class OpCapture(torch.autograd.Function):
         captured = [i for i in wanted if i in op.captured and not op.contribute.closed]
         fast: dict[int, Tensor] = {}
         summed: dict[int, Tensor] = {}
-        single = len(live) == 1 and op.out_batch[live[0][0]] is not None
-        if captured and single and op.rule is not None:
+        single = len(live) == 1
+        if captured and single and op.rule is not None and op.out_batch[live[0][0]] is not None:
             summed = op.rule(local, live[0][2], op.out_batch[live[0][0]])
         elif captured and single:
+            leaves = list(op.leaves)
+            for i, t in zip(op.tensor_at, local, strict=True):
+                leaves[i] = t
+            args, kwargs = tree_unflatten(leaves, op.spec)
             fast = closed_form(
-                _op_name(op.func), local, op.in_batch, captured, live[0][2],
+                _op_name(op.func), args, kwargs, local, op.in_batch, captured, live[0][2],
                 op.out_batch[live[0][0]], op.n, op.n_args,
             ) or {}  # fmt: skip
         # the ordinary gradients; a closed form's are the sums of its per-sample ones
