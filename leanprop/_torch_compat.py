@@ -23,6 +23,14 @@ def _run_engine() -> Callable[..., tuple[torch.Tensor | None, ...]]:
     return run if run is not None else torch.autograd.Variable._execution_engine.run_backward
 
 
+def top_function_mode() -> object | None:
+    """The innermost active ``TorchFunctionMode``, or None."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()
+    return stack[-1] if stack else None
+
+
 def engine_backward(
     tensors: tuple[torch.Tensor, ...],
     grad_tensors: tuple[torch.Tensor | None, ...],

@@ -527,3 +527,26 @@ def test_failed_sum_check_leaves_no_results():
     with pytest.raises(UnsupportedModelError), leanprop.per_sample(model, BatchGrad()):
         model(torch.randn(4, 3, dtype=torch.float64)).square().sum().backward()
     assert not any(hasattr(p, "grad_batch") for p in model.parameters())
+
+
+def test_leaving_with_another_mode_still_active_is_an_error_not_a_stolen_mode():
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+    class Theirs(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    theirs = Theirs()
+    model = nn.Linear(2, 2)
+    ps = leanprop.per_sample(model, BatchGrad())
+    ps.__enter__()
+    theirs.__enter__()
+    try:
+        with pytest.raises(leanprop.LeanpropError, match=r"TorchFunctionMode entered inside"):
+            ps.__exit__(None, None, None)
+        assert _get_current_function_mode_stack()[-1] is theirs  # theirs was not popped
+        assert not model._forward_hooks
+    finally:
+        theirs.__exit__(None, None, None)
+        while _get_current_function_mode_stack():  # ours, left passing ops through
+            _get_current_function_mode_stack()[-1].__exit__(None, None, None)

@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from .._eager import in_eager_backward
-from .._torch_compat import current_graph_task_id, queue_callback
-from ..errors import BatchError, LeanpropValueError, UnsupportedModelError
+from .._torch_compat import current_graph_task_id, queue_callback, top_function_mode
+from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedModelError
 from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, _op_name, _tensors, to_front
 from .fused import Intercept
@@ -322,9 +322,13 @@ class PerSample:
         if self._contributions is not None:  # a later backward through the graph: ordinary
             self._contributions.close()
             self._contributions = None
+        misplaced = False
         if self._intercept is not None:
-            self._intercept.__exit__(None, None, None)
-            self._intercept = None
+            # leaving pops the innermost mode: only ours may be popped
+            misplaced = top_function_mode() is not self._intercept
+            if not misplaced:
+                self._intercept.__exit__(None, None, None)
+                self._intercept = None
         for h in self._handles + self._tensor_handles:
             h.remove()
         self._handles.clear()
@@ -342,6 +346,13 @@ class PerSample:
         self._tracker = BatchTracker(())
         self._root_running = False
         self.last_n, self.last_sums = None, {}
+        if misplaced:  # everything else is undone; our mode stays, passing every op through
+            raise LeanpropError(
+                "per_sample: the `with` block ended while a TorchFunctionMode entered inside it "
+                "was still active, so leanprop could not remove its own op interception (it "
+                "now passes every op through unchanged). Exit modes in the reverse order of "
+                "entering them."
+            )
 
     def _plan(self, module: nn.Module, prefix: str, root: _Site | None) -> None:
         direct = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
