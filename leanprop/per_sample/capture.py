@@ -259,6 +259,16 @@ class PerSample:
         self.last_n: int | None = None
         self.last_sums: dict[nn.Parameter, Tensor] = {}
 
+    @property
+    def kinds(self) -> frozenset[type[Quantity]]:
+        """The quantities computed in backward."""
+        return self._kinds
+
+    @property
+    def active(self) -> bool:
+        """Whether the context is entered (and not yet left)."""
+        return self._active
+
     def set_quantities(self, kinds: frozenset[type[Quantity]], conv_algorithm: str) -> None:
         """Change what backward computes (used by the BackPACK facade, whose forward runs
         before the quantities are known). Empty ``kinds``: idle, forward is still recorded and

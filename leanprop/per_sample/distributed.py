@@ -54,7 +54,7 @@ def all_reduce_quantities(ctx: PerSample, group: dist.ProcessGroup | None = None
             "(torch.distributed.init_process_group); on a single process the quantities "
             "already describe the whole batch."
         )
-    if not isinstance(ctx, PerSample) or not ctx._active:
+    if not isinstance(ctx, PerSample) or not ctx.active:
         raise LeanpropValueError(
             "all_reduce_quantities() needs the active context of `with leanprop.per_sample(...) "
             f"as ctx:`, got {type(ctx).__name__}; call it inside that block, after backward."
@@ -63,7 +63,7 @@ def all_reduce_quantities(ctx: PerSample, group: dist.ProcessGroup | None = None
         raise LeanpropValueError(
             "all_reduce_quantities(): no backward has run in this per_sample block yet."
         )
-    kinds = ctx._kinds
+    kinds = ctx.kinds
     params = [p for p in ctx.model.parameters() if _carries(p, kinds)]
     world = dist.get_world_size(group)
     _check_same_parameters(params, group)

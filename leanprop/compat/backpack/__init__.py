@@ -87,7 +87,7 @@ def backpack(*exts: Quantity, extension_hook: object = None, debug: bool = False
         )
     kinds = validate_quantities(exts)
     captures = list(_EXTENDED)
-    before = [(c._kinds, c.conv_algorithm) for c in captures]
+    before = [(c.kinds, c.conv_algorithm) for c in captures]
     for c in captures:
         c.set_quantities(kinds, _algorithm())
     try:
