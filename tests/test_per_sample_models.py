@@ -85,3 +85,54 @@ def test_bf16_autocast(name, backward_inside):
         ref = expected[k]
         rel = float((p.grad_batch - ref).norm() / (ref.norm() + 1e-12))
         assert rel < 5e-2, f"{k}: relative error {rel:.2e} against the same forward"
+
+
+@pytest.mark.parametrize("name", ["functional_layers_wide", "hf_gpt2"])
+def test_batch_l2_alone_uses_closed_form_norms(name, monkeypatch):
+    """BatchL2Grad alone: op-level linear/matmul/addmm uses give norms from Gram matrices
+    (no individual gradients), exact against the same forward's individual gradients."""
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    from leanprop.per_sample import ops
+
+    calls = []
+    real = ops.closed_norms
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ops, "closed_norms", counting)
+    torch.manual_seed(0)
+    if name == "hf_gpt2":
+        model, losses_fn, options = hf_models()[name]()
+    else:
+        model = FunctionalWide()
+        x = torch.randn(3, 2, 16)
+        model, losses_fn, options = model, lambda: model(x).square().flatten(1).sum(1), {}
+    model.double()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    with leanprop.per_sample(model, BatchL2Grad(), **options):
+        losses = losses_fn()
+        losses.sum().backward(retain_graph=True)
+    assert any(calls), "no closed-form norms were used"
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        ref = expected[k].flatten(1).square().sum(1)
+        assert_close(p.batch_l2, ref, f"{k}.batch_l2", 1e-8, 1e-12)
+
+
+class FunctionalWide(torch.nn.Module):
+    """Wide F.linear / matmul / addmm uses on short sequences (Gram form cheaper)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.b1 = torch.nn.Parameter(torch.randn(16))
+        self.w2 = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.b2 = torch.nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(torch.nn.functional.linear(x, self.w1, self.b1))
+        return torch.addmm(self.b2, h.reshape(-1, 16), self.w2).view_as(h)

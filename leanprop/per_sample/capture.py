@@ -643,8 +643,9 @@ class PerSample:
         """The current cycle's place for contributions found outside any call."""
         if self._contributions is None:
             self._contributions = ops.Contribute(
-                self._contribute, self.own_work, lambda: self._passive > 0
-            )
+                self._contribute, self.own_work, lambda: self._passive > 0, self._norms_only,
+                self._store_norms,
+            )  # fmt: skip
         return self._contributions
 
     @contextmanager
@@ -656,6 +657,25 @@ class PerSample:
             yield
         finally:
             self._computing = before
+
+    def _norms_only(self, t: Tensor) -> bool:
+        state = self._states.get(t) if isinstance(t, nn.Parameter) else None
+        return (
+            state is not None
+            and self._kinds == frozenset({BatchL2Grad})
+            and state.uses == 1
+            and not state.formed
+        )
+
+    def _store_norms(
+        self, p: nn.Parameter, norms: Tensor, total: Tensor, compute_dtype: torch.dtype | None
+    ) -> None:
+        """``BatchL2Grad`` of a parameter used once, from a closed form."""
+        self._open_cycle()
+        state = self._states[p]
+        state.saw(compute_dtype or norms.dtype)
+        state.results[BatchL2Grad.attr] = widen(norms)
+        state.total = total
 
     def _contribute(
         self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None

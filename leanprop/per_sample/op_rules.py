@@ -33,17 +33,12 @@ def _rows(t: Tensor, bd: BatchDim, n: int) -> Tensor:
     return front.reshape(n, -1, t.shape[-1])
 
 
-def closed_form(
-    name: str, args: Sequence[Any], kwargs: dict[str, Any], tensors: Sequence[Tensor],
-    in_batch: Sequence[BatchDim | None], positions: Sequence[int], g: Tensor,
-    out_bd: BatchDim | None, n: int, n_args: int,
-) -> dict[int, Tensor] | None:  # fmt: skip
-    """Per-sample contributions of the tensors at ``positions``, by a closed form, or None.
-
-    ``args, kwargs``: the op's call; ``tensors``: its tensors in order, ``n_args`` of them
-    positional; ``out_bd``: the batch in the output (None: it has none, e.g. a summed loss)."""
-    if name == "chunked_linear_cross_entropy":
-        return _chunked_cross_entropy(args, kwargs, in_batch[0], positions, g, n)
+def _linear_rows(
+    name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
+    positions: Sequence[int], g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
+) -> tuple[Tensor, Tensor, int, int, Tensor | None] | None:  # fmt: skip
+    """``(xs [N, S, I], gs [N, S, O], weight position, bias position, bias)`` of a
+    linear/matmul/addmm call with parameters at ``positions``, or None for other forms."""
     if out_bd is None:
         return None
     if name in ("linear", "matmul", "mm"):
@@ -60,16 +55,59 @@ def closed_form(
     bd = in_batch[0 if name != "addmm" else 1]
     if bd is None or bd.dim >= x.dim() - 1 or out_bd.dim >= g.dim() - 1:
         return None
+    if bias is not None and bias.dim() != 1:
+        return None
     # in the dtype the op computed in (autocast: the output gradient's)
     xs, gs = _rows(x.to(g.dtype), bd, n), _rows(g, out_bd, n)  # [N, S, I], [N, S, O]
-    out: dict[int, Tensor] = {}
     w_at, b_at = (1, 2) if name != "addmm" else (2, 0)
+    return xs, gs, w_at, b_at, bias
+
+
+def closed_form(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], tensors: Sequence[Tensor],
+    in_batch: Sequence[BatchDim | None], positions: Sequence[int], g: Tensor,
+    out_bd: BatchDim | None, n: int, n_args: int,
+) -> dict[int, Tensor] | None:  # fmt: skip
+    """Per-sample contributions of the tensors at ``positions``, by a closed form, or None.
+
+    ``args, kwargs``: the op's call; ``tensors``: its tensors in order, ``n_args`` of them
+    positional; ``out_bd``: the batch in the output (None: it has none, e.g. a summed loss)."""
+    if name == "chunked_linear_cross_entropy":
+        return _chunked_cross_entropy(args, kwargs, in_batch[0], positions, g, n)
+    parts = _linear_rows(name, tensors, in_batch, positions, g, out_bd, n, n_args)
+    if parts is None:
+        return None
+    xs, gs, w_at, b_at, bias = parts
+    out: dict[int, Tensor] = {}
     if w_at in positions:
         out[w_at] = torch.bmm(gs.mT, xs) if name == "linear" else torch.bmm(xs.mT, gs)
     if b_at in positions and bias is not None:
-        if bias.dim() != 1:
-            return None
         out[b_at] = gs.sum(1)
+    return out if set(out) == set(positions) else None
+
+
+def closed_norms(
+    name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
+    positions: Sequence[int], g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
+) -> dict[int, tuple[Tensor, Tensor]] | None:  # fmt: skip
+    """``{position: (||c_n||² [N], summed gradient)}`` without the individual gradients, where
+    that is cheaper (linear/matmul/addmm with ``S (I + O) < I O``: Gram matrices ``[N, S, S]``),
+    else None."""
+    parts = _linear_rows(name, tensors, in_batch, positions, g, out_bd, n, n_args)
+    if parts is None:
+        return None
+    xs, gs, w_at, b_at, bias = parts
+    s, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
+    if w_at in positions and s * (i + o) >= i * o:
+        return None
+    out: dict[int, tuple[Tensor, Tensor]] = {}
+    if w_at in positions:
+        norms = (torch.bmm(xs, xs.mT) * torch.bmm(gs, gs.mT)).sum((1, 2))
+        x2, g2 = xs.reshape(-1, i), gs.reshape(-1, o)
+        out[w_at] = (norms, g2.mT @ x2 if name == "linear" else x2.mT @ g2)
+    if b_at in positions and bias is not None:
+        per = gs.sum(1)  # [N, O]
+        out[b_at] = (per.square().sum(1), per.sum(0))
     return out if set(out) == set(positions) else None
 
 

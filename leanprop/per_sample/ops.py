@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .batch import BatchDim, _op_name, to_front
-from .op_rules import closed_form
+from .op_rules import closed_form, closed_norms
 
 
 class Contribute:
@@ -43,10 +43,15 @@ class Contribute:
         sink: Callable[[dict[nn.Parameter, Tensor], torch.dtype | None], None],
         computing: Callable[[], AbstractContextManager[None]],
         passive: Callable[[], bool],
+        norms_only: Callable[[Tensor], bool],
+        norms: Callable[[nn.Parameter, Tensor, Tensor, torch.dtype | None], None],
     ) -> None:
         self.sink = sink
         self.computing = computing  # marks the per-sample work (its autograd calls) as ours
         self.passive = passive  # a backward that is not for parameters (e.g. d output / d x)
+        # norms_only(t): t is a parameter used once, and only BatchL2Grad is asked for;
+        # norms(p, ||c_n||² [N], summed gradient, compute dtype) then stores its results
+        self.norms_only, self.norms = norms_only, norms
         self._closed = False
 
     @property
@@ -190,7 +195,17 @@ class OpCapture(torch.autograd.Function):
         single = len(live) == 1
         if captured and single and op.rule is not None and op.out_batch[live[0][0]] is not None:
             summed = op.rule(local, live[0][2], op.out_batch[live[0][0]])
-        elif captured and single:
+        elif (
+            captured and single and all(op.contribute.norms_only(op.originals[i]) for i in captured)
+        ):
+            norms = closed_norms(
+                _op_name(op.func), local, op.in_batch, captured, live[0][2],
+                op.out_batch[live[0][0]], op.n, op.n_args,
+            ) or {}  # fmt: skip
+            for i, (sq, total) in norms.items():  # BatchL2Grad alone: norms, not gradients
+                summed[i] = total
+                op.contribute.norms(op.originals[i], sq, total, op.autocast_dtype)
+        if captured and single and op.rule is None and not summed:
             leaves = list(op.leaves)
             for i, t in zip(op.tensor_at, local, strict=True):
                 leaves[i] = t
@@ -213,7 +228,8 @@ class OpCapture(torch.autograd.Function):
             result[i] = ps.sum(0)
             with op.contribute.computing():
                 hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
-        generic = [i for i in captured if i not in fast] if op.rule is None else []
+        generic = [i for i in captured if i not in fast and i not in summed]
+        generic = generic if op.rule is None else []
         if generic:
             with op.contribute.computing():
                 _generic(live, generic, local, op)
