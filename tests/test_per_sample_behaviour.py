@@ -550,3 +550,42 @@ def test_leaving_with_another_mode_still_active_is_an_error_not_a_stolen_mode():
         theirs.__exit__(None, None, None)
         while _get_current_function_mode_stack():  # ours, left passing ops through
             _get_current_function_mode_stack()[-1].__exit__(None, None, None)
+
+
+def test_backward_after_a_create_graph_pass_leaves_no_stale_results():
+    """The create_graph pass computes this forward's quantities; a later ordinary backward
+    through the same forward computes none, and must not show the earlier ones as its own."""
+    case = build("mlp")
+    params = list(case.model.parameters())
+    with leanprop.per_sample(case.model, BatchGrad()):
+        loss = case.loss(case.model(case.x), case.y, "sum")
+        torch.autograd.grad(loss, params, create_graph=True)
+        assert all(hasattr(p, "grad_batch") for p in params)
+        (3 * loss).backward()
+    assert not any(hasattr(p, "grad_batch") for p in params)
+
+
+@pytest.mark.parametrize("how", ["grad", "backward-inputs"])
+def test_gradient_with_respect_to_inputs_only_computes_nothing_per_sample(how):
+    """An adversarial step or input gradient before the real backward (same forward)."""
+    case = build("mlp")
+    x = case.x.clone().requires_grad_()
+    expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        loss = case.loss(case.model(x), case.y, "sum")
+        if how == "grad":
+            torch.autograd.grad(loss, x, retain_graph=True)
+        else:
+            loss.backward(inputs=[x], retain_graph=True)
+        assert not any(hasattr(p, "grad_batch") for p in case.model.parameters())
+        loss.backward(inputs=list(case.model.parameters()))
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+def test_backward_inputs_given_as_a_generator_as_torch_does():
+    case = build("mlp")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        loss = case.loss(case.model(case.x), case.y, "sum")
+        loss.backward(inputs=(p for p in case.model[2].parameters()))
+    assert case.model[0].weight.grad is None and case.model[2].weight.grad is not None

@@ -234,6 +234,7 @@ class PerSample:
         self._backward_done = False  # a backward ended since this forward's state was made
         self._backward_depth = 0  # backward passes called through the op interception
         self._passive = 0  # inside a backward that is not for the parameters (backward_scope)
+        self._cycle_seen = False  # a cycle was open when the outermost backward_scope began
         self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
         self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
         self._contributions: ops.Contribute | None = None  # of the current cycle
@@ -910,7 +911,7 @@ class PerSample:
             if self._bn_problem is not None:
                 problem, self._bn_problem = self._bn_problem, None
                 raise UnsupportedModelError(problem)
-            self._cycle_open = True
+            self._cycle_open = self._cycle_seen = True
             self._grad_mode = torch.is_grad_enabled()
             self._clear_attrs()
             task = current_graph_task_id()
@@ -925,14 +926,19 @@ class PerSample:
             queue_callback(self._finish)
 
     @contextmanager
-    def backward_scope(self, passive: bool) -> Iterator[None]:
+    def backward_scope(self, passive: bool, accumulates: bool = False) -> Iterator[None]:
         """A backward (or autograd.grad) called inside the context. The cycle ends when the
         outermost one returns, so backward passes nested in it (a reentrant checkpoint's) are
-        part of it. ``passive``: a pass that is not for the parameters (``autograd.grad`` with
-        respect to inputs only, e.g. for a gradient penalty) computes nothing per sample."""
+        part of it. ``passive``: a pass that is not for the parameters (with respect to inputs
+        only, e.g. a gradient penalty, or batched) computes nothing per sample, and ends no
+        cycle. ``accumulates``: a backward into ``.grad``; one that computed nothing per sample
+        (after a ``create_graph`` pass through the same forward) leaves no earlier results."""
         if self._computing or not self._active:  # our own autograd calls
             yield
             return
+        outermost = not self._backward_depth
+        if outermost:
+            self._cycle_seen = self._cycle_open
         self._backward_depth += 1
         self._passive += passive
         try:
@@ -940,13 +946,20 @@ class PerSample:
         except BaseException:
             self._backward_depth -= 1
             self._passive -= passive
-            if not self._backward_depth and self._cycle_open and not in_eager_backward():
+            ends = outermost and not passive and not in_eager_backward()
+            if ends and self._cycle_open:
                 self._reset_cycle()  # the backward is aborted: the next one starts clean
             raise
         self._backward_depth -= 1
         self._passive -= passive
-        if not self._backward_depth and self._cycle_open and not in_eager_backward():
+        if not outermost or in_eager_backward():
+            return
+        if passive:
+            self._backward_done = self._backward_done or not self._cycle_open
+        elif self._cycle_open:
             self._finish()
+        elif accumulates and not self._cycle_seen:
+            self._clear_attrs()  # no quantities for this backward: none of an earlier one
 
     def _on_param_grad(self, state: _ParamState):
         def hook(grad: Tensor) -> None:

@@ -78,6 +78,8 @@ def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         grads = (None,) * len(tensors)
     inputs = bound.get("inputs")
     inputs = () if inputs is None else (inputs,) if isinstance(inputs, Tensor) else inputs
+    if isinstance(inputs, dict) or (bound.get("inputs") is not None and not len(inputs)):
+        return None  # torch's own handling (and its error for an empty `inputs`)
     if not all(isinstance(t, Tensor) for t in (*tensors, *inputs)) or len(grads) != len(tensors):
         return None
     return tensors, grads, bound.get("retain_graph"), bool(bound.get("create_graph")), tuple(inputs)
@@ -126,15 +128,21 @@ class Intercept(TorchFunctionMode):
         # keep this mode on while the engine runs, so that the forward a checkpoint recomputes
         # during backward goes through it as the original forward did
         if func in _BACKWARD_ENTRIES:
+            inputs = kwargs.get("inputs")
+            if inputs is not None and not isinstance(inputs, Tensor | list | tuple | dict):
+                kwargs = {**kwargs, "inputs": tuple(inputs)}  # a generator is read once
             call = _backward_call(func, args, kwargs)
-            with capture.backward_scope(passive=False):
+            passive = call is not None and bool(call[4]) and not any(map(capture.tracks, call[4]))
+            with capture.backward_scope(passive, accumulates=True):
                 if call is None:
                     return func(*args, **kwargs)
                 with self:
                     return engine_backward(*call)
         if func is torch.autograd.grad:
             call = _grad_call(args, kwargs)
-            passive = call is not None and not any(capture.tracks(t) for t in call[1])
+            # with respect to inputs only (a gradient penalty, an adversarial step), or batched
+            # (vmap's tensors must not reach the results): nothing per sample
+            passive = call is None or call[6] or not any(capture.tracks(t) for t in call[1])
             with capture.backward_scope(passive):
                 if call is None:
                     return func(*args, **kwargs)
