@@ -23,11 +23,16 @@ def _run_engine() -> Callable[..., tuple[torch.Tensor | None, ...]]:
     return run if run is not None else torch.autograd.Variable._execution_engine.run_backward
 
 
-def top_function_mode() -> object | None:
-    """The innermost active ``TorchFunctionMode``, or None."""
+def function_modes() -> list[object]:
+    """The active ``TorchFunctionMode`` objects, outermost first."""
     from torch.overrides import _get_current_function_mode_stack
 
-    stack = _get_current_function_mode_stack()
+    return list(_get_current_function_mode_stack())
+
+
+def top_function_mode() -> object | None:
+    """The innermost active ``TorchFunctionMode``, or None."""
+    stack = function_modes()
     return stack[-1] if stack else None
 
 

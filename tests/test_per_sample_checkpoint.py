@@ -99,3 +99,34 @@ def test_reentrant_checkpoint_reached_first_is_exact():
         model(x).square().sum().backward()
     for k, p in model.named_parameters():
         assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-9, 1e-12)
+
+
+class CheckpointedTail(nn.Module):
+    """A reentrant checkpoint around an inner block and the head (the last layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.mid = nn.Sequential(nn.Linear(5, 5), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._tail, torch.tanh(self.a(x)), use_reentrant=True)
+
+    def _tail(self, h: torch.Tensor) -> torch.Tensor:
+        return self.b(self.mid(h))
+
+
+def test_nested_contexts_around_a_reentrant_checkpoint():
+    """Both contexts' cycles end with the outermost backward (the inner context's op
+    interception runs it, so the outer one never sees the call)."""
+    torch.manual_seed(0)
+    model = CheckpointedTail().double()
+    x = torch.randn(5, 5, 4, dtype=torch.float64)
+    expected = loop_oracle(model, x)
+    with leanprop.per_sample(model, BatchGrad()), leanprop.per_sample(model.mid, Variance()):
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-9, 1e-12)
+    for k, p in model.mid.named_parameters():
+        ref = expected[f"mid.{k}"].var(0, unbiased=False)
+        assert_close(p.variance, ref, f"mid.{k}.variance", 1e-9, 1e-12)

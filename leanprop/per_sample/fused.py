@@ -14,6 +14,7 @@ changes; only calls made while the module runs its forward are swapped.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .._torch_compat import engine_backward, engine_grad
+from .._torch_compat import engine_backward, engine_grad, function_modes
 
 if TYPE_CHECKING:
     from .capture import PerSample, _Call
@@ -122,6 +123,12 @@ class Intercept(TorchFunctionMode):
         super().__init__()
         self.capture = capture
 
+    def _captures(self) -> list[PerSample]:
+        """This mode's capture and those of the per_sample contexts around it: a backward run
+        here is theirs too (this mode runs it, so theirs never see the call)."""
+        outer = [m.capture for m in function_modes() if isinstance(m, Intercept) and m is not self]
+        return list(dict.fromkeys([*outer, self.capture]))
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         capture = self.capture
@@ -132,18 +139,22 @@ class Intercept(TorchFunctionMode):
             if inputs is not None and not isinstance(inputs, Tensor | list | tuple | dict):
                 kwargs = {**kwargs, "inputs": tuple(inputs)}  # a generator is read once
             call = _backward_call(func, args, kwargs)
-            passive = call is not None and bool(call[4]) and not any(map(capture.tracks, call[4]))
-            with capture.backward_scope(passive, accumulates=True):
+            with contextlib.ExitStack() as scopes:
+                for c in self._captures():  # every per_sample context active here
+                    passive = call is not None and bool(call[4]) and not any(map(c.tracks, call[4]))
+                    scopes.enter_context(c.backward_scope(passive, accumulates=True))
                 if call is None:
                     return func(*args, **kwargs)
                 with self:
                     return engine_backward(*call)
         if func is torch.autograd.grad:
             call = _grad_call(args, kwargs)
-            # with respect to inputs only (a gradient penalty, an adversarial step), or batched
-            # (vmap's tensors must not reach the results): nothing per sample
-            passive = call is None or call[6] or not any(capture.tracks(t) for t in call[1])
-            with capture.backward_scope(passive):
+            with contextlib.ExitStack() as scopes:
+                for c in self._captures():
+                    # with respect to inputs only (a gradient penalty, an adversarial step), or
+                    # batched (vmap's tensors must not reach the results): nothing per sample
+                    passive = call is None or call[6] or not any(map(c.tracks, call[1]))
+                    scopes.enter_context(c.backward_scope(passive))
                 if call is None:
                     return func(*args, **kwargs)
                 with self:
