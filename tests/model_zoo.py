@@ -293,6 +293,70 @@ def gru_bidirectional_batch_first() -> Built:
     return m, lambda: per_sample_sq(m(x)), {}
 
 
+LENGTHS = [3, N, 1, N, 2]  # unsorted, repeated, and the longest as long as the batch
+
+
+class PackedClassifier(nn.Module):
+    """Packs padded input by its lengths inside the model; classifies from the final states."""
+
+    def __init__(self, cell: type[nn.RNNBase], batch_first: bool) -> None:
+        super().__init__()
+        self.rnn = cell(3, 4, num_layers=2, bidirectional=True, batch_first=batch_first)
+        self.head = nn.Linear(8, 2)
+        self.batch_first = batch_first
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=self.batch_first, enforce_sorted=False
+        )
+        _, hidden = self.rnn(packed)
+        h_n = hidden[0] if isinstance(hidden, tuple) else hidden  # [layers * 2, N, 4]
+        return self.head(torch.cat([h_n[-2], h_n[-1]], dim=1))
+
+
+@model
+def lstm_packed_classifier_batch_first() -> Built:
+    m = PackedClassifier(nn.LSTM, batch_first=True)
+    x, lengths = torch.randn(N, N, 3), torch.tensor(LENGTHS)
+    return m, lambda: per_sample_sq(m(x, lengths)), {}
+
+
+@model
+def gru_packed_classifier_sequence_first() -> Built:
+    m = PackedClassifier(nn.GRU, batch_first=False)
+    x, lengths = torch.randn(N, N, 3), torch.tensor(LENGTHS)
+    return m, lambda: per_sample_sq(m(x, lengths)), {"batch_dims": {0: 1}}
+
+
+class PackedTagger(nn.Module):
+    """Takes a PackedSequence; tags every time step of the padded-back output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=True, proj_size=2)
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, packed: nn.utils.rnn.PackedSequence, h0: tuple[Tensor, Tensor]) -> Tensor:
+        out, _ = self.rnn(packed, h0)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return self.head(padded)  # [N, T, 3], zeros past each length but the bias
+
+
+@model
+def lstm_packed_input_tagger() -> Built:
+    m = PackedTagger()
+    seqs = [torch.randn(k, 3) for k in LENGTHS]
+    h0 = (torch.randn(1, N, 2), torch.randn(1, N, 4))
+
+    def losses() -> Tensor:
+        packed = nn.utils.rnn.pack_sequence(seqs, enforce_sorted=False)
+        out = m(packed, h0)
+        mask = torch.arange(N)[None, :] < torch.tensor(LENGTHS)[:, None]
+        return (out.square().sum(2) * mask).sum(1)
+
+    return m, losses, {"batch_dims": {1: 1}}
+
+
 @model
 def embedding_bag_with_offsets() -> Built:
     bag = nn.EmbeddingBag(10, 4, mode="mean")

@@ -12,6 +12,16 @@ from torch.overrides import TorchFunctionMode
 from leanprop.per_sample.batch import BatchDim, BatchTracker, Lost, to_front
 
 N = 4
+PERM = torch.tensor([2, 0, 3, 1])
+LENGTHS = torch.tensor([2, N, 1, 3])
+
+
+def pack(x, lengths, batch_first=True, enforce_sorted=True):
+    return torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first, enforce_sorted)
+
+
+def pad(packed, batch_first=True):
+    return torch.nn.utils.rnn.pad_packed_sequence(packed, batch_first)
 
 
 class Follow(TorchFunctionMode):
@@ -81,9 +91,24 @@ KEEP = {
     "moved then summed": lambda x: x.transpose(0, 1).sum(0) / N,
     "moved then split": lambda x: x.transpose(0, 1).split(2, 0),
     "moved then linear": lambda x: F.linear(x.transpose(0, 1), torch.eye(N, dtype=x.dtype)),
+    # samples reordered, then put back in order (what a packed sequence does)
+    "permuted and back": lambda x: x.index_select(0, PERM).index_select(0, PERM.argsort()),
+    "packed and padded back": lambda x: pad(pack(x, LENGTHS, enforce_sorted=False))[0][:, :1],
+    "packed and padded back, sequence first": lambda x: pad(
+        pack(x.transpose(0, 1), LENGTHS, batch_first=False, enforce_sorted=False),
+        batch_first=False,
+    )[0][:1],
+    "packed, elementwise, padded back": lambda x: pad(
+        torch.nn.utils.rnn.PackedSequence(*[*pack(x, LENGTHS, enforce_sorted=False)])._replace(
+            data=pack(x, LENGTHS, enforce_sorted=False).data * 1
+        )
+    )[0][:, :1],
 }
 
 LOSE = {
+    "permuted": lambda x: x.index_select(0, PERM),
+    "packed data": lambda x: pack(x, LENGTHS, enforce_sorted=False).data,
+    "packed data mixed over rows": lambda x: pack(x, LENGTHS, enforce_sorted=False).data.cumsum(0),
     "slice samples": lambda x: x[1:],
     "index sample": lambda x: x[0],
     "reordered index": lambda x: x[torch.tensor([1, 0, 2, 3])],

@@ -468,14 +468,50 @@ def test_nested_contexts_each_compute_theirs(inner_on):
         assert not m._forward_hooks and not m._forward_pre_hooks
 
 
-def test_packed_sequence_into_an_rnn_is_a_clear_error():
-    lstm = nn.LSTM(3, 4)
-    packed = nn.utils.rnn.pack_sequence([torch.randn(5, 3), torch.randn(2, 3)])
+def test_rnn_dropout_between_layers_is_refused_not_wrong():
+    """The masks of an RNN's inter-layer dropout cannot be replayed: refused at forward (with
+    check=False the results were silently off before)."""
+    lstm = nn.LSTM(3, 4, num_layers=2, dropout=0.5)
+    x = torch.randn(5, 5, 3)
     with (
-        pytest.raises(UnsupportedModelError, match=r"LSTM.*PackedSequence.*pad the sequences"),
-        leanprop.per_sample(lstm, BatchGrad()),
+        pytest.raises(UnsupportedModelError, match=r"LSTM 'lstm' .*dropout=0.5.*eval mode"),
+        leanprop.per_sample(nn.ModuleDict({"lstm": lstm}), BatchGrad(), check=False) as ctx,
     ):
-        lstm(packed)
+        del ctx
+        lstm(x)
+    lstm.eval()
+    with leanprop.per_sample(lstm, BatchGrad(), batch_dim=1):
+        lstm(x)[0].sum().backward()
+    assert lstm.weight_ih_l0.grad_batch.shape == (5, 16, 3)
+
+
+class _LinearOnPackedData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.rnn = nn.GRU(3, 4)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, mix: bool) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        if mix:  # a PackedSequence of other data (rows mixed), same layout
+            data = packed.data.flip(0)
+            packed = nn.utils.rnn.PackedSequence(
+                data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices
+            )
+            return self.rnn(packed)[1].sum()
+        return self.proj(packed.data).sum()
+
+
+@pytest.mark.parametrize("mix", [False, True], ids=["linear-on-rows", "rows-mixed"])
+def test_packed_rows_outside_an_rnn_are_a_clear_error(mix):
+    model = _LinearOnPackedData()
+    x, lengths = torch.randn(5, 5, 3), torch.tensor([5, 2, 3, 1, 4])
+    match = r"GRU 'rnn' got a PackedSequence.*flip" if mix else r"Linear 'proj'.*PackedSequence"
+    with (
+        pytest.raises(BatchError, match=match),
+        leanprop.per_sample(model, BatchGrad(), batch_dims={0: 1}),
+    ):
+        model(x, lengths, mix).backward()
 
 
 def test_gradient_penalty_is_refused_not_wrong():

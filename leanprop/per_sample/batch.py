@@ -43,7 +43,113 @@ class Lost:
     reason: str
 
 
+@dataclass(frozen=True)
+class Reordered(Lost):
+    """Dimension ``dim`` holds the samples in another order: position ``j`` holds sample
+    ``order[j]`` (a packed sequence sorts its samples by length). A :class:`Lost` to every
+    consumer but the ops that restore the order or pack the samples."""
+
+    dim: int
+    order: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Packed(Lost):
+    """The data of a ``PackedSequence``: rows are time steps of samples, sorted by length as
+    ``order`` says (its ``sorted_indices``). A :class:`Lost` to every consumer but the RNN
+    that takes it, elementwise ops, and ``pad_packed_sequence``."""
+
+    order: tuple[int, ...]
+
+
 Info = BatchDim | Lost
+
+_RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+
+def is_packed_rnn_op(name: str, args: Sequence[Any]) -> bool:
+    """``lstm(data, batch_sizes, hx, ...)``: the PackedSequence variant of an RNN op."""
+    return (
+        name in _RNN_OPS
+        and len(args) > 1
+        and isinstance(args[1], Tensor)
+        and not args[1].is_floating_point()  # batch sizes, not a GRU's hidden state
+    )
+
+
+def _permutation(index: Any, n: int) -> tuple[int, ...] | None:
+    """``index`` as a permutation of ``range(n)``; None if it is not one."""
+    if not isinstance(index, Tensor) or index.dim() != 1 or index.numel() != n:
+        return None
+    order = tuple(index.tolist())
+    return order if sorted(order) == list(range(n)) else None
+
+
+def _ordered_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
+    info: Reordered | Packed, out: Tensor, k: int, n: int, tracker: BatchTracker,
+) -> Info:  # fmt: skip
+    """Where samples held in another order (:class:`Reordered`, :class:`Packed`) land."""
+    if is_packed_rnn_op(name, args):  # (data, sizes, hx, ...) -> (data, h_n[, c_n])
+        if which != 0 and not (isinstance(info, Reordered) and info.dim == 1):
+            return Lost(f"{name} with its hidden state's batch elsewhere than documented")
+        return Packed(_PACKED, info.order) if k == 0 else Reordered(_REORDERED, 1, info.order)
+    if isinstance(info, Packed):
+        if name == "_pad_packed_sequence" and which == 0:  # (data, sizes, batch_first, ...)
+            if k != 0:
+                return Lost("the lengths of a packed sequence")
+            return Reordered(_REORDERED, 0 if args[2] else 1, info.order)
+        rows = result_dim(name, args, kwargs, which, x, BatchDim(0), out, k, n, tracker)
+        if rows == BatchDim(0):  # rows kept (elementwise, or along the features)
+            return info
+        return rows if isinstance(rows, Lost) else Lost(_PACKED)
+    if name == "index_select" and which == 0 and _norm_dim(int(args[1]), x.dim()) == info.dim:
+        perm = _permutation(args[2], x.shape[info.dim])
+        if perm is None:
+            return Lost("index_select along the batch dimension selects samples")
+        return _in_order(info.dim, tuple(info.order[j] for j in perm))
+    if name == "_pack_padded_sequence" and which == 0:  # (input, lengths, batch_first)
+        if info.dim != (0 if args[2] else 1):
+            return Lost("pack_padded_sequence with its batch elsewhere than batch_first says")
+        return Packed(_PACKED, info.order) if k == 0 else Lost("batch sizes of a packed sequence")
+    res = result_dim(name, args, kwargs, which, x, BatchDim(info.dim), out, k, n, tracker)
+    if isinstance(res, BatchDim) and res.inner == 1:
+        return _in_order(res.dim, info.order)
+    return res
+
+
+def _index_arg(name: str, args: Sequence[Any], batched: list[tuple[Any, Tensor, Info]]) -> Any:
+    """Position of an index argument read by value (a permutation, lengths, batch sizes: often
+    computed from batched lengths) when the op reorders or packs the samples of ``args[0]``;
+    None if there is none."""
+    first = next((info for w, _, info in batched if w == 0), None)
+    if first is None:
+        return None
+    if name == "index_select":
+        dim = getattr(first, "dim", None)
+        return 2 if dim is not None and _norm_dim(int(args[1]), args[0].dim()) == dim else None
+    if name in ("_pack_padded_sequence", "_pad_packed_sequence") or is_packed_rnn_op(name, args):
+        return 1
+    return None
+
+
+_ORDER_OPS = {"index_select", "_pack_padded_sequence"}
+_REORDERED = "samples in another order (sorted by length for a packed sequence)"
+_PACKED = (
+    "the samples packed into a PackedSequence's data (run the RNN on it, or "
+    "pad_packed_sequence it first)"
+)
+
+
+def packed_data(order: tuple[int, ...]) -> Packed:
+    """Where the batch is in a PackedSequence's data whose ``sorted_indices`` are ``order``."""
+    return Packed(_PACKED, order)
+
+
+def _in_order(dim: int, order: tuple[int, ...]) -> Info:
+    if order == tuple(range(len(order))):
+        return BatchDim(dim)
+    return Reordered(_REORDERED, dim, order)
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -98,7 +204,8 @@ _NON_TENSOR = {"size", "dim", "numel", "item", "tolist", "len", "stride", "data_
 # new tensors whose values do not depend on the input's (only its shape, dtype or device)
 _FACTORIES = {
     "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "empty_like", "zeros_like",
-    "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "zeros", "ones", "empty",
+    "rand", "randn", "eye",
 }  # fmt: skip
 
 
@@ -249,7 +356,7 @@ def result_dim(
         if bd.dim != expected or bd.inner != 1 or out.dim() < 2:
             return Lost("nn.MultiheadAttention with its batch elsewhere than documented")
         return BatchDim(1 if k == 0 else 0)
-    if name in ("lstm", "gru", "rnn_tanh", "rnn_relu") and isinstance(args[-1], bool):
+    if name in _RNN_OPS and isinstance(args[-1], bool) and not is_packed_rnn_op(name, args):
         # (input, hx, params, ..., batch_first) -> (output, h_n[, c_n]); hidden states [L, N, H]
         first = 0 if args[-1] else 1
         expected = first if which == 0 else 1
@@ -533,11 +640,21 @@ class BatchTracker:
                 for o in outs:
                     self._derived[o] = params
             return
+        index = _index_arg(name, args, batched)
+        if index is not None:  # read by value: its own batch does not reach the outputs
+            batched = [b for b in batched if b[0] != index]
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
             results = set()
             for i, t, info in batched:
-                if isinstance(info, Lost):
+                if name in _ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
+                    info = Reordered(_REORDERED, info.dim, tuple(range(t.shape[info.dim])))
+                if isinstance(info, Reordered | Packed):
+                    try:
+                        results.add(_ordered_result(name, args, kwargs, i, t, info, o, k, n, self))
+                    except (IndexError, TypeError, ValueError, KeyError):
+                        results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
+                elif isinstance(info, Lost):
                     results.add(info)
                 else:
                     try:

@@ -38,7 +38,7 @@ from .._eager import in_eager_backward
 from .._torch_compat import current_graph_task_id, queue_callback, top_function_mode
 from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedModelError
 from . import broadcast, ops
-from .batch import BatchDim, BatchTracker, Lost, _op_name, _tensors, to_front
+from .batch import BatchDim, BatchTracker, Lost, _op_name, _tensors, packed_data, to_front
 from .fused import Intercept
 from .quantities import (
     BatchGrad,
@@ -50,6 +50,7 @@ from .quantities import (
 )
 from .registry import Rule, RuleOptions, rule_for
 from .rules._fallback import batch_dim_of, fallback_batch_grads
+from .rules.packed_rnn import packed_rnn_batch_grads, sample_count, sorted_order
 from .stats import Reducer, quantities_from_batch, widen
 
 ConvAlgorithm = Literal["auto", "unfold", "grouped"]
@@ -94,6 +95,7 @@ class _Call:
     in_dims: list[int | None] | None = None  # fallback roots: batch dim of each input leaf
     out_dims: list[int | None] | None = None  # ... and of each output leaf
     autocast: tuple[str, torch.dtype] | None = None  # fallback roots: autocast of the forward
+    packed: bool = False  # an RNN called on a PackedSequence
     forward: Any = None  # replaced ops: the forward they belong to (an ops.Contribute)
 
 
@@ -134,6 +136,20 @@ class _ParamState:
             self.compute_dtype = dtype
 
     results: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _refuse_rnn_dropout(site: _Site) -> None:
+    """An RNN's dropout between its layers draws its masks inside one op, where no rerun can
+    replay them: refuse rather than compute with other masks."""
+    for name, m in site.module.named_modules():
+        if isinstance(m, nn.RNNBase) and m.training and m.dropout > 0 and m.num_layers > 1:
+            where = f"'{site.name}.{name}'" if name else f"'{site.name}'"
+            raise UnsupportedModelError(
+                f"per_sample: {type(m).__name__} {where} is in training mode with "
+                f"dropout={m.dropout} between its {m.num_layers} layers. That dropout draws "
+                "its masks inside one fused op that leanprop cannot replay per sample. Use "
+                "single-layer RNNs with nn.Dropout between them, or dropout=0, or eval mode."
+            )
 
 
 def _like(x: Any, g: Tensor) -> Any:
@@ -471,8 +487,11 @@ class PerSample:
             dim = self._batch_dims.get(key, self._batch_dim)
             if dim is None:
                 continue
-            if isinstance(value, PackedSequence):
-                continue  # the RNN that takes it finds its samples (see _fallback_dims)
+            if isinstance(value, PackedSequence):  # samples sorted by length, packed
+                n = sample_count(value)
+                self._input_samples(key, n, f"a PackedSequence of {n} sequences")
+                self._tracker.mark(value.data, packed_data(sorted_order(value)))
+                continue
             for t in tree_flatten(value)[0]:
                 if not isinstance(t, Tensor) or t.dim() == 0:
                     continue
@@ -483,16 +502,19 @@ class PerSample:
                         f"batch is, or batch_dims={{{key!r}: None}} if this input has no batch."
                     )
                 n = t.shape[dim]
-                if self._tracker.n is None:
-                    self._tracker.n = n
-                elif n != self._tracker.n:
-                    raise BatchError(
-                        f"per_sample: the model's input {key!r} has shape {tuple(t.shape)}: "
-                        f"{n} in batch dimension {dim}, but another input has "
-                        f"{self._tracker.n} samples. Say where its batch is with "
-                        f"batch_dims={{{key!r}: DIM}} (or None if it has no batch)."
-                    )
+                self._input_samples(key, n, f"shape {tuple(t.shape)}: {n} in batch dimension {dim}")
                 self._tracker.mark(t, BatchDim(dim))
+
+    def _input_samples(self, key: str | int, n: int, what: str) -> None:
+        """The model's input ``key`` holds ``n`` samples: the same as every other input."""
+        if self._tracker.n is None:
+            self._tracker.n = n
+        elif n != self._tracker.n:
+            raise BatchError(
+                f"per_sample: the model's input {key!r} has {what}, but another input has "
+                f"{self._tracker.n} samples. Say where its batch is with "
+                f"batch_dims={{{key!r}: DIM}} (or None if it has no batch)."
+            )
 
     # ------------------------------------------------------------------ op interception
     def _tracking(self) -> bool:
@@ -806,6 +828,7 @@ class PerSample:
                     return None
                 call = _Call(site, {}, args, kwargs, n, [None] * len(leaves), 0)
                 call.in_dims, call.out_dims = in_dims, out_dims
+                call.packed = bool(args) and isinstance(args[0], PackedSequence)
                 device = next(iter(site.direct.values())).device.type
                 if torch.is_autocast_enabled(device):
                     call.autocast = (device, torch.get_autocast_dtype(device))
@@ -862,12 +885,14 @@ class PerSample:
     ) -> tuple[int | None, list[int | None] | None, list[int | None] | None]:
         """Samples of a fallback root's call, and where the batch is in each input and output
         leaf (None, None: by its documented layout, when batch tracking is off)."""
+        _refuse_rnn_dropout(site)
+        if args and isinstance(args[0], PackedSequence):
+            return self._packed_samples(site, args[0]), None, None
         if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
             raise UnsupportedModelError(
-                f"per_sample: {type(site.module).__name__} '{site.name}' got a PackedSequence. "
-                "Per-sample quantities of RNNs over packed sequences are not supported yet; "
-                "pad the sequences instead (torch.nn.utils.rnn.pad_packed_sequence), or freeze "
-                "this module's parameters."
+                f"per_sample: {type(site.module).__name__} '{site.name}' got a PackedSequence "
+                "other than as its first argument. Only an RNN's input may be packed; freeze "
+                "this module's parameters, or register a rule for it."
             )
         leaves = tree_flatten((args, kwargs))[0]
         if not self._tracking():
@@ -904,6 +929,26 @@ class PerSample:
         if not sizes:
             return None, in_dims, out_dims
         return self._same_n(site, sizes.pop()), in_dims, out_dims
+
+    def _packed_samples(self, site: _Site, packed: PackedSequence) -> int:
+        """Samples of an RNN's packed input; checks they are the batch, in the order tracked."""
+        if not isinstance(site.module, nn.RNNBase):
+            raise UnsupportedModelError(
+                f"per_sample: {type(site.module).__name__} '{site.name}' got a PackedSequence; "
+                "only torch's RNNs (nn.LSTM, nn.GRU, nn.RNN) take one. Freeze this module's "
+                "parameters, or register a rule for it."
+            )
+        if self._tracking():
+            info = self._tracker.info(packed.data)
+            if info != packed_data(sorted_order(packed)):
+                reason = "it carries no batch" if info is None else info.reason
+                raise BatchError(
+                    f"per_sample: {type(site.module).__name__} '{site.name}' got a "
+                    "PackedSequence whose samples leanprop cannot match to the batch's: "
+                    f"{reason}. Pack the model's input with pack_padded_sequence or "
+                    "pack_sequence (inside or before the model), unchanged."
+                )
+        return self._same_n(site, sample_count(packed))
 
     # ------------------------------------------------------------------ backward
     def _open_cycle(self) -> None:
@@ -1108,6 +1153,12 @@ class PerSample:
                     yield site.rule.batch_grads(site.module, args, g, names, opts, out=out)
                 else:
                     yield site.rule.batch_grads(site.module, args, g, names, opts)
+            elif call.packed:  # one sample at a time anyway: the whole batch in one chunk
+                with _autocast_as(call, tree_flatten((call.args, call.kwargs))[0]):
+                    yield packed_rnn_batch_grads(
+                        site.module, call.args, call.kwargs, call.grads, names
+                    )
+                return
             elif call.in_dims is None:  # batch tracking off: the module's documented layout
                 args = tuple(cut(a) for a in call.args)
                 kwargs = {k: cut(v) for k, v in call.kwargs.items()}

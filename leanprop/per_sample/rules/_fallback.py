@@ -16,6 +16,7 @@ passed whole to every sample.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,6 +120,27 @@ def fallback_batch_grads(
         return _loop(params, one, leaves, in_dims, g_leaves, g_dims, n)
 
 
+def loop_over_samples(
+    params: dict[str, Tensor], n: int, total_of: Callable[[dict[str, Tensor], int], Tensor]
+) -> dict[str, Tensor]:
+    """Individual gradients ``{name: [N, *p.shape]}`` one sample at a time with ordinary
+    autograd: ``total_of(params, i)`` is sample ``i``'s output dotted with its output gradient.
+    Under grad mode (a ``create_graph`` backward) the results are differentiable."""
+    create_graph = torch.is_grad_enabled()
+    names, tensors = list(params), list(params.values())
+    rows: list[list[Tensor]] = []
+    for i in range(n):
+        with torch.enable_grad():
+            total = total_of(params, i)
+            grads = torch.autograd.grad(
+                total, tensors, create_graph=create_graph, allow_unused=True
+            )
+        rows.append(
+            [torch.zeros_like(p) if g is None else g for p, g in zip(tensors, grads, strict=True)]
+        )
+    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(names)}
+
+
 def _loop(
     params: dict[str, Tensor],
     one: Any,
@@ -130,24 +152,15 @@ def _loop(
 ) -> dict[str, Tensor]:
     """The slow path of :func:`fallback_batch_grads`: a loop over samples."""
     create_graph = torch.is_grad_enabled()
-    names, tensors = list(params), list(params.values())
-    rows: list[list[Tensor]] = []
-    for i in range(n):
 
-        def pick(t: Any, d: int | None, i: int = i) -> Any:
-            if d is None:
-                return t
-            t = t.select(d, i)
-            return t if create_graph or not isinstance(t, Tensor) else t.detach()
+    def pick(t: Any, d: int | None, i: int) -> Any:
+        if d is None:
+            return t
+        t = t.select(d, i)
+        return t if create_graph or not isinstance(t, Tensor) else t.detach()
 
-        ins = [pick(t, d) for t, d in zip(leaves, in_dims, strict=True)]
-        gs = [pick(g, d) for g, d in zip(g_leaves, g_dims, strict=True)]
-        with torch.enable_grad():
-            total = one(params, ins, gs)
-            grads = torch.autograd.grad(
-                total, tensors, create_graph=create_graph, allow_unused=True
-            )
-        rows.append(
-            [torch.zeros_like(p) if g is None else g for p, g in zip(tensors, grads, strict=True)]
-        )
-    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(names)}
+    def total_of(p: dict[str, Tensor], i: int) -> Tensor:
+        ins = [pick(t, d, i) for t, d in zip(leaves, in_dims, strict=True)]
+        return one(p, ins, [pick(g, d, i) for g, d in zip(g_leaves, g_dims, strict=True)])
+
+    return loop_over_samples(params, n, total_of)
