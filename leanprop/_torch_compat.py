@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -34,6 +35,19 @@ def top_function_mode() -> object | None:
     """The innermost active ``TorchFunctionMode``, or None."""
     stack = function_modes()
     return stack[-1] if stack else None
+
+
+@contextmanager
+def innermost_mode_off(mode: object) -> Iterator[None]:
+    """Run the block without ``mode`` where it is the innermost active ``TorchFunctionMode``
+    (elsewhere the block runs as is)."""
+    if mode is None or top_function_mode() is not mode:
+        yield
+        return
+    from torch.overrides import _pop_mode_temporarily
+
+    with _pop_mode_temporarily():
+        yield
 
 
 def engine_backward(

@@ -35,7 +35,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from .._eager import in_eager_backward
-from .._torch_compat import current_graph_task_id, queue_callback, top_function_mode
+from .._torch_compat import (
+    current_graph_task_id,
+    innermost_mode_off,
+    queue_callback,
+    top_function_mode,
+)
 from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedModelError
 from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, _op_name, _tensors, packed_data, to_front
@@ -677,7 +682,8 @@ class PerSample:
         captured, and hooks ignore the autograd calls made inside."""
         before, self._computing = self._computing, True
         try:
-            yield
+            with innermost_mode_off(self._intercept):  # its ops cost a Python call each
+                yield
         finally:
             self._computing = before
 
@@ -1040,13 +1046,12 @@ class PerSample:
     def _process(self, call: _Call) -> dict[str, Tensor]:
         call.closed = True
         try:
-            self._computing = True
-            return self._compute(call)
+            with self.own_work():
+                return self._compute(call)
         except BaseException:
             self._reset_cycle()  # the backward is aborted: the next one starts clean
             raise
         finally:
-            self._computing = False
             call.args = call.kwargs = None
             call.grads = []
 

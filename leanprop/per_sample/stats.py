@@ -44,12 +44,7 @@ def sum_sq(b: Tensor) -> Tensor:
     b = widen(b)
     if _recording(b):
         return b.pow(2).sum(0)
-    flat, blk = _blocks(b)
-    out = flat.new_empty(flat.shape[1])
-    for j in range(0, flat.shape[1], blk):
-        part = flat[:, j : j + blk]
-        torch.sum(part * part, 0, out=out[j : j + blk])
-    return out.view(b.shape[1:])
+    return _blocked_sum_sq(b, None).view(b.shape[1:])
 
 
 def mean_m2(b: Tensor) -> tuple[Tensor, Tensor]:
@@ -58,13 +53,24 @@ def mean_m2(b: Tensor) -> tuple[Tensor, Tensor]:
     mean = b.mean(0)
     if _recording(b):
         return mean, (b - mean).pow(2).sum(0)
+    return mean, _blocked_sum_sq(b, mean.reshape(-1)).view(b.shape[1:])
+
+
+def _blocked_sum_sq(b: Tensor, centre: Tensor | None) -> Tensor:
+    """``sum_n (b[n] - centre)²`` flattened, a block of columns at a time in one scratch
+    buffer (a fresh temporary per block costs more than the arithmetic: page faults)."""
     flat, blk = _blocks(b)
-    flat_mean = mean.reshape(-1)
     out = flat.new_empty(flat.shape[1])
+    scratch = flat.new_empty(flat.shape[0], min(blk, flat.shape[1]))
     for j in range(0, flat.shape[1], blk):
-        dev = flat[:, j : j + blk] - flat_mean[j : j + blk]
-        torch.sum(dev * dev, 0, out=out[j : j + blk])
-    return mean, out.view(b.shape[1:])
+        part = flat[:, j : j + blk]
+        tmp = scratch[:, : part.shape[1]]
+        if centre is None:
+            torch.mul(part, part, out=tmp)
+        else:
+            torch.sub(part, centre[j : j + blk], out=tmp).square_()
+        torch.sum(tmp, 0, out=out[j : j + blk])
+    return out
 
 
 def quantities_of(b: Tensor, kinds: frozenset[type[Quantity]]) -> dict[str, Tensor]:

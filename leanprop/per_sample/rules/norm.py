@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry import RuleOptions, register_rule
@@ -32,12 +32,9 @@ def layer_norm_batch_grads(
     """Individual gradients ``[N, *normalized_shape]`` of weight and bias."""
     x = inputs[0]
     n, shape = x.shape[0], tuple(module.normalized_shape)
-    dims = tuple(range(-len(shape), 0))
     out: dict[str, Tensor] = {}
     if "weight" in names:
-        mean = x.mean(dims, keepdim=True)
-        var = x.var(dims, unbiased=False, keepdim=True)
-        x_hat = (x - mean) * torch.rsqrt(var + module.eps)
+        x_hat = F.layer_norm(x, shape, eps=module.eps).to(g.dtype)  # torch's own kernel
         out["weight"] = (g * x_hat).reshape(n, -1, *shape).sum(1)
     if "bias" in names:
         out["bias"] = g.reshape(n, -1, *shape).sum(1)
@@ -60,10 +57,7 @@ def group_norm_batch_grads(
     n, c = x.shape[0], x.shape[1]
     out: dict[str, Tensor] = {}
     if "weight" in names:
-        xg = x.reshape(n, module.num_groups, -1)  # [N, G, C/G * S]
-        mean = xg.mean(2, keepdim=True)
-        var = xg.var(2, unbiased=False, keepdim=True)
-        x_hat = ((xg - mean) * torch.rsqrt(var + module.eps)).reshape_as(x)
+        x_hat = F.group_norm(x, module.num_groups, eps=module.eps).to(g.dtype)
         out["weight"] = (g * x_hat).reshape(n, c, -1).sum(2)
     if "bias" in names:
         out["bias"] = g.reshape(n, c, -1).sum(2)
