@@ -156,7 +156,7 @@ def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def _op_name(func: Any) -> str:
+def op_name(func: Any) -> str:
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a property (x.mT, x.T): name of the property
         name = getattr(getattr(func, "__self__", None), "__name__", name)
@@ -508,7 +508,7 @@ def _elementwise(
     if od >= nd - bd.dim and out.shape[od - (nd - bd.dim)] == x.shape[bd.dim]:
         bc = torch.broadcast_shapes
         try:
-            shapes = [t.shape for t in _tensors(args, kwargs)]
+            shapes = [t.shape for t in tensors_in(args, kwargs)]
             if tuple(bc(*shapes)) == tuple(out.shape):
                 return BatchDim(od - (nd - bd.dim), bd.inner)
         except RuntimeError:
@@ -516,7 +516,7 @@ def _elementwise(
     return Lost(f"'{name}' (an op leanprop does not know changed the shape)")
 
 
-def _tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> list[Tensor]:
+def tensors_in(args: Iterable[Any], kwargs: dict[str, Any]) -> list[Tensor]:
     out: list[Tensor] = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
@@ -601,14 +601,14 @@ class BatchTracker:
 
     def involved(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """Whether any input is tracked (fast check, before the op runs)."""
-        for t in _tensors(args, kwargs):
+        for t in tensors_in(args, kwargs):
             if t in self._info or t in self._derived or t in self.params:
                 return True
         return False
 
     def propagate(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``."""
-        name = _op_name(func)
+        name = op_name(func)
         if name in _NON_TENSOR or name in _FACTORIES:
             return
         outs = (

@@ -1,23 +1,23 @@
-"""Scoped capture of per-sample quantities during one backward pass.
+"""Scoped capture of per-sample quantities: one :class:`PerSample` context.
 
-How it works (all state lives on the :class:`PerSample` object, never on user modules):
+One forward and backward through it (all state lives on the context and its
+:class:`~leanprop.per_sample.cycle.Cycle`, never on user modules):
 
-1. On entry, the model is split into *sites*: modules with a closed-form rule (exact type in
-   the registry) own their direct trainable parameters; any other module with direct trainable
-   parameters becomes a *fallback root* handled by ``torch.func`` (see ``rules/_fallback.py``).
-2. A forward hook on every site records the call's inputs and registers tensor hooks on its
-   outputs (for Linear/Conv the op itself is swapped instead, see ``_fused.py``, so autograd
-   does not also compute the parameter gradient). When an output's gradient arrives during
-   backward, the site's individual gradients are computed over chunks of samples (bounding
-   scratch memory) and reduced at once into the requested quantities, so at most one layer's
-   individual gradients exist at a time.
-3. A parameter used by several calls (weight sharing) accumulates its individual gradients
-   over the calls; its quantities are formed when the backward pass ends.
-4. At the end of the backward pass (an autograd engine callback) the quantities are written to
-   the parameters and checked: the individual gradients must sum to the gradient autograd
-   computed for this backward, otherwise a use of the parameter escaped the hooks and an error
-   says so (nothing silently wrong).
-5. On exit every hook is removed and every captured tensor released, also on exceptions.
+1. **Entry.** The model is split into *sites*: modules with a closed-form rule (``registry.py``,
+   ``rules/``) own their direct trainable parameters; RNNs are *fallback roots*
+   (``rules/fallback.py``, ``rules/packed_rnn.py``); the parameters of any other module are
+   captured at each op that uses them (``ops.py``). The op interception (``fused.py``) starts.
+2. **Forward.** The model's inputs are marked as carrying the batch and every op is followed
+   (``batch.py``). A Linear/Conv's own op becomes a ``FusedOp``; the ops of other rule modules
+   and op-level parameter uses run through ``ops.OpCapture``; a parameter-derived tensor that
+   meets the batch goes through ``broadcast.py``; fallback roots are recorded as calls.
+3. **Backward.** Each captured op or call, given its output gradient, opens the cycle and
+   computes its individual gradients a chunk of samples at a time (``chunks.py``), reduced at
+   once into the quantities (``stats.py``): at most one layer's individual gradients exist at
+   a time. A parameter used several times accumulates them.
+4. **End of backward.** The cycle finishes (``cycle.py``): partial calls are completed, the
+   results checked against autograd's gradients (nothing silently wrong) and written.
+5. **Exit.** Every hook and the interception are removed, also on exceptions.
 """
 
 from __future__ import annotations
@@ -43,39 +43,35 @@ from .._torch_compat import (
 )
 from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedModelError
 from . import broadcast, ops
-from .batch import BatchDim, BatchTracker, Lost, _op_name, _tensors, packed_data, to_front
+from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_in, to_front
+from .chunks import sample_chunks
+from .cycle import Call, Cycle, ParamState
 from .fused import Intercept
 from .quantities import (
     BatchGrad,
     BatchL2Grad,
     Quantity,
-    SumGradSquared,
-    Variance,
     validate_quantities,
 )
 from .registry import Rule, RuleOptions, rule_for
-from .rules._fallback import batch_dim_of, fallback_batch_grads
+from .rules.fallback import batch_dim_of, fallback_batch_grads
 from .rules.packed_rnn import packed_rnn_batch_grads, sample_count, sorted_order
 from .stats import Reducer, quantities_from_batch, widen
 
 ConvAlgorithm = Literal["auto", "unfold", "grouped"]
 CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped")
 DEFAULT_WORKSPACE_MIB = {"cpu": 16.0}
-# relative error allowed between the sum of the individual gradients and autograd's gradient;
-# 16-bit types (autocast) get 5 %: an escaped use of a parameter changes the sum far more
-_SUM_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-3}
-_ALL_ATTRS = tuple(q.attr for q in (BatchGrad, BatchL2Grad, SumGradSquared, Variance))
 
 
 @dataclass(eq=False)
-class _Site:
+class Site:
     """A module whose parameters are tracked: a rule module or a fallback root."""
 
     name: str
     module: nn.Module
     rule: Rule | None
     direct: dict[str, nn.Parameter]  # names within the module -> parameter
-    inner: list[_Site] = field(default_factory=list)  # rule sites below a fallback root
+    inner: list[Site] = field(default_factory=list)  # rule sites below a fallback root
     calls: int = 0  # calls seen in the current forward/backward cycle
     calls_before: list[int] = field(default_factory=list)  # inner sites' calls at entry
     fusable: bool = False  # its op is replaced while it runs (see _fused.py)
@@ -83,67 +79,7 @@ class _Site:
     fused: bool = False  # the current call went through the replaced op
 
 
-@dataclass(eq=False)
-class _Call:
-    """One call of a site during forward, waiting for its output gradients."""
-
-    site: _Site
-    params: dict[str, nn.Parameter]
-    args: tuple[Any, ...] | None
-    kwargs: dict[str, Any] | None
-    n: int
-    grads: list[Tensor | None]
-    pending: int
-    closed: bool = False
-    in_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # rule sites: the batch in
-    out_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # the input and the output
-    in_dims: list[int | None] | None = None  # fallback roots: batch dim of each input leaf
-    out_dims: list[int | None] | None = None  # ... and of each output leaf
-    autocast: tuple[str, torch.dtype] | None = None  # fallback roots: autocast of the forward
-    packed: bool = False  # an RNN called on a PackedSequence
-    forward: Any = None  # replaced ops: the forward they belong to (an ops.Contribute)
-
-
-@dataclass(eq=False)
-class _ParamState:
-    name: str
-    param: nn.Parameter
-    uses: int = 0
-    batch: Tensor | None = None  # accumulated individual gradients (weight sharing)
-    total: Tensor | None = None  # sum of the individual gradients, for the final check
-    autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
-    # (graph task, cycle open, gradient) as autograd handed them over: the backward itself,
-    # and backward passes nested in it (a reentrant checkpoint's) count
-    autograd_grads: list[tuple[int, bool, Tensor]] = field(default_factory=list)
-    compute_dtype: torch.dtype | None = None  # lowest precision its contributions came in
-
-    @property
-    def formed(self) -> bool:
-        """Something was contributed in this cycle already."""
-        return self.batch is not None or bool(self.results)
-
-    def add_batch(self, b: Tensor) -> None:
-        """Add individual gradients ``[N, *p.shape]`` of one more use."""
-        if self.results:  # formed as a single use, then used again
-            if BatchGrad.attr not in self.results:
-                raise UnsupportedModelError(
-                    f"per_sample: '{self.name}' was used again after its quantities were "
-                    "formed (its use was only seen when checkpoint(use_reentrant=True) "
-                    "recomputed it), and only statistics were kept. Use "
-                    "checkpoint(use_reentrant=False), or also request BatchGrad()."
-                )
-            b = b + self.results[BatchGrad.attr]
-            self.results, self.total = {}, None
-        self.batch = b if self.batch is None else self.batch + b
-
-    def saw(self, dtype: torch.dtype) -> None:
-        if self.compute_dtype is None or _bits(dtype) < _bits(self.compute_dtype):
-            self.compute_dtype = dtype
-
-    results: dict[str, Tensor] = field(default_factory=dict)
-
-
-def _refuse_rnn_dropout(site: _Site) -> None:
+def _refuse_rnn_dropout(site: Site) -> None:
     """An RNN's dropout between its layers draws its masks inside one op, where no rerun can
     replay them: refuse rather than compute with other masks."""
     for name, m in site.module.named_modules():
@@ -170,7 +106,7 @@ def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]
     return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
 
 
-def _autocast_as(call: _Call, leaves: list[Any]) -> Any:
+def _autocast_as(call: Call, leaves: list[Any]) -> Any:
     """Autocast as it was during the call's forward (off if it was off)."""
     if call.autocast is not None:
         return torch.autocast(call.autocast[0], dtype=call.autocast[1])
@@ -184,10 +120,6 @@ def _check_dim(what: str, d: object) -> None:
             f"per_sample() got {what}={d!r}; it must be a non-negative int: the dimension of "
             "the model's inputs that holds the samples (0 for [N, ...], 1 for [T, N, ...])."
         )
-
-
-def _bits(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits
 
 
 def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
@@ -252,29 +184,21 @@ class PerSample:
         self._batch_dims = dict(batch_dims or {})
         self._tracker = BatchTracker(())
         self._root_running = False  # between the model's forward pre-hook and forward hook
-        self._backward_done = False  # a backward ended since this forward's state was made
         self._backward_depth = 0  # backward passes called through the op interception
         self._passive = 0  # inside a backward that is not for the parameters (backward_scope)
         self._cycle_seen = False  # a cycle was open when the outermost backward_scope began
         self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
         self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
-        self._contributions: ops.Contribute | None = None  # of the current cycle
         self._handles: list[RemovableHandle] = []
-        self._tensor_handles: list[RemovableHandle] = []
-        self._sites: list[_Site] = []
-        self._states: dict[nn.Parameter, _ParamState] = {}
-        self._calls: list[_Call] = []
-        self._n: int | None = None
+        self._sites: list[Site] = []
+        self._states: dict[nn.Parameter, ParamState] = {}
+        self._cycle = Cycle(self._states, self._sites)  # the current forward and its backward
         self._active = False
         self._computing = False
-        self._cycle_open = False
-        self._finish_queued = False
-        self._grad_mode = False
         self._intercept: Intercept | None = None
-        self._fusable_by_weight: dict[int, list[_Site]] = {}  # id(weight) -> fusable sites
-        self._rule_sites_of: dict[Tensor | None, list[_Site]] = {}  # weight -> rule sites
-        self._rule_sites_using: dict[Tensor, list[_Site]] = {}  # parameter -> its rule sites
-        self._bn_problem: str | None = None
+        self._fusable_by_weight: dict[int, list[Site]] = {}  # id(weight) -> fusable sites
+        self._rule_sites_of: dict[Tensor | None, list[Site]] = {}  # weight -> rule sites
+        self._rule_sites_using: dict[Tensor, list[Site]] = {}  # parameter -> its rule sites
         self.reset_on_forward = False  # see set_quantities
         # last backward, for leanprop.all_reduce_quantities: batch size and, if Variance was
         # asked for, each parameter's sum of individual gradients (its local mean times N)
@@ -311,7 +235,7 @@ class PerSample:
                     f"per_sample() found no trainable parameter in {type(self.model).__name__}; "
                     "nothing to compute (are all parameters frozen?)."
                 )
-            self._clear_attrs()
+            self._cycle.clear_attrs()
             for m_name, m in self.model.named_modules():
                 if isinstance(m, _BatchNorm):
                     self._handles.append(m.register_forward_pre_hook(self._bn_check(m_name)))
@@ -351,9 +275,6 @@ class PerSample:
 
     def _teardown(self) -> None:
         self._active = False
-        if self._contributions is not None:  # a later backward through the graph: ordinary
-            self._contributions.close()
-            self._contributions = None
         misplaced = False
         if self._intercept is not None:
             # leaving pops the innermost mode: only ours may be popped
@@ -361,22 +282,20 @@ class PerSample:
             if not misplaced:
                 self._intercept.__exit__(None, None, None)
                 self._intercept = None
-        for h in self._handles + self._tensor_handles:
+        for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._tensor_handles.clear()
-        self._calls.clear()
+        # a later backward through the graph is an ordinary one
+        self._cycle.abort()
         self._sites.clear()
         self._fusable_by_weight.clear()
         self._rule_sites_of.clear()
         self._rule_sites_using.clear()
         self._states.clear()
         self._op_params.clear()
-        self._n = None
-        self._cycle_open = False
-        self._finish_queued = False
         self._tracker = BatchTracker(())
         self._root_running = False
+        self._computing = False
         self.last_n, self.last_sums = None, {}
         if misplaced:  # everything else is undone; our mode stays, passing every op through
             raise LeanpropError(
@@ -386,7 +305,7 @@ class PerSample:
                 "entering them."
             )
 
-    def _plan(self, module: nn.Module, prefix: str, root: _Site | None) -> None:
+    def _plan(self, module: nn.Module, prefix: str, root: Site | None) -> None:
         direct = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
         rule = rule_for(module)
         if rule is not None and not set(direct) <= {"weight", "bias"}:
@@ -399,7 +318,7 @@ class PerSample:
                 self._state(p, f"{prefix}.{k}" if prefix else k)
                 self._op_params.add(p)
         elif direct and (rule is not None or root is None):
-            site = _Site(prefix or type(module).__name__, module, rule, direct)
+            site = Site(prefix or type(module).__name__, module, rule, direct)
             site.fusable = (
                 self._fuse
                 and rule is not None
@@ -431,13 +350,7 @@ class PerSample:
 
     def _state(self, p: nn.Parameter, name: str) -> None:
         if p not in self._states:
-            self._states[p] = _ParamState(name, p)
-
-    def _clear_attrs(self) -> None:
-        for p in self._states:
-            for attr in _ALL_ATTRS:
-                if hasattr(p, attr):
-                    delattr(p, attr)
+            self._states[p] = ParamState(name, p)
 
     # ------------------------------------------------------------------ forward
     def _bn_check(self, name: str):
@@ -454,7 +367,7 @@ class PerSample:
                 )
                 if self._kinds:
                     raise UnsupportedModelError(problem)
-                self._bn_problem = problem  # idle: raise if quantities are asked in backward
+                self._cycle.bn_problem = problem  # idle: raise if quantities are asked in backward
 
         return hook
 
@@ -464,23 +377,27 @@ class PerSample:
         """A forward of the whole model: drop a cycle that died, mark the batched inputs."""
         if self._computing:
             return
-        died = (self._finish_queued or self._root_running) and current_graph_task_id() == -1
-        if died or self._backward_done:
+        died = (self._cycle.finish_queued or self._root_running) and current_graph_task_id() == -1
+        if died or self._cycle.backward_done:
             # a new forward after a backward; or a backward that raised never ended its cycle,
             # or a forward raised: start anew
-            self._reset_cycle()
-        elif self.reset_on_forward and not self._cycle_open:
+            self._abort_cycle()
+        elif self.reset_on_forward and not self._cycle.open:
             # facade: drop what a forward recorded without a backward that asked for quantities
-            self._reset_cycle()
+            self._abort_cycle()
         self._root_running = True
         if self._intercept is not None:
             self._tracker.clear()
             self._mark_inputs(args, kwargs)
-            if self._n is not None and self._tracker.n != self._n and not self._cycle_open:
+            if (
+                self._cycle.n is not None
+                and self._tracker.n != self._cycle.n
+                and not self._cycle.open
+            ):
                 # an earlier forward of another batch size never had its backward (e.g. a
                 # validation loss under grad): this forward starts anew (a late backward
                 # through the earlier one gets no quantities, and the check says so)
-                self._reset_cycle()
+                self._abort_cycle()
 
     def _on_model_exit(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         self._root_running = False
@@ -548,7 +465,7 @@ class PerSample:
         if not torch.is_grad_enabled() or not self._tracking():
             return args
         return broadcast.meet(
-            self._tracker, _op_name(func), args, self._captured, self._sink(),
+            self._tracker, op_name(func), args, self._captured, self._sink(),
             self._count_use,
         )  # fmt: skip
 
@@ -576,7 +493,7 @@ class PerSample:
 
     def _rule_op(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_Site, dict[int, str]] | None:
+    ) -> tuple[Site, dict[int, str]] | None:
         """A running rule site's own op (its parameters among the op's tensors), where the rule
         can take the op's input as the module's: the site and {tensor position: name}."""
         if self._computing or not torch.is_grad_enabled():
@@ -593,7 +510,7 @@ class PerSample:
         return None
 
     def _run_rule_op(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], site: _Site,
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], site: Site,
         positions: dict[int, str],
     ) -> Any:  # fmt: skip
         """The op of a rule site through ops.OpCapture, its backward handled by the rule (a
@@ -615,7 +532,7 @@ class PerSample:
         def rule(local: list[Tensor], g: Tensor, out_bd: BatchDim) -> dict[int, Tensor]:
             if not self._active or not self._kinds or forward.closed:
                 return {}  # (closed: also while a passive backward runs)
-            call = _Call(
+            call = Call(
                 site, dict(site.direct), (local[0],), {}, n, [g], 0, in_bd=bd, out_bd=out_bd
             )
             self._open_cycle()
@@ -639,7 +556,7 @@ class PerSample:
         raw = getattr(func, "__name__", "")
         if (raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i"):
             return {}  # in-place: leave it (the sum check refuses an escaped use)
-        quick = _tensors(args, kwargs)  # cheap first look (one level of nesting)
+        quick = tensors_in(args, kwargs)  # cheap first look (one level of nesting)
         if not any(self._tracker.derived_params(t) for t in quick):
             return {}
         tensors = _flat_tensors(args, kwargs)
@@ -669,12 +586,12 @@ class PerSample:
 
     def _sink(self) -> ops.Contribute:
         """The current cycle's place for contributions found outside any call."""
-        if self._contributions is None:
-            self._contributions = ops.Contribute(
+        if self._cycle.contributions is None:
+            self._cycle.contributions = ops.Contribute(
                 self._contribute, self.own_work, lambda: self._passive > 0, self._norms_only,
                 self._store_norms,
             )  # fmt: skip
-        return self._contributions
+        return self._cycle.contributions
 
     @contextmanager
     def own_work(self) -> Iterator[None]:
@@ -716,7 +633,7 @@ class PerSample:
             state.saw(compute_dtype or b.dtype)
             state.add_batch(b.to(p.dtype))  # 16-bit (autocast) kept in the parameter's dtype
 
-    def _rule_batch(self, site: _Site, x: Any) -> BatchDim | None:
+    def _rule_batch(self, site: Site, x: Any) -> BatchDim | None:
         """Where the batch is in a rule site's input; None if it carries none."""
         if not self._tracking():
             return BatchDim(self._batch_dim)
@@ -730,7 +647,7 @@ class PerSample:
             )
         return info
 
-    def _rule_out_batch(self, site: _Site, out: Any, in_bd: BatchDim) -> BatchDim:
+    def _rule_out_batch(self, site: Site, out: Any, in_bd: BatchDim) -> BatchDim:
         if not self._tracking():
             return in_bd
         info = self._tracker.info(out)
@@ -741,21 +658,21 @@ class PerSample:
             )
         return info
 
-    def _on_fallback_enter(self, site: _Site):
+    def _on_fallback_enter(self, site: Site):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not self._computing:
                 site.calls_before = [s.calls for s in site.inner]
 
         return hook
 
-    def _on_rule_enter(self, site: _Site):
+    def _on_rule_enter(self, site: Site):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             site.running = not self._computing
             site.fused = False
 
         return hook
 
-    def begin_fused(self, args: tuple[Any, ...]) -> _Call | None:
+    def begin_fused(self, args: tuple[Any, ...]) -> Call | None:
         """Called by the op interceptor: record a call of a running fusable site whose own
         weight is ``args[1]``; None to leave the op alone."""
         if self._computing or not self._active or not torch.is_grad_enabled() or len(args) < 2:
@@ -777,13 +694,13 @@ class PerSample:
         site.calls += 1
         site.fused = True
         # the input lives in the replaced op's autograd graph (it saves it), not in the call
-        call = _Call(site, dict(site.direct), None, {}, n, [None], 1, in_bd=bd, out_bd=bd)
+        call = Call(site, dict(site.direct), None, {}, n, [None], 1, in_bd=bd, out_bd=bd)
         call.forward = self._sink()
         for p in call.params.values():
             self._states[p].uses += 1
         return call
 
-    def fused_backward(self, call: _Call, x: Tensor, grad: Tensor) -> dict[str, Tensor] | None:
+    def fused_backward(self, call: Call, x: Tensor, grad: Tensor) -> dict[str, Tensor] | None:
         """Output gradient of a replaced op: process the call, return its summed gradients
         (None when the capture is over and the op must do an ordinary backward)."""
         if not self._active or not self._kinds or call.forward.closed:
@@ -796,7 +713,7 @@ class PerSample:
         call.pending = 0
         return self._process(call)
 
-    def _site_params(self, site: _Site) -> dict[str, nn.Parameter]:
+    def _site_params(self, site: Site) -> dict[str, nn.Parameter]:
         """Parameters a call of ``site`` is responsible for (names within the module)."""
         if site.rule is not None:
             return dict(site.direct)
@@ -809,7 +726,7 @@ class PerSample:
             if p in self._states and not any(k.startswith(s) for s in skip)
         }
 
-    def _on_forward(self, site: _Site):
+    def _on_forward(self, site: Site):
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any):
             site.running = False
             if site.fused:  # already recorded by begin_fused
@@ -826,13 +743,13 @@ class PerSample:
                     site.calls += 1  # (a fallback root above leaves its parameters alone)
                     return None
                 n = self._rule_batch_size(site, args[0], bd)
-                call = _Call(site, {}, args, kwargs, n, [None] * len(leaves), 0, in_bd=bd)
+                call = Call(site, {}, args, kwargs, n, [None] * len(leaves), 0, in_bd=bd)
                 call.out_bd = self._rule_out_batch(site, leaves[0], bd)
             else:
                 n, in_dims, out_dims = self._fallback_dims(site, args, kwargs, leaves)
                 if n is None:  # batch-free call: its outputs are parameter-derived
                     return None
-                call = _Call(site, {}, args, kwargs, n, [None] * len(leaves), 0)
+                call = Call(site, {}, args, kwargs, n, [None] * len(leaves), 0)
                 call.in_dims, call.out_dims = in_dims, out_dims
                 call.packed = bool(args) and isinstance(args[0], PackedSequence)
                 device = next(iter(site.direct.values())).device.type
@@ -844,16 +761,18 @@ class PerSample:
             for i, t in enumerate(leaves):
                 if isinstance(t, Tensor) and t.requires_grad:
                     call.pending += 1
-                    self._tensor_handles.append(t.register_hook(self._on_output_grad(call, i)))
+                    self._cycle.tensor_handles.append(
+                        t.register_hook(self._on_output_grad(call, i))
+                    )
             if call.pending and params:
                 for p in params.values():
                     self._states[p].uses += 1
-                self._calls.append(call)
+                self._cycle.calls.append(call)
             return None
 
         return hook
 
-    def _rule_batch_size(self, site: _Site, x: Tensor, bd: BatchDim) -> int:
+    def _rule_batch_size(self, site: Site, x: Tensor, bd: BatchDim) -> int:
         """Samples in a rule site's input (batch at ``bd``); checks the input's shape."""
         if x.dim() <= bd.dim:
             raise BatchError(
@@ -874,20 +793,20 @@ class PerSample:
             )
         return self._same_n(site, n)
 
-    def _same_n(self, site: _Site, n: int) -> int:
-        if self._n is None:
-            self._n = n
-        elif n != self._n:
+    def _same_n(self, site: Site, n: int) -> int:
+        if self._cycle.n is None:
+            self._cycle.n = n
+        elif n != self._cycle.n:
             raise BatchError(
                 f"per_sample: {type(site.module).__name__} '{site.name}' got a batch of {n} "
-                f"samples, but earlier modules in this forward got {self._n}. Every tracked "
+                f"samples, but earlier modules in this forward got {self._cycle.n}. Every tracked "
                 "module must see the same batch; run backward before a forward with another "
                 "batch size."
             )
         return n
 
     def _fallback_dims(
-        self, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any], out_leaves: list[Any]
+        self, site: Site, args: tuple[Any, ...], kwargs: dict[str, Any], out_leaves: list[Any]
     ) -> tuple[int | None, list[int | None] | None, list[int | None] | None]:
         """Samples of a fallback root's call, and where the batch is in each input and output
         leaf (None, None: by its documented layout, when batch tracking is off)."""
@@ -936,7 +855,7 @@ class PerSample:
             return None, in_dims, out_dims
         return self._same_n(site, sizes.pop()), in_dims, out_dims
 
-    def _packed_samples(self, site: _Site, packed: PackedSequence) -> int:
+    def _packed_samples(self, site: Site, packed: PackedSequence) -> int:
         """Samples of an RNN's packed input; checks they are the batch, in the order tracked."""
         if not isinstance(site.module, nn.RNNBase):
             raise UnsupportedModelError(
@@ -958,13 +877,13 @@ class PerSample:
 
     # ------------------------------------------------------------------ backward
     def _open_cycle(self) -> None:
-        if not self._cycle_open:
-            if self._bn_problem is not None:
-                problem, self._bn_problem = self._bn_problem, None
+        if not self._cycle.open:
+            if self._cycle.bn_problem is not None:
+                problem, self._cycle.bn_problem = self._cycle.bn_problem, None
                 raise UnsupportedModelError(problem)
-            self._cycle_open = self._cycle_seen = True
-            self._grad_mode = torch.is_grad_enabled()
-            self._clear_attrs()
+            self._cycle.open = self._cycle_seen = True
+            self._cycle.grad_mode = torch.is_grad_enabled()
+            self._cycle.clear_attrs()
             task = current_graph_task_id()
             for state in self._states.values():  # drop those of earlier backward passes
                 state.autograd_grads = [e for e in state.autograd_grads if e[0] == task]
@@ -972,8 +891,8 @@ class PerSample:
         # the results are written and checked when that one ends
         # inside a backward started through the op interception the cycle ends when the
         # outermost one returns (backward_scope); else when the engine's task ends
-        if not self._finish_queued and not in_eager_backward() and not self._backward_depth:
-            self._finish_queued = True
+        if not self._cycle.finish_queued and not in_eager_backward() and not self._backward_depth:
+            self._cycle.finish_queued = True
             queue_callback(self._finish)
 
     @contextmanager
@@ -989,7 +908,7 @@ class PerSample:
             return
         outermost = not self._backward_depth
         if outermost:
-            self._cycle_seen = self._cycle_open
+            self._cycle_seen = self._cycle.open
         self._backward_depth += 1
         self._passive += passive
         try:
@@ -998,30 +917,30 @@ class PerSample:
             self._backward_depth -= 1
             self._passive -= passive
             ends = outermost and not passive and not in_eager_backward()
-            if ends and self._cycle_open:
-                self._reset_cycle()  # the backward is aborted: the next one starts clean
+            if ends and self._cycle.open:
+                self._abort_cycle()  # the backward is aborted: the next one starts clean
             raise
         self._backward_depth -= 1
         self._passive -= passive
         if not outermost or in_eager_backward():
             return
         if passive:
-            self._backward_done = self._backward_done or not self._cycle_open
-        elif self._cycle_open:
+            self._cycle.backward_done = self._cycle.backward_done or not self._cycle.open
+        elif self._cycle.open:
             self._finish()
         elif accumulates and not self._cycle_seen:
-            self._clear_attrs()  # no quantities for this backward: none of an earlier one
+            self._cycle.clear_attrs()  # no quantities for this backward: none of an earlier one
 
-    def _on_param_grad(self, state: _ParamState):
+    def _on_param_grad(self, state: ParamState):
         def hook(grad: Tensor) -> None:
             # not while computing: the fallback's own per-sample autograd calls fire it too;
             # recorded before the cycle opens too (autograd may reach a parameter first)
             if self._active and not self._computing:
-                state.autograd_grads.append((current_graph_task_id(), self._cycle_open, grad))
+                state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
 
         return hook
 
-    def _on_output_grad(self, call: _Call, index: int):
+    def _on_output_grad(self, call: Call, index: int):
         def hook(grad: Tensor) -> None:
             if not self._active or not self._kinds or self._computing or self._passive:
                 return
@@ -1043,13 +962,13 @@ class PerSample:
 
         return hook
 
-    def _process(self, call: _Call) -> dict[str, Tensor]:
+    def _process(self, call: Call) -> dict[str, Tensor]:
         call.closed = True
         try:
             with self.own_work():
                 return self._compute(call)
         except BaseException:
-            self._reset_cycle()  # the backward is aborted: the next one starts clean
+            self._abort_cycle()  # the backward is aborted: the next one starts clean
             raise
         finally:
             call.args = call.kwargs = None
@@ -1066,7 +985,7 @@ class PerSample:
     def _options(self, device: torch.device) -> RuleOptions:
         return RuleOptions(self.conv_algorithm, self._budget(device))
 
-    def _compute(self, call: _Call) -> dict[str, Tensor]:
+    def _compute(self, call: Call) -> dict[str, Tensor]:
         """Quantities of one call; returns the call's summed gradient of each parameter
         (``{name: grad}``) where it came for free (missing where a closed form was used)."""
         site, kinds = call.site, self._kinds
@@ -1121,13 +1040,13 @@ class PerSample:
         state.total = total
         return total
 
-    def _fronted(self, call: _Call) -> tuple[tuple[Any, ...], Tensor]:
+    def _fronted(self, call: Call) -> tuple[tuple[Any, ...], Tensor]:
         """A rule call's input and output gradient with the batch first: ``[N, ...]``."""
         n, g = call.n, call.grads[0]
         return (to_front(call.args[0], call.in_bd, n), *call.args[1:]), to_front(g, call.out_bd, n)
 
     def _chunks(
-        self, call: _Call, names: frozenset[str], opts: RuleOptions, reducers: dict[str, Reducer]
+        self, call: Call, names: frozenset[str], opts: RuleOptions, reducers: dict[str, Reducer]
     ) -> Iterator[dict]:
         site, n = call.site, call.n
         if site.rule is not None:
@@ -1141,9 +1060,7 @@ class PerSample:
         else:
             per_sample = 2 * sum(call.params[k].numel() for k in names) * 4
             dim = batch_dim_of(site.module)
-        size = max(1, opts.workspace_bytes // max(per_sample, 1))
-        for start in range(0, n, size):
-            stop = min(n, start + size)
+        for start, stop in sample_chunks(n, per_sample, opts.workspace_bytes):
 
             def cut(x: Any, start: int = start, stop: int = stop, dim: int | None = dim) -> Any:
                 if dim is None:
@@ -1186,111 +1103,14 @@ class PerSample:
 
     def _finish(self) -> None:
         """End of the backward pass: complete partial calls, write and check the results."""
+        n = self._cycle.n
         try:
-            with torch.set_grad_enabled(self._grad_mode):
-                for call in self._calls:  # outputs that got no gradient count as zero
-                    if not call.closed and any(g is not None for g in call.grads):
-                        self._process(call)
-                for state in self._states.values():
-                    if state.batch is not None:
-                        state.results, state.total = quantities_from_batch(state.batch, self._kinds)
-                if self._check:  # before anything is written: no unchecked results are left
-                    self._verify()
-                for state in self._states.values():
-                    for attr, value in state.results.items():
-                        setattr(state.param, attr, value)
-                self.last_n, self.last_sums = self._n, {}
-                if Variance in self._kinds:
-                    self.last_sums = {
-                        s.param: s.total.detach()
-                        for s in self._states.values()
-                        if s.total is not None
-                    }
+            self.last_sums = self._cycle.finish(self._kinds, self._check, self._process)
+            self.last_n = n
         finally:
-            self._end_backward()
+            self._computing = False
 
-    def _end_backward(self) -> None:
-        """Forget this backward's results. Another backward through the same forward (a
-        retained graph) computes its own, except after ``create_graph=True`` (its quantities
-        are in the graph: differentiating them must not start another cycle)."""
-        self._computing = False
-        for call in self._calls:  # module-level calls: their inputs are gone (see the hook)
-            call.closed = True
-            call.args = call.kwargs = None
-        self._calls.clear()
-        self._bn_problem = None
-        if self._grad_mode and self._contributions is not None:
-            self._contributions.close()
-        for state in self._states.values():
-            state.batch, state.total = None, None
-            state.results, state.autograd_grad, state.compute_dtype = {}, None, None
-            state.autograd_grads = []
-        self._cycle_open = False
-        self._finish_queued = False
-        self._backward_done = True
-
-    def _reset_cycle(self) -> None:
+    def _abort_cycle(self) -> None:
         """Forget everything about the current forward and its backward passes."""
-        self._end_backward()
-        for h in self._tensor_handles:
-            h.remove()
-        self._tensor_handles.clear()
-        if self._contributions is not None:
-            self._contributions.close()
-            self._contributions = None
-        for site in self._sites:
-            site.calls, site.running, site.fused = 0, False, False
-        for state in self._states.values():
-            state.uses = 0
-        self._n = None
-        self._backward_done = False
-
-    def _verify(self) -> None:
-        """The individual gradients must add up to what autograd computed in this backward,
-        and every parameter that got a gradient must have its individual gradients."""
-        task = current_graph_task_id()
-        for s in self._states.values():
-            # this backward's, and those of backward passes nested in it while the cycle was
-            # open; not those of another backward (e.g. of a create_graph result) before it
-            mine = [g for t, in_cycle, g in s.autograd_grads if t == task or in_cycle]
-            s.autograd_grad = sum(mine[1:], mine[0]) if mine else None
-        missing = [
-            f"'{s.name}'"
-            for s in self._states.values()
-            if s.total is None and not s.results and s.autograd_grad is not None
-        ]
-        if missing:
-            raise UnsupportedModelError(
-                f"per_sample: {', '.join(missing)} got a gradient in this backward but no "
-                "per-sample quantities: leanprop did not see the samples reach them (e.g. a "
-                "forward run outside the `with` block, under torch.no_grad(), or inside "
-                "checkpoint(use_reentrant=True) before the block it wraps). Run the forward "
-                "inside the block; prefer checkpoint(use_reentrant=False)."
-            )
-        pairs = [
-            (s, s.total.detach(), s.autograd_grad.detach())
-            for s in self._states.values()
-            if s.total is not None and s.autograd_grad is not None and not s.autograd_grad.is_sparse
-        ]
-        if not pairs:
-            return
-        totals, refs = [t for _, t, _ in pairs], [r for _, _, r in pairs]
-        diffs = [t - r for t, r in zip(totals, refs, strict=True)]
-        # multi-tensor norms: a few kernel launches for all parameters instead of three each
-        d, a, b = (torch.stack(torch._foreach_norm(x)).double() for x in (diffs, totals, refs))
-        rel = (d / (a + b + 1e-30)).tolist()  # one host synchronisation per backward
-        bad = [
-            f"'{s.name}' (relative error {e:.2e})"
-            for (s, t, r), e in zip(pairs, rel, strict=True)
-            if e
-            > _SUM_TOLERANCE.get(min(r.dtype, t.dtype, s.compute_dtype or t.dtype, key=_bits), 5e-2)
-        ]
-        if bad:
-            raise UnsupportedModelError(
-                "per_sample: the individual gradients do not add up to the batch gradient for "
-                f"{', '.join(bad)}. Some use of these parameters escaped leanprop (an in-place "
-                "op on a parameter outside its module), the loss differentiates through the "
-                "model's own gradients (a gradient penalty: not supported), or the model mixes "
-                "samples. Call the owning module instead, or wrap the use in a small nn.Module "
-                "so it gets its own rule."
-            )
+        self._computing = False
+        self._cycle.abort()

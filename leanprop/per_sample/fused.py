@@ -25,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 from .._torch_compat import engine_backward, engine_grad, function_modes
 
 if TYPE_CHECKING:
-    from .capture import PerSample, _Call
+    from .capture import PerSample
+    from .cycle import Call
 
 FUSABLE_OPS = frozenset({F.linear, F.conv1d, F.conv2d, F.conv3d})
 
@@ -34,7 +35,7 @@ class FusedOp(torch.autograd.Function):
     """``op(x, weight, bias, *extra)`` whose backward feeds the capture."""
 
     @staticmethod
-    def forward(ctx: Any, capture: PerSample, call: _Call, op: Any, x: Tensor, weight: Tensor,
+    def forward(ctx: Any, capture: PerSample, call: Call, op: Any, x: Tensor, weight: Tensor,
                 bias: Tensor | None, *extra: Any) -> Tensor:  # fmt: skip
         ctx.capture, ctx.call, ctx.module, ctx.n_extra = capture, call, call.site.module, len(extra)
         ctx.save_for_backward(x)

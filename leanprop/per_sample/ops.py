@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .batch import BatchDim, _op_name, to_front
+from .batch import BatchDim, op_name, to_front
+from .chunks import sample_chunks
 from .op_rules import closed_form, closed_norms
 
 
@@ -199,7 +200,7 @@ class OpCapture(torch.autograd.Function):
             captured and single and all(op.contribute.norms_only(op.originals[i]) for i in captured)
         ):
             norms = closed_norms(
-                _op_name(op.func), local, op.in_batch, captured, live[0][2],
+                op_name(op.func), local, op.in_batch, captured, live[0][2],
                 op.out_batch[live[0][0]], op.n, op.n_args,
             ) or {}  # fmt: skip
             for i, (sq, total) in norms.items():  # BatchL2Grad alone: norms, not gradients
@@ -211,7 +212,7 @@ class OpCapture(torch.autograd.Function):
                 leaves[i] = t
             args, kwargs = tree_unflatten(leaves, op.spec)
             fast = closed_form(
-                _op_name(op.func), args, kwargs, local, op.in_batch, captured, live[0][2],
+                op_name(op.func), args, kwargs, local, op.in_batch, captured, live[0][2],
                 op.out_batch[live[0][0]], op.n, op.n_args,
             ) or {}  # fmt: skip
         # the ordinary gradients; a closed form's are the sums of its per-sample ones
@@ -271,11 +272,9 @@ def _per_sample(
         if bd is None:
             raise _no_batch_error(op, o)
     per_sample_bytes = sum(g.numel() * g.element_size() for _, g in live)
-    size = max(1, op.workspace_bytes // max(per_sample_bytes, 1))
     parts: list[list[Tensor]] = [[] for _ in inputs]
     outputs = [o for o, _ in live]
-    for start in range(0, op.n, size):
-        stop = min(op.n, start + size)
+    for start, stop in sample_chunks(op.n, per_sample_bytes, op.workspace_bytes):
         masks = [_masked(g, bd, op.n, start, stop) for (_, g), bd in zip(live, batch, strict=True)]
         for j, g in enumerate(_batched_vjp(outputs, inputs, masks)):
             parts[j].append(g)

@@ -18,7 +18,7 @@ from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
-from ._fallback import loop_over_samples
+from .fallback import loop_over_samples
 
 
 def sample_count(packed: PackedSequence) -> int:

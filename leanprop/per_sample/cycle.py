@@ -1,0 +1,247 @@
+"""One forward/backward cycle of a per_sample context.
+
+A cycle begins with a forward of the model. It holds what that forward recorded (module calls
+waiting for their output gradients, how often each parameter was used) and what its backward
+computes (each parameter's results). The first output gradient of a backward *opens* it; when
+the backward ends it *finishes*: calls whose outputs got only some gradients are completed,
+the results are checked against the gradients autograd computed and written to the parameters,
+and the backward's results are dropped (another backward through the same retained graph
+computes its own). A backward or forward that raises *aborts* it: everything the forward
+recorded is dropped and the next forward starts clean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .._torch_compat import current_graph_task_id
+from ..errors import UnsupportedModelError
+from .batch import BatchDim
+from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
+from .stats import quantities_from_batch
+
+if TYPE_CHECKING:
+    from . import ops
+    from .capture import Site
+
+ALL_ATTRS = tuple(q.attr for q in (BatchGrad, BatchL2Grad, SumGradSquared, Variance))
+# relative error allowed between the sum of the individual gradients and autograd's gradient,
+# by the lowest precision involved (16-bit: 5e-2)
+_SUM_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-3}
+
+
+def bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits
+
+
+@dataclass(eq=False)
+class Call:
+    """One call of a site during forward, waiting for its output gradients."""
+
+    site: Site
+    params: dict[str, nn.Parameter]
+    args: tuple[Any, ...] | None
+    kwargs: dict[str, Any] | None
+    n: int
+    grads: list[Tensor | None]
+    pending: int
+    closed: bool = False
+    in_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # rule sites: the batch in
+    out_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # the input and the output
+    in_dims: list[int | None] | None = None  # fallback roots: batch dim of each input leaf
+    out_dims: list[int | None] | None = None  # ... and of each output leaf
+    autocast: tuple[str, torch.dtype] | None = None  # fallback roots: autocast of the forward
+    packed: bool = False  # an RNN called on a PackedSequence
+    forward: Any = None  # replaced ops: the forward they belong to (an ops.Contribute)
+
+
+@dataclass(eq=False)
+class ParamState:
+    """One tracked parameter: its uses in the forward, its results in the backward."""
+
+    name: str
+    param: nn.Parameter
+    uses: int = 0
+    batch: Tensor | None = None  # accumulated individual gradients (weight sharing)
+    total: Tensor | None = None  # sum of the individual gradients, for the final check
+    autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
+    # (graph task, cycle open, gradient) as autograd handed them over: the backward itself,
+    # and backward passes nested in it (a reentrant checkpoint's) count
+    autograd_grads: list[tuple[int, bool, Tensor]] = field(default_factory=list)
+    compute_dtype: torch.dtype | None = None  # lowest precision its contributions came in
+    results: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def formed(self) -> bool:
+        """Something was contributed in this cycle already."""
+        return self.batch is not None or bool(self.results)
+
+    def add_batch(self, b: Tensor) -> None:
+        """Add individual gradients ``[N, *p.shape]`` of one more use."""
+        if self.results:  # formed as a single use, then used again
+            if BatchGrad.attr not in self.results:
+                raise UnsupportedModelError(
+                    f"per_sample: '{self.name}' was used again after its quantities were "
+                    "formed (its use was only seen when checkpoint(use_reentrant=True) "
+                    "recomputed it), and only statistics were kept. Use "
+                    "checkpoint(use_reentrant=False), or also request BatchGrad()."
+                )
+            b = b + self.results[BatchGrad.attr]
+            self.results, self.total = {}, None
+        self.batch = b if self.batch is None else self.batch + b
+
+    def saw(self, dtype: torch.dtype) -> None:
+        if self.compute_dtype is None or bits(dtype) < bits(self.compute_dtype):
+            self.compute_dtype = dtype
+
+    def drop_results(self) -> None:
+        """Forget what a backward computed."""
+        self.batch, self.total = None, None
+        self.results, self.autograd_grad, self.compute_dtype = {}, None, None
+        self.autograd_grads = []
+
+
+@dataclass(eq=False)
+class Cycle:
+    """The current forward and its backward passes. ``states`` and ``sites`` are the
+    context's (one per tracked parameter and per hooked module); the cycle resets their
+    per-cycle fields."""
+
+    states: dict[nn.Parameter, ParamState]
+    sites: list[Site]
+    n: int | None = None  # samples in this forward
+    calls: list[Call] = field(default_factory=list)  # module calls waiting for gradients
+    tensor_handles: list[RemovableHandle] = field(default_factory=list)  # on their outputs
+    contributions: ops.Contribute | None = None  # where op-level contributions go
+    open: bool = False  # a backward is computing quantities
+    finish_queued: bool = False  # finish() is queued to run when the engine's task ends
+    backward_done: bool = False  # a backward ended since this forward's state was made
+    grad_mode: bool = False  # the backward records autograd (create_graph)
+    bn_problem: str | None = None  # BatchNorm in training mode: refused when backward opens
+
+    def clear_attrs(self) -> None:
+        """Remove every quantity attribute from the parameters."""
+        for p in self.states:
+            for attr in ALL_ATTRS:
+                if hasattr(p, attr):
+                    delattr(p, attr)
+
+    def finish(
+        self,
+        kinds: frozenset[type[Quantity]],
+        check: bool,
+        complete: Callable[[Call], object],
+    ) -> dict[nn.Parameter, Tensor]:
+        """End of a backward: ``complete`` each call whose outputs got only some gradients
+        (the others count as zero), form the quantities, check them (``check``), write them to
+        the parameters. Returns each parameter's sum of individual gradients if ``Variance``
+        is among ``kinds`` (for ``all_reduce_quantities``), else ``{}``."""
+        try:
+            with torch.set_grad_enabled(self.grad_mode):
+                for call in self.calls:
+                    if not call.closed and any(g is not None for g in call.grads):
+                        complete(call)
+                for state in self.states.values():
+                    if state.batch is not None:
+                        state.results, state.total = quantities_from_batch(state.batch, kinds)
+                if check:  # before anything is written: no unchecked results are left
+                    self.verify()
+                for state in self.states.values():
+                    for attr, value in state.results.items():
+                        setattr(state.param, attr, value)
+                if Variance not in kinds:
+                    return {}
+                return {
+                    s.param: s.total.detach() for s in self.states.values() if s.total is not None
+                }
+        finally:
+            self.end_backward()
+
+    def end_backward(self) -> None:
+        """Forget this backward's results. Another backward through the same forward (a
+        retained graph) computes its own, except after ``create_graph=True`` (its quantities
+        are in the graph: differentiating them must not start another cycle)."""
+        for call in self.calls:  # module-level calls: their inputs are gone (see the hook)
+            call.closed = True
+            call.args = call.kwargs = None
+        self.calls.clear()
+        self.bn_problem = None
+        if self.grad_mode and self.contributions is not None:
+            self.contributions.close()
+        for state in self.states.values():
+            state.drop_results()
+        self.open = False
+        self.finish_queued = False
+        self.backward_done = True
+
+    def abort(self) -> None:
+        """Forget everything about the current forward and its backward passes."""
+        self.end_backward()
+        for h in self.tensor_handles:
+            h.remove()
+        self.tensor_handles.clear()
+        if self.contributions is not None:
+            self.contributions.close()
+            self.contributions = None
+        for site in self.sites:
+            site.calls, site.running, site.fused = 0, False, False
+        for state in self.states.values():
+            state.uses = 0
+        self.n = None
+        self.backward_done = False
+
+    def verify(self) -> None:
+        """The individual gradients must add up to what autograd computed in this backward,
+        and every parameter that got a gradient must have its individual gradients."""
+        task = current_graph_task_id()
+        for s in self.states.values():
+            # this backward's, and those of backward passes nested in it while the cycle was
+            # open; not those of another backward (e.g. of a create_graph result) before it
+            mine = [g for t, in_cycle, g in s.autograd_grads if t == task or in_cycle]
+            s.autograd_grad = sum(mine[1:], mine[0]) if mine else None
+        missing = [
+            f"'{s.name}'"
+            for s in self.states.values()
+            if s.total is None and not s.results and s.autograd_grad is not None
+        ]
+        if missing:
+            raise UnsupportedModelError(
+                f"per_sample: {', '.join(missing)} got a gradient in this backward but no "
+                "per-sample quantities: leanprop did not see the samples reach them (e.g. a "
+                "forward run outside the `with` block, under torch.no_grad(), or inside "
+                "checkpoint(use_reentrant=True) before the block it wraps). Run the forward "
+                "inside the block; prefer checkpoint(use_reentrant=False)."
+            )
+        pairs = [
+            (s, s.total.detach(), s.autograd_grad.detach())
+            for s in self.states.values()
+            if s.total is not None and s.autograd_grad is not None and not s.autograd_grad.is_sparse
+        ]
+        if not pairs:
+            return
+        totals, refs = [t for _, t, _ in pairs], [r for _, _, r in pairs]
+        diffs = [t - r for t, r in zip(totals, refs, strict=True)]
+        # multi-tensor norms: a few kernel launches for all parameters instead of three each
+        d, a, b = (torch.stack(torch._foreach_norm(x)).double() for x in (diffs, totals, refs))
+        rel = (d / (a + b + 1e-30)).tolist()  # one host synchronisation per backward
+        bad = [
+            f"'{s.name}' (relative error {e:.2e})"
+            for (s, t, r), e in zip(pairs, rel, strict=True)
+            if e
+            > _SUM_TOLERANCE.get(min(r.dtype, t.dtype, s.compute_dtype or t.dtype, key=bits), 5e-2)
+        ]
+        if bad:
+            raise UnsupportedModelError(
+                "per_sample: the individual gradients do not add up to the batch gradient for "
+                f"{', '.join(bad)}. Some use of these parameters escaped leanprop (an in-place "
+                "op on a parameter outside its module), the loss differentiates through the "
+                "model's own gradients (a gradient penalty: not supported), or the model mixes "
+                "samples. Call the owning module instead, or wrap the use in a small nn.Module "
+                "so it gets its own rule."
+            )
