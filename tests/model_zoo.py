@@ -293,6 +293,32 @@ def gru_bidirectional_batch_first() -> Built:
     return m, lambda: per_sample_sq(m(x)), {}
 
 
+class LookedUpEmbeddings(nn.Module):
+    """Embeddings looked up with batch-free ids: positions [1, T] with a padding row among
+    them, and types from a buffer expanded to [N, T] (HF BERT's token types), tied with a
+    functional lookup of the same table."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(7, dim)
+        self.pos = nn.Embedding(N + 1, dim, padding_idx=2)
+        self.types = nn.Embedding(3, dim)
+        self.register_buffer("type_ids", torch.tensor([0, 1, 2, 1, 0][:N]).repeat(1, 1))
+
+    def forward(self, idx: Tensor) -> Tensor:  # idx [N, T], T == N
+        pos = torch.arange(idx.shape[1], device=idx.device)[None]  # includes the padding row
+        types = self.type_ids.expand(idx.shape[0], idx.shape[1])
+        h = self.tok(idx) + self.pos(pos) + self.types(types)
+        return h * F.embedding(pos[0], self.pos.weight, padding_idx=2).sum(0)
+
+
+@model
+def looked_up_embeddings() -> Built:
+    m = LookedUpEmbeddings()
+    idx = torch.randint(0, 7, (N, N))
+    return m, lambda: per_sample_sq(m(idx)), {}
+
+
 LENGTHS = [3, N, 1, N, 2]  # unsorted, repeated, and the longest as long as the batch
 
 

@@ -570,12 +570,19 @@ class BatchTracker:
         self.n: int | None = None
         self._info = _ByTensor()  # tensor -> Info
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
+        self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
 
     def clear(self) -> None:
         """Forget every tensor (a new forward/backward cycle)."""
         self.n = None
         self._info = _ByTensor()
         self._derived = _ByTensor()
+        self._lookups = _ByTensor()
+
+    def lookup(self, t: Any) -> Lookup | None:
+        """How ``t`` was computed, if it is rows of one tracked parameter looked up with
+        batch-free indices (a position embedding)."""
+        return self._lookups.get(t) if isinstance(t, Tensor) else None
 
     def mark(self, t: Tensor, info: Info) -> None:
         self._info[t] = info
@@ -639,6 +646,10 @@ class BatchTracker:
                 params = frozenset(derived)
                 for o in outs:
                     self._derived[o] = params
+                if name == "embedding" and len(outs) == 1:
+                    found = _lookup(args, kwargs, self.params)
+                    if found is not None:
+                        self._lookups[outs[0]] = found
             return
         index = _index_arg(name, args, batched)
         if index is not None:  # read by value: its own batch does not reach the outputs
@@ -663,6 +674,31 @@ class BatchTracker:
                         results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
+
+
+@dataclass(frozen=True, eq=False)
+class Lookup:
+    """``F.embedding(ids, weight, padding_idx)``: rows of a parameter at batch-free ``ids``."""
+
+    ids: Tensor
+    weight: nn.Parameter
+    padding_idx: int | None
+
+
+def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup | None:
+    """``F.embedding``'s call as a :class:`Lookup` (None where its gradient is not a plain
+    scatter of rows: scaled by frequency, or sparse)."""
+    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    ids, weight = bound.get("input"), bound.get("weight")
+    if not isinstance(ids, Tensor) or weight not in params or ids.is_floating_point():
+        return None
+    if bound.get("scale_grad_by_freq") or bound.get("sparse") or weight.dim() != 2:
+        return None
+    padding = bound.get("padding_idx")
+    if padding is not None and padding < 0:
+        padding += weight.shape[0]
+    return Lookup(ids, weight, padding)
 
 
 def _merge(results: set[Info]) -> Info:

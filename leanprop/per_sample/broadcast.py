@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .batch import BatchDim, BatchTracker
+from .batch import BatchDim, BatchTracker, Lookup
 from .ops import Contribute, hand_back
 
 # ops that broadcast their tensor operands elementwise (or concatenate them): a batch-free
@@ -39,8 +39,10 @@ class BroadcastCapture(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, w: Tensor, shape: tuple[int, ...], bd: BatchDim, n: int,
-                params: tuple[nn.Parameter, ...], contribute: Contribute) -> Tensor:  # fmt: skip
+                params: tuple[nn.Parameter, ...], contribute: Contribute,
+                lookup: Lookup | None) -> Tensor:  # fmt: skip
         ctx.w, ctx.bd, ctx.n, ctx.params, ctx.contribute = w, bd, n, params, contribute
+        ctx.lookup = lookup
         return w.expand(shape)
 
     @staticmethod
@@ -48,8 +50,13 @@ class BroadcastCapture(torch.autograd.Function):
         w, bd, n = ctx.w, ctx.bd, ctx.n
         if not ctx.contribute.closed:
             with ctx.contribute.computing():
-                hand_back(w, ctx.params, _per_sample_parts(h, w.shape, bd, n), ctx.contribute)
-        return h.sum_to_size(w.shape), None, None, None, None, None
+                if ctx.lookup is not None:  # rows of one parameter: scattered directly
+                    rows = _looked_up_rows(h, w.shape, bd, n, ctx.lookup)
+                    ctx.contribute({ctx.lookup.weight: rows}, None)
+                else:
+                    parts = _per_sample_parts(h, w.shape, bd, n)
+                    hand_back(w, ctx.params, parts, ctx.contribute)
+        return h.sum_to_size(w.shape), None, None, None, None, None, None
 
 
 def _per_sample_parts(h: Tensor, w_shape: torch.Size, bd: BatchDim, n: int) -> Tensor:
@@ -68,6 +75,32 @@ def _per_sample_parts(h: Tensor, w_shape: torch.Size, bd: BatchDim, n: int) -> T
         view[idx, idx] = hs
         hs = full
     return hs.sum_to_size(n, *([1] * lead), *w_shape).reshape(n, *w_shape)
+
+
+def _looked_up_rows(h: Tensor, w_shape: torch.Size, bd: BatchDim, n: int, lookup: Lookup) -> Tensor:
+    """Each sample's gradient ``[N, V, D]`` of ``lookup.weight`` when ``w = weight[ids]``
+    (``w_shape = [*ids.shape, D]``) was broadcast to ``h.shape``: each sample's part of ``h``
+    scattered to its rows, in one ``index_add`` (a batched vector-Jacobian product through
+    the embedding would loop over samples)."""
+    ids, weight = lookup.ids, lookup.weight
+    rows, dim = weight.shape
+    w_d = bd.dim - (h.dim() - len(w_shape))  # w's dimension aligned with the batch
+    if w_d >= 0 and w_shape[w_d] != 1:  # w has the batch there (an expanded buffer's lookup)
+        values = h.sum_to_size(w_shape)  # its rows at batch index j belong to sample j
+        shape = [1] * ids.dim()
+        shape[w_d] = n
+        sample = torch.arange(n, device=h.device).view(shape).expand(ids.shape)
+    else:  # broadcast along the batch: every sample has a part for every row
+        values = _per_sample_parts(h, w_shape, bd, n)  # [N, *w_shape]
+        sample = torch.arange(n, device=h.device).view(n, *[1] * ids.dim()).expand(n, *ids.shape)
+        ids = ids.expand(n, *ids.shape)
+    index = (sample * rows + ids).reshape(-1)
+    values = values.reshape(-1, dim)
+    if lookup.padding_idx is not None:  # the padding row gets no gradient
+        keep = ids.reshape(-1) != lookup.padding_idx
+        index, values = index[keep], values[keep]
+    out = values.new_zeros(n * rows, dim).index_add_(0, index, values)
+    return out.view(n, rows, dim)
 
 
 def meet(
@@ -108,7 +141,12 @@ def meet(
         if captured(t):
             params = tuple(tracker.derived_params(t))
             count_use(frozenset(params))
-            e = BroadcastCapture.apply(t, shape_of(t), bd, n, params, contribute)
+            lookup = tracker.lookup(t)
+            if lookup is not None and (
+                params != (lookup.weight,) or bd.inner != 1 or t.shape[:-1] != lookup.ids.shape
+            ):
+                lookup = None
+            e = BroadcastCapture.apply(t, shape_of(t), bd, n, params, contribute, lookup)
             tracker.mark(e, bd)
             t = e
         new.append(t)
