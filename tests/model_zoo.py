@@ -421,6 +421,12 @@ def hf_models() -> dict[str, Callable[[], Built]]:
             n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
 
+    def gpt2_wide() -> Built:  # wide enough for the Gram form of the norms (T == N)
+        return _hf_causal(
+            tf.GPT2Config, tf.GPT2LMHeadModel, vocab_size=30, n_positions=16, n_embd=64,
+            n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+
     def llama() -> Built:
         return _hf_causal(
             tf.LlamaConfig, tf.LlamaForCausalLM, vocab_size=30, hidden_size=8,
@@ -455,4 +461,7 @@ def hf_models() -> dict[str, Callable[[], Built]]:
         img, y = torch.randn(N, 3, 4, 4), torch.randint(0, 3, (N,))
         return m, lambda: F.cross_entropy(m(pixel_values=img).logits, y, reduction="none"), {}
 
-    return {"hf_gpt2": gpt2, "hf_llama": llama, "hf_bert": bert, "hf_vit": vit}
+    return {
+        "hf_gpt2": gpt2, "hf_gpt2_wide": gpt2_wide, "hf_llama": llama, "hf_bert": bert,
+        "hf_vit": vit,
+    }  # fmt: skip

@@ -88,7 +88,7 @@ def test_bf16_autocast(name, backward_inside):
         assert rel < 5e-2, f"{k}: relative error {rel:.2e} against the same forward"
 
 
-@pytest.mark.parametrize("name", ["functional_layers_wide", "hf_gpt2"])
+@pytest.mark.parametrize("name", ["functional_layers_wide", "hf_gpt2_wide"])
 def test_batch_l2_alone_uses_closed_form_norms(name, monkeypatch):
     """BatchL2Grad alone: op-level linear/matmul/addmm uses give norms from Gram matrices
     (no individual gradients), exact against the same forward's individual gradients."""
@@ -106,7 +106,7 @@ def test_batch_l2_alone_uses_closed_form_norms(name, monkeypatch):
 
     monkeypatch.setattr(ops, "closed_norms", counting)
     torch.manual_seed(0)
-    if name == "hf_gpt2":
+    if name == "hf_gpt2_wide":
         model, losses_fn, options = hf_models()[name]()
     else:
         model = FunctionalWide()

@@ -84,3 +84,18 @@ def test_ordinary_backward_of_a_fused_rule_equals_autograds(kind):
     assert_close(rule.input_grad(module, x, g), expected["__input__"], "input grad", 1e-10, 1e-12)
     for k, v in rule.param_grads(module, x, g, names).items():
         assert_close(v, expected[k], f"{kind.__name__}.{k}", 1e-10, 1e-12)
+
+
+def test_linear_gram_norms_equal_materialised_ones():
+    """A layer wide for its sequence (T == N) gets weight norms from Gram matrices."""
+    torch.manual_seed(0)
+    module = nn.Linear(32, 24).double()
+    x = torch.randn(4, 4, 32, dtype=torch.float64)
+    g = torch.randn(4, 4, 24, dtype=torch.float64)
+    rule, names, opts = rule_for(module), frozenset({"weight", "bias"}), RuleOptions("auto", 2**30)
+    closed = rule.batch_l2(module, (x,), g, names, opts)
+    assert set(closed) == names
+    batch = rule.batch_grads(module, (x,), g, names, opts)
+    for k in names:
+        ref = batch[k].flatten(1).square().sum(1)
+        assert_close(closed[k], ref, f"Linear.{k} batch_l2", 1e-10, 1e-12)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..side_loss import logit_grads, rows_per_chunk
 from .batch import BatchDim, to_front
+from .rules.linear import gram_is_cheaper
 
 
 def _rows(t: Tensor, bd: BatchDim, n: int) -> Tensor:
@@ -91,14 +92,14 @@ def closed_norms(
     positions: Sequence[int], g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
 ) -> dict[int, tuple[Tensor, Tensor]] | None:  # fmt: skip
     """``{position: (||c_n||² [N], summed gradient)}`` without the individual gradients, where
-    that is cheaper (linear/matmul/addmm with ``S (I + O) < I O``: Gram matrices ``[N, S, S]``),
-    else None."""
+    that is cheaper (linear/matmul/addmm where ``gram_is_cheaper``: Gram matrices
+    ``[N, S, S]``), else None."""
     parts = _linear_rows(name, tensors, in_batch, positions, g, out_bd, n, n_args)
     if parts is None:
         return None
     xs, gs, w_at, b_at, bias = parts
     s, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
-    if w_at in positions and s * (i + o) >= i * o:
+    if w_at in positions and not gram_is_cheaper(s, i, o):
         return None
     out: dict[int, tuple[Tensor, Tensor]] = {}
     if w_at in positions:
