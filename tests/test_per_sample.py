@@ -47,7 +47,7 @@ def test_all_quantities_match_oracle(name, reduction):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("algorithm", ["unfold", "grouped"])
+@pytest.mark.parametrize("algorithm", ["unfold", "grouped", "weight_backward"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_all_quantities_match_oracle_on_cuda(name, algorithm):
     case = build(name)
@@ -62,7 +62,7 @@ def test_each_quantity_alone(name, quantity):
     check_against_oracle(build(name), "mean", (quantity,))
 
 
-@pytest.mark.parametrize("algorithm", ["unfold", "grouped", "auto"])
+@pytest.mark.parametrize("algorithm", ["unfold", "grouped", "weight_backward", "auto"])
 @pytest.mark.parametrize("name", CONV_CASES)
 def test_conv_algorithms(name, algorithm):
     check_against_oracle(build(name), "sum", conv_algorithm=algorithm)
@@ -116,9 +116,24 @@ def test_auto_conv_algorithm_follows_the_workspace_budget():
     from torch import nn
 
     from leanprop.per_sample.registry import RuleOptions
-    from leanprop.per_sample.rules.conv import choose_algorithm
+    from leanprop.per_sample.rules.conv import ALGORITHMS, candidates
 
     conv, g = nn.Conv2d(2, 3, 3), torch.zeros(1, 3, 5, 5)
-    assert choose_algorithm(conv, g, RuleOptions("auto", 10**9)) == "unfold"
-    assert choose_algorithm(conv, g, RuleOptions("auto", 10)) == "grouped"
-    assert choose_algorithm(conv, g, RuleOptions("unfold", 10)) == "unfold"
+    assert candidates(conv, g, RuleOptions("auto", 10**9)) == ALGORITHMS
+    assert candidates(conv, g, RuleOptions("auto", 10)) == ("grouped",)  # none fits: no patches
+    assert candidates(conv, g, RuleOptions("unfold", 10)) == ("unfold",)
+
+
+def test_auto_conv_algorithm_is_timed_once_per_shape(monkeypatch):
+    """``"auto"`` times the algorithms on a layer's first chunk, keeps the fastest for that
+    shape, and every choice is exact."""
+    from leanprop.per_sample.rules import conv
+
+    monkeypatch.setattr(conv, "_FASTEST", {})
+    case = build("conv2d")
+    check_against_oracle(case, "sum", conv_algorithm="auto")
+    assert conv._FASTEST and set(conv._FASTEST.values()) <= set(conv.ALGORITHMS)
+    for key in list(conv._FASTEST):  # each other choice is exact too
+        for algorithm in conv.ALGORITHMS:
+            conv._FASTEST[key] = algorithm
+        check_against_oracle(build("conv2d"), "sum", conv_algorithm="auto")

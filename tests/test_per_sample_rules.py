@@ -49,7 +49,7 @@ def _setup(kind: type[nn.Module]):
     return module, x.detach(), g, names, expected
 
 
-@pytest.mark.parametrize("algorithm", ["unfold", "grouped"])
+@pytest.mark.parametrize("algorithm", ["unfold", "grouped", "weight_backward"])
 @pytest.mark.parametrize("kind", list(_cases()), ids=lambda k: k.__name__)
 def test_individual_gradients_add_up_to_autograds(kind, algorithm):
     module, x, g, names, expected = _setup(kind)

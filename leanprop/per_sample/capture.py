@@ -58,8 +58,8 @@ from .rules.fallback import batch_dim_of, fallback_batch_grads
 from .rules.packed_rnn import packed_rnn_batch_grads, sample_count, sorted_order
 from .stats import Reducer, quantities_from_batch, widen
 
-ConvAlgorithm = Literal["auto", "unfold", "grouped"]
-CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped")
+ConvAlgorithm = Literal["auto", "unfold", "grouped", "weight_backward"]
+CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped", "weight_backward")
 DEFAULT_WORKSPACE_MIB = {"cpu": 16.0}
 
 

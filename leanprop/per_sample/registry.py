@@ -31,7 +31,7 @@ class RuleOptions:
     """Options forwarded to every rule.
 
     Attributes:
-        conv_algorithm: ``"auto"``, ``"unfold"`` or ``"grouped"``.
+        conv_algorithm: ``"auto"``, ``"unfold"``, ``"grouped"`` or ``"weight_backward"``.
         workspace_bytes: scratch memory a rule may use for one chunk of samples.
     """
 

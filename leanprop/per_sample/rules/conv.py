@@ -5,20 +5,26 @@ individual weight gradient of sample n is the cross-correlation of ``x_n`` with 
 
     W_n[o, c, k] = sum_s g_n[o, s] · x_pad_n[c(o), s·stride + k·dilation]
 
-Two algorithms (``RuleOptions.conv_algorithm``):
+Three algorithms (``RuleOptions.conv_algorithm``), all exact:
 
 * ``"unfold"``: gather the patches ``[N, C, S', K]`` (im2col) and contract them with ``g``;
-  fast, scratch memory ``C·K·|S'|`` per sample.
+  scratch memory ``C·K·|S'|`` per sample.
 * ``"grouped"``: Rochette et al. (2019): one grouped convolution with the batch folded into
   the groups, input and gradient swapping roles and stride swapping with dilation; no patches,
   scratch memory about the size of the result.
+* ``"weight_backward"``: the backend's own weight-gradient kernel (oneDNN, cuDNN) on one
+  convolution whose groups are the samples; no patches either.
 
-Both run over chunks of samples chosen by the caller to bound scratch memory.
+Which is fastest depends on the layer's shape and the backend by a factor of up to 10 either
+way, so ``"auto"`` times the algorithms whose scratch memory fits on a layer's first chunk (once
+per shape, device and dtype in this process; not while autograd records) and keeps the fastest.
+All run over chunks of samples chosen by the caller to bound scratch memory.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -107,26 +113,84 @@ def _grouped(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     return res.reshape(c_g, n, o, *module.kernel_size).transpose(0, 1).transpose(1, 2)
 
 
+def _weight_backward(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    n, d = x.shape[0], _dims(module)
+    o, c_g = module.out_channels, module.in_channels // module.groups
+    # only the weight's shape is read: a stride-0 view, no memory
+    weight = g.new_empty(()).expand(n * o, c_g, *module.kernel_size)
+    res = torch.ops.aten.convolution_backward(
+        g.reshape(1, n * o, *g.shape[2:]), x.reshape(1, n * module.in_channels, *x.shape[2:]),
+        weight, None, module.stride, [0] * d, module.dilation, False, [0] * d,
+        n * module.groups, [False, True, False],
+    )[1]  # fmt: skip
+    return res.view(n, o, c_g, *module.kernel_size)
+
+
+ALGORITHMS = ("unfold", "grouped", "weight_backward")
+
+
 def _workspace_of(module: nn.Module, g: Tensor, algorithm: str) -> int:
     """Scratch bytes per sample: the result, plus the patches for ``"unfold"``."""
     result = module.weight[0].numel() * module.out_channels
-    if algorithm == "grouped":
+    if algorithm != "unfold":
         return 2 * result * g.element_size()
     patches = module.in_channels * math.prod(module.kernel_size) * g[0, 0].numel()
     return (patches + result) * g.element_size()
 
 
-def choose_algorithm(module: nn.Module, g: Tensor, opts: RuleOptions) -> str:
-    """``"auto"``: im2col (fastest) unless one sample's scratch memory for it exceeds the
-    workspace budget, where the grouped algorithm needs no patches at all."""
+def candidates(module: nn.Module, g: Tensor, opts: RuleOptions) -> tuple[str, ...]:
+    """The algorithms ``opts.conv_algorithm`` allows: ``"auto"``, every one whose scratch memory
+    for one sample fits the workspace budget."""
     if opts.conv_algorithm != "auto":
-        return opts.conv_algorithm
-    fits = _workspace_of(module, g, "unfold") <= opts.workspace_bytes
-    return "unfold" if fits else "grouped"
+        return (opts.conv_algorithm,)
+    fits = tuple(a for a in ALGORITHMS if _workspace_of(module, g, a) <= opts.workspace_bytes)
+    return fits or ("grouped",)
 
 
 def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, opts: RuleOptions) -> int:
-    return _workspace_of(module, g, choose_algorithm(module, g, opts))
+    return max(_workspace_of(module, g, a) for a in candidates(module, g, opts))
+
+
+_FASTEST: dict[tuple, str] = {}  # layer configuration and shapes -> fastest algorithm
+
+
+def _key(module: nn.Module, x: Tensor, g: Tensor, options: tuple[str, ...]) -> tuple:
+    return (
+        x.device.type, x.dtype, tuple(x.shape), tuple(g.shape), tuple(module.weight.shape),
+        module.stride, module.dilation, module.groups, options,
+    )  # fmt: skip
+
+
+def _sync(x: Tensor) -> None:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+
+
+def _weight_grads(
+    module: nn.Module, x: Tensor, g: Tensor, options: tuple[str, ...], out: Tensor | None
+) -> Tensor:
+    """Individual weight gradients by the fastest of ``options`` for this layer and shape
+    (timed on first use, except while autograd records: then the first)."""
+    run = {
+        "unfold": lambda: _unfold(module, x, g, out),
+        "grouped": lambda: _grouped(module, _pad(module, x), g),
+        "weight_backward": lambda: _weight_backward(module, _pad(module, x), g),
+    }
+    if len(options) == 1 or torch.is_grad_enabled():
+        return run[options[0]]()
+    key = _key(module, x, g, options)
+    if key in _FASTEST:
+        return run[_FASTEST[key]]()
+    best, result = math.inf, None
+    for algorithm in options:
+        _sync(x)
+        start = time.perf_counter()
+        res = run[algorithm]()
+        _sync(x)
+        took = time.perf_counter() - start
+        if took < best:
+            best, result, _FASTEST[key] = took, res, algorithm
+    return result
 
 
 def _explicit_zero_padding(module: nn.Module) -> bool:
@@ -194,11 +258,7 @@ def conv_batch_grads(
     target = (out or {}).get("weight")
     res: dict[str, Tensor] = {}
     if "weight" in names:
-        x = inputs[0]
-        if choose_algorithm(module, g, opts) == "grouped":
-            res["weight"] = _grouped(module, _pad(module, x), g)
-        else:
-            res["weight"] = _unfold(module, x, g, target)
+        res["weight"] = _weight_grads(module, inputs[0], g, candidates(module, g, opts), target)
     if "bias" in names:
         res["bias"] = g.flatten(2).sum(2)  # [N, O]
     return res
