@@ -383,6 +383,29 @@ def lstm_packed_input_tagger() -> Built:
     return m, losses, {"batch_dims": {1: 1}}
 
 
+class PackedSortedPooled(nn.Module):
+    """Sorted lengths (enforce_sorted=True), padded back; mean-pooled with a mask built from
+    the lengths pad_packed_sequence returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        out, lens = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        mask = torch.arange(out.shape[1])[None, :] < lens[:, None]
+        return self.head((out * mask[..., None]).sum(1) / lens[:, None])
+
+
+@model
+def gru_packed_sorted_pooled() -> Built:
+    m = PackedSortedPooled()
+    x, lengths = torch.randn(N, N, 3), torch.tensor(sorted(LENGTHS, reverse=True))
+    return m, lambda: per_sample_sq(m(x, lengths)), {}
+
+
 @model
 def embedding_bag_with_offsets() -> Built:
     bag = nn.EmbeddingBag(10, 4, mode="mean")

@@ -93,6 +93,15 @@ KEEP = {
     "moved then linear": lambda x: F.linear(x.transpose(0, 1), torch.eye(N, dtype=x.dtype)),
     # samples reordered, then put back in order (what a packed sequence does)
     "permuted and back": lambda x: x.index_select(0, PERM).index_select(0, PERM.argsort()),
+    "permuted and back, keywords": lambda x: torch.index_select(
+        torch.index_select(x, dim=0, index=PERM), dim=0, index=PERM.argsort()
+    ),
+    "indexed and back": lambda x: x[PERM][PERM.argsort()],
+    "permuted lengths and back": lambda x: (
+        x
+        * pad(pack(x, LENGTHS, enforce_sorted=False))[1][:, None, None].to(x.dtype)
+        / pad(pack(x, LENGTHS, enforce_sorted=False))[1][:, None, None]
+    ),
     "packed and padded back": lambda x: pad(pack(x, LENGTHS, enforce_sorted=False))[0][:, :1],
     "packed and padded back, sequence first": lambda x: pad(
         pack(x.transpose(0, 1), LENGTHS, batch_first=False, enforce_sorted=False),
@@ -107,6 +116,10 @@ KEEP = {
 
 LOSE = {
     "permuted": lambda x: x.index_select(0, PERM),
+    "permuted, flattened, back": lambda x: x.index_select(0, PERM).reshape(N * N, N),
+    "permuted plus in order, then back": lambda x: (x.index_select(0, PERM) + x).index_select(
+        0, PERM.argsort()
+    ),
     "packed data": lambda x: pack(x, LENGTHS, enforce_sorted=False).data,
     "packed data mixed over rows": lambda x: pack(x, LENGTHS, enforce_sorted=False).data.cumsum(0),
     "slice samples": lambda x: x[1:],

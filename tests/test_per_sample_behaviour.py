@@ -14,7 +14,7 @@ from torch import nn
 
 import leanprop
 from leanprop import BatchError, BatchGrad, LeanpropValueError, UnsupportedModelError, Variance
-from leanprop.testing import individual_gradients
+from leanprop.testing import individual_gradients, individual_gradients_of_losses
 
 from .cases import build
 from .helpers import assert_close
@@ -512,6 +512,113 @@ def test_packed_rows_outside_an_rnn_are_a_clear_error(mix):
         leanprop.per_sample(model, BatchGrad(), batch_dims={0: 1}),
     ):
         model(x, lengths, mix).backward()
+
+
+class _PackedStates(nn.Module):
+    """A GRU over a packed batch, with an initial state from an encoder (optionally permuted),
+    called twice (its second call starts from the first call's final state)."""
+
+    def __init__(self, permute_hx: bool) -> None:
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.rnn = nn.GRU(3, 4)
+        self.permute_hx = permute_hx
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        h0 = torch.tanh(self.enc(x[0]))[None]  # [1, N, 4]
+        if self.permute_hx:
+            h0 = h0.index_select(1, torch.tensor([1, 0, 2, 3, 4]))
+        _, h1 = self.rnn(packed, h0)
+        _, h2 = self.rnn(packed, h1)
+        return h2[0].square().sum(1)
+
+
+def test_packed_rnn_state_chained_and_differentiable():
+    """hx from the same RNN, and backward(create_graph=True): exact (were an autograd error,
+    and doubled values with check=False)."""
+    torch.manual_seed(0)
+    model = _PackedStates(permute_hx=False).double()
+    x, lengths = torch.randn(5, 5, 3, dtype=torch.float64), torch.tensor([3, 5, 1, 5, 2])
+    params = dict(model.named_parameters())
+    for create_graph in (False, True):
+        with leanprop.per_sample(model, BatchGrad(), batch_dims={0: 1}, check=False):
+            losses = model(x, lengths)
+            losses.sum().backward(retain_graph=True, create_graph=create_graph)
+        expected = individual_gradients_of_losses(losses, params)
+        for k, p in params.items():
+            assert_close(p.grad_batch, expected[k], f"{k} create_graph={create_graph}", 1e-9, 1e-12)
+
+
+def test_rnn_loop_under_create_graph_is_exact():
+    torch.manual_seed(0)
+    rnn = nn.GRU(3, 4).double()
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    params = dict(rnn.named_parameters())
+    with leanprop.per_sample(rnn, BatchGrad(), batch_dim=1, check=False):
+        losses = rnn(x)[1][0].square().sum(1)
+        losses.sum().backward(create_graph=True, retain_graph=True)
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        assert_close(p.grad_batch, expected[k], k, 1e-9, 1e-12)
+
+
+def test_packed_rnn_refuses_what_it_cannot_match():
+    """An initial state in another order, packed data that is not the packed batch, packed
+    input without batch tracking: errors (were silently wrong or crashes)."""
+    x, lengths = torch.randn(5, 5, 3), torch.tensor([3, 5, 1, 5, 2])
+    model = _PackedStates(permute_hx=True)
+    with (
+        pytest.raises(BatchError, match=r"GRU 'rnn' got an initial state hx.*another order"),
+        leanprop.per_sample(model, BatchGrad(), batch_dims={0: 1}),
+    ):
+        model(x, lengths)
+    gru = nn.GRU(3, 4)
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+
+    class Rows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = gru
+
+        def forward(self, data: torch.Tensor) -> torch.Tensor:
+            return self.gru(packed._replace(data=data))[1]
+
+    rows = Rows()
+    with (
+        pytest.raises(BatchError, match=r"rows are not the packed samples"),
+        leanprop.per_sample(rows, BatchGrad()),
+    ):
+        rows(packed.data.clone())
+    from leanprop.compat.backpack import extend
+
+    extend(gru)  # the BackPACK facade: no batch tracking
+    with pytest.raises(UnsupportedModelError, match=r"batch tracking is off"):
+        gru(packed)
+
+
+@pytest.mark.parametrize("lengths", [[4, 4, 4, 4], [4, 3, 4, 2]], ids=["equal", "unequal"])
+def test_a_list_of_tensors_as_input_needs_batch_dims(lengths):
+    """A list input may hold the samples themselves (sequences to pack) or one batch per
+    element: refused unless batch_dims says (with all lengths == N it was silently wrong)."""
+
+    class Pack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre = nn.Linear(3, 3)
+            self.gru = nn.GRU(3, 2)
+
+        def forward(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+            packed = nn.utils.rnn.pack_sequence([self.pre(s) for s in seqs], enforce_sorted=False)
+            return self.gru(packed)[1].sum()
+
+    model = Pack()
+    seqs = [torch.randn(k, 3) for k in lengths]
+    with (
+        pytest.raises(BatchError, match=r"input 0 is a list of tensors.*pack_sequence"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(seqs)
 
 
 def test_gradient_penalty_is_refused_not_wrong():

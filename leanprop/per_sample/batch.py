@@ -89,52 +89,80 @@ def _ordered_result(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
     info: Reordered | Packed, out: Tensor, k: int, n: int, tracker: BatchTracker,
 ) -> Info:  # fmt: skip
-    """Where samples held in another order (:class:`Reordered`, :class:`Packed`) land."""
+    """Where samples held in another order (:class:`Reordered`, :class:`Packed`) land. Each
+    input's result is merged with the others' (:func:`_merge`): inputs in different orders
+    give a plain :class:`Lost`."""
     if is_packed_rnn_op(name, args):  # (data, sizes, hx, ...) -> (data, h_n[, c_n])
         if which != 0 and not (isinstance(info, Reordered) and info.dim == 1):
             return Lost(f"{name} with its hidden state's batch elsewhere than documented")
-        return Packed(_PACKED, info.order) if k == 0 else Reordered(_REORDERED, 1, info.order)
+        return Packed(_PACKED, info.order) if k == 0 else _in_order(1, info.order)
     if isinstance(info, Packed):
         if name == "_pad_packed_sequence" and which == 0:  # (data, sizes, batch_first, ...)
-            if k != 0:
-                return Lost("the lengths of a packed sequence")
-            return Reordered(_REORDERED, 0 if args[2] else 1, info.order)
+            # -> (padded [N, T, ...] or [T, N, ...], lengths [N]), both sorted as the data
+            return _in_order(0 if k == 1 or args[2] else 1, info.order)
         rows = result_dim(name, args, kwargs, which, x, BatchDim(0), out, k, n, tracker)
         if rows == BatchDim(0):  # rows kept (elementwise, or along the features)
             return info
-        return rows if isinstance(rows, Lost) else Lost(_PACKED)
-    if name == "index_select" and which == 0 and _norm_dim(int(args[1]), x.dim()) == info.dim:
-        perm = _permutation(args[2], x.shape[info.dim])
+        return Lost(rows.reason if isinstance(rows, Lost) else _PACKED)
+    index = _reorder_index(name, args, kwargs, which, x, info.dim)
+    if index is not None:  # x.index_select(batch dim, index), x[index]
+        perm = _permutation(index, x.shape[info.dim])
         if perm is None:
-            return Lost("index_select along the batch dimension selects samples")
+            return Lost(f"{name} along the batch dimension selects samples")
         return _in_order(info.dim, tuple(info.order[j] for j in perm))
     if name == "_pack_padded_sequence" and which == 0:  # (input, lengths, batch_first)
         if info.dim != (0 if args[2] else 1):
             return Lost("pack_padded_sequence with its batch elsewhere than batch_first says")
         return Packed(_PACKED, info.order) if k == 0 else Lost("batch sizes of a packed sequence")
     res = result_dim(name, args, kwargs, which, x, BatchDim(info.dim), out, k, n, tracker)
-    if isinstance(res, BatchDim) and res.inner == 1:
+    if isinstance(res, BatchDim):
+        if res.inner != 1:
+            return Lost(f"{_REORDERED}, flattened with another dimension")
         return _in_order(res.dim, info.order)
     return res
 
 
-def _index_arg(name: str, args: Sequence[Any], batched: list[tuple[Any, Tensor, Info]]) -> Any:
-    """Position of an index argument read by value (a permutation, lengths, batch sizes: often
-    computed from batched lengths) when the op reorders or packs the samples of ``args[0]``;
-    None if there is none."""
-    first = next((info for w, _, info in batched if w == 0), None)
-    if first is None:
+def _reorder_index(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor, dim: int
+) -> Tensor | None:
+    """The index of ``x.index_select(dim, index)`` or ``x[index]`` (a 1-D integer tensor
+    along the batch dimension ``dim``), where ``x`` is input ``which``; else None."""
+    if which != 0:
         return None
     if name == "index_select":
-        dim = getattr(first, "dim", None)
-        return 2 if dim is not None and _norm_dim(int(args[1]), args[0].dim()) == dim else None
+        d, index = _dims_arg(args, kwargs, 1, "dim"), _dims_arg(args, kwargs, 2, "index")
+        return index if _norm_dim(int(d), x.dim()) == dim else None
+    if name == "getitem" and dim == 0 and len(args) > 1 and isinstance(args[1], Tensor):
+        index = args[1]
+        if index.dim() == 1 and not index.is_floating_point() and index.dtype != torch.bool:
+            return index
+    return None
+
+
+def _index_arg(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], batched: list[tuple[Any, Tensor, Info]]
+) -> int | str | None:
+    """Position of an index argument read by value (a permutation, lengths, batch sizes: often
+    computed from batched lengths) where the op reorders or packs the samples of ``args[0]``;
+    None if there is none."""
+    first = next(((t, info) for w, t, info in batched if w == 0), None)
+    if first is None:
+        return None
+    x, info = first
+    if name in ("index_select", "getitem"):
+        dim = info.dim if isinstance(info, BatchDim | Reordered) else None
+        if dim is None or (isinstance(info, BatchDim) and info.inner != 1):
+            return None
+        if _reorder_index(name, args, kwargs, 0, x, dim) is None:
+            return None
+        return 1 if name == "getitem" else 2 if len(args) > 2 else "index"
     if name in ("_pack_padded_sequence", "_pad_packed_sequence") or is_packed_rnn_op(name, args):
         return 1
     return None
 
 
-_ORDER_OPS = {"index_select", "_pack_padded_sequence"}
-_REORDERED = "samples in another order (sorted by length for a packed sequence)"
+_ORDER_OPS = {"index_select", "getitem", "_pack_padded_sequence"}
+_REORDERED = "samples in another order (an index_select, or sorted by length for a packed sequence)"
 _PACKED = (
     "the samples packed into a PackedSequence's data (run the RNN on it, or "
     "pad_packed_sequence it first)"
@@ -204,8 +232,9 @@ _NON_TENSOR = {"size", "dim", "numel", "item", "tolist", "len", "stride", "data_
 # new tensors whose values do not depend on the input's (only its shape, dtype or device)
 _FACTORIES = {
     "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "empty_like", "zeros_like",
-    "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "zeros", "ones", "empty",
-    "rand", "randn", "eye",
+    "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    # sized by a 0-dim tensor read as an int (an RNN's initial state from its batch sizes)
+    "zeros", "ones", "empty", "rand", "randn", "eye",
 }  # fmt: skip
 
 
@@ -651,7 +680,10 @@ class BatchTracker:
                     if found is not None:
                         self._lookups[outs[0]] = found
             return
-        index = _index_arg(name, args, batched)
+        try:
+            index = _index_arg(name, args, kwargs, batched)
+        except (IndexError, TypeError, ValueError, KeyError):
+            index = None
         if index is not None:  # read by value: its own batch does not reach the outputs
             batched = [b for b in batched if b[0] != index]
         n = self.n if self.n is not None else 0
@@ -702,8 +734,12 @@ def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup 
 
 
 def _merge(results: set[Info]) -> Info:
-    lost = [r for r in results if isinstance(r, Lost)]
-    return lost[0] if lost else Lost("inputs of one op carry the batch in different places")
+    """Inputs whose batch lands differently: plain :class:`Lost` (never one that a later op
+    could put back in order)."""
+    plain = [r for r in results if type(r) is Lost]
+    if plain:
+        return plain[0]
+    return Lost("inputs of one op carry the batch in different places or orders")
 
 
 def _flat(out: Any) -> list[Any]:

@@ -414,8 +414,18 @@ class PerSample:
                 self._input_samples(key, n, f"a PackedSequence of {n} sequences")
                 self._tracker.mark(value.data, packed_data(sorted_order(value)))
                 continue
-            for t in tree_flatten(value)[0]:
-                if not isinstance(t, Tensor) or t.dim() == 0:
+            tensors = [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+            if not isinstance(value, Tensor) and tensors and key not in self._batch_dims:
+                raise BatchError(
+                    f"per_sample: the model's input {key!r} is a {type(value).__name__} of "
+                    "tensors: leanprop cannot tell whether each holds the batch (in dimension "
+                    f"{dim}) or whether they are the samples themselves (sequences for "
+                    f"pack_sequence). If each holds the batch, say where: batch_dims={{{key!r}: "
+                    f"{dim}}}. For a list of samples, pack it before the model "
+                    "(torch.nn.utils.rnn.pack_sequence) and pass the PackedSequence."
+                )
+            for t in tensors:
+                if t.dim() == 0:
                     continue
                 if t.dim() <= dim:
                     raise BatchError(
@@ -812,7 +822,7 @@ class PerSample:
         leaf (None, None: by its documented layout, when batch tracking is off)."""
         _refuse_rnn_dropout(site)
         if args and isinstance(args[0], PackedSequence):
-            return self._packed_samples(site, args[0]), None, None
+            return self._packed_samples(site, args[0], args, kwargs), None, None
         if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
             raise UnsupportedModelError(
                 f"per_sample: {type(site.module).__name__} '{site.name}' got a PackedSequence "
@@ -855,23 +865,44 @@ class PerSample:
             return None, in_dims, out_dims
         return self._same_n(site, sizes.pop()), in_dims, out_dims
 
-    def _packed_samples(self, site: Site, packed: PackedSequence) -> int:
-        """Samples of an RNN's packed input; checks they are the batch, in the order tracked."""
+    def _packed_samples(
+        self, site: Site, packed: PackedSequence, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> int:
+        """Samples of an RNN's packed input; checks they are the batch, in the order tracked,
+        and that its initial state ``hx`` holds them in their own order."""
+        what = f"{type(site.module).__name__} '{site.name}'"
         if not isinstance(site.module, nn.RNNBase):
             raise UnsupportedModelError(
-                f"per_sample: {type(site.module).__name__} '{site.name}' got a PackedSequence; "
-                "only torch's RNNs (nn.LSTM, nn.GRU, nn.RNN) take one. Freeze this module's "
-                "parameters, or register a rule for it."
+                f"per_sample: {what} got a PackedSequence; only torch's RNNs (nn.LSTM, nn.GRU, "
+                "nn.RNN) take one. Freeze this module's parameters, or register a rule for it."
             )
-        if self._tracking():
-            info = self._tracker.info(packed.data)
-            if info != packed_data(sorted_order(packed)):
-                reason = "it carries no batch" if info is None else info.reason
+        if not self._tracking():
+            raise UnsupportedModelError(
+                f"per_sample: {what} got a PackedSequence, but batch tracking is off here (the "
+                "BackPACK facade), so leanprop cannot tell which sample each packed sequence "
+                "is. Use leanprop.per_sample(model, ...) for RNNs over packed sequences."
+            )
+        info = self._tracker.info(packed.data)
+        if info != packed_data(sorted_order(packed)):
+            reason = (
+                "it carries no batch" if info is None
+                else info.reason if isinstance(info, Lost)
+                else "its rows are not the packed samples of the batch"
+            )  # fmt: skip
+            raise BatchError(
+                f"per_sample: {what} got a PackedSequence whose samples leanprop cannot match "
+                f"to the batch's: {reason}. Pack the model's input with pack_padded_sequence "
+                "or pack_sequence (inside or before the model), unchanged."
+            )
+        hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        for h in tree_flatten(hx)[0]:
+            info = self._tracker.info(h)
+            if info is not None and info != BatchDim(1):
+                reason = info.reason if isinstance(info, Lost) else f"its batch is at {info}"
                 raise BatchError(
-                    f"per_sample: {type(site.module).__name__} '{site.name}' got a "
-                    "PackedSequence whose samples leanprop cannot match to the batch's: "
-                    f"{reason}. Pack the model's input with pack_padded_sequence or "
-                    "pack_sequence (inside or before the model), unchanged."
+                    f"per_sample: {what} got an initial state hx in which leanprop cannot "
+                    f"tell which sample each column is: {reason}. Pass hx as [layers, N, H] "
+                    "with the samples in the batch's order."
                 )
         return self._same_n(site, sample_count(packed))
 

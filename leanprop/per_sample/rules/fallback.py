@@ -97,16 +97,21 @@ def fallback_batch_grads(
                 "samples. Freeze this module's parameters, or register a rule for it."
             )
 
-    def one(p: dict[str, Tensor], in_leaves: list[Any], g_leaves: list[Tensor]) -> Tensor:
+    def outputs(
+        p: dict[str, Tensor], in_leaves: list[Any], g_leaves: list[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """One sample's outputs that got a gradient, and those gradients (batch dim kept)."""
         full = [
             t.unsqueeze(d) if d is not None else t for t, d in zip(in_leaves, in_dims, strict=True)
         ]
         a, kw = tree_unflatten(full, spec)
         out_leaves, _ = tree_flatten(functional_call(module, p, a, kw))
-        total = 0.0
-        for (i, _), g, d in zip(got, g_leaves, g_dims, strict=True):
-            total = total + (out_leaves[i] * g.unsqueeze(d)).sum()
-        return total
+        gs = [g.unsqueeze(d) for g, d in zip(g_leaves, g_dims, strict=True)]
+        return [out_leaves[i] for i, _ in got], gs
+
+    def one(p: dict[str, Tensor], in_leaves: list[Any], g_leaves: list[Tensor]) -> Tensor:
+        outs, gs = outputs(p, in_leaves, g_leaves)
+        return sum(((o * g).sum() for o, g in zip(outs, gs, strict=True)), torch.zeros(()))
 
     g_leaves = [g for _, g in got]
     try:
@@ -117,33 +122,32 @@ def fallback_batch_grads(
     except RuntimeError:
         # some modules cannot be vmapped (e.g. RNNs build their hidden state from the batch
         # size): differentiate one sample at a time with ordinary autograd instead
-        return _loop(params, one, leaves, in_dims, g_leaves, g_dims, n)
+        return _loop(params, outputs, leaves, in_dims, g_leaves, g_dims, n)
 
 
 def loop_over_samples(
-    params: dict[str, Tensor], n: int, total_of: Callable[[dict[str, Tensor], int], Tensor]
+    params: dict[str, Tensor],
+    n: int,
+    sample: Callable[[dict[str, Tensor], int], tuple[list[Tensor], list[Tensor]]],
 ) -> dict[str, Tensor]:
-    """Individual gradients ``{name: [N, *p.shape]}`` one sample at a time with ordinary
-    autograd: ``total_of(params, i)`` is sample ``i``'s output dotted with its output gradient.
-    Under grad mode (a ``create_graph`` backward) the results are differentiable."""
-    create_graph = torch.is_grad_enabled()
-    names, tensors = list(params), list(params.values())
-    rows: list[list[Tensor]] = []
-    for i in range(n):
-        with torch.enable_grad():
-            total = total_of(params, i)
-            grads = torch.autograd.grad(
-                total, tensors, create_graph=create_graph, allow_unused=True
-            )
-        rows.append(
-            [torch.zeros_like(p) if g is None else g for p, g in zip(tensors, grads, strict=True)]
-        )
-    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(names)}
+    """Individual gradients ``{name: [N, *p.shape]}`` one sample at a time: ``sample(params,
+    i)`` gives sample ``i``'s outputs and their gradients, whose vector-Jacobian product with
+    respect to ``params`` alone is its gradient (``torch.func.grad``: the inputs and output
+    gradients are constants of it, even where they depend on the same parameters, e.g. a
+    state the module computed itself). Under grad mode (a ``create_graph`` backward) the
+    results stay differentiable with respect to everything."""
+
+    def total(p: dict[str, Tensor], i: int) -> Tensor:
+        outs, gs = sample(p, i)
+        return sum(((o * g).sum() for o, g in zip(outs, gs, strict=True)), torch.zeros(()))
+
+    rows = [grad(total)(params, i) for i in range(n)]
+    return {k: torch.stack([r[k] for r in rows]) for k in params}
 
 
 def _loop(
     params: dict[str, Tensor],
-    one: Any,
+    outputs: Any,
     leaves: list[Any],
     in_dims: list[int | None],
     g_leaves: list[Tensor],
@@ -159,8 +163,8 @@ def _loop(
         t = t.select(d, i)
         return t if create_graph or not isinstance(t, Tensor) else t.detach()
 
-    def total_of(p: dict[str, Tensor], i: int) -> Tensor:
+    def sample(p: dict[str, Tensor], i: int) -> tuple[list[Tensor], list[Tensor]]:
         ins = [pick(t, d, i) for t, d in zip(leaves, in_dims, strict=True)]
-        return one(p, ins, [pick(g, d, i) for g, d in zip(g_leaves, g_dims, strict=True)])
+        return outputs(p, ins, [pick(g, d, i) for g, d in zip(g_leaves, g_dims, strict=True)])
 
-    return loop_over_samples(params, n, total_of)
+    return loop_over_samples(params, n, sample)

@@ -69,24 +69,28 @@ def packed_rnn_batch_grads(
     hidden = [] if hx is None else [hx] if isinstance(hx, Tensor) else list(hx)
     n_states = 2 if isinstance(module, nn.LSTM) else 1
     g_data, g_states = grads_out[0], grads_out[-n_states:]
-    create_graph = torch.is_grad_enabled()
-    data = packed.data if create_graph else packed.data.detach()
+    if not torch.is_grad_enabled():  # (create_graph: kept, so the results stay differentiable)
+        data, hidden = packed.data.detach(), [h.detach() for h in hidden]
+    else:
+        data = packed.data
     rows = _rows(packed)
     batch_dim = 0 if module.batch_first else 1
 
-    def total_of(p: dict[str, Tensor], i: int) -> Tensor:
+    def sample(p: dict[str, Tensor], i: int) -> tuple[list[Tensor], list[Tensor]]:
         index = torch.tensor(rows[i], device=data.device)
         x = data.index_select(0, index).unsqueeze(batch_dim)  # [1, T_i, D] or [T_i, 1, D]
         h0 = [h[:, i : i + 1] for h in hidden]
         h_arg = None if not h0 else h0[0] if n_states == 1 else tuple(h0)
         out = tree_flatten(functional_call(module, p, (x, h_arg)))[0]
-        total = out[0].new_zeros(())
+        outs, gs = [], []
         if g_data is not None:
-            total = total + (out[0].squeeze(batch_dim) * g_data.index_select(0, index)).sum()
+            outs.append(out[0].squeeze(batch_dim))
+            gs.append(g_data.index_select(0, index))
         for state, g in zip(out[-n_states:], g_states, strict=True):
             if g is not None:
-                total = total + (state[:, 0] * g[:, i]).sum()
-        return total
+                outs.append(state[:, 0])
+                gs.append(g[:, i])
+        return outs, gs
 
     params = {k: p for k, p in module.named_parameters() if k in names}
-    return loop_over_samples(params, sample_count(packed), total_of)
+    return loop_over_samples(params, sample_count(packed), sample)
