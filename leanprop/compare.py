@@ -34,25 +34,59 @@ class Row:
     max_abs_diff: float | None = None
 
 
-def _leaves(result: Any) -> list[Tensor]:
-    leaves, _ = tree_flatten(result)
-    return [t.detach() for t in leaves if isinstance(t, Tensor)]
+def _by_key(result: Any) -> Any:
+    """``result`` with every dict's keys sorted, so dicts compare by key, not by order."""
+    if isinstance(result, Mapping):
+        return {k: _by_key(result[k]) for k in sorted(result, key=repr)}
+    if isinstance(result, list | tuple):
+        return type(result)(_by_key(v) for v in result) if type(result) in (list, tuple) else result
+    return result
+
+
+def _leaf_agreement(a: Any, b: Any, rtol: float, atol: float) -> tuple[bool, float]:
+    """One leaf: tensors and numbers within ``atol + rtol * max|b|`` (NaN and inf must sit at
+    the same places with the same values), anything else equal."""
+    if isinstance(a, Tensor) != isinstance(b, Tensor):
+        return False, float("inf")
+    if not isinstance(a, Tensor):
+        if isinstance(a, int | float | complex) and isinstance(b, int | float | complex):
+            a, b = torch.tensor(a), torch.tensor(b)
+        else:
+            try:
+                same = bool(a == b)
+            except (RuntimeError, TypeError, ValueError):
+                same = a is b
+            return same, 0.0 if same else float("inf")
+    a, b = a.detach(), b.detach()
+    if a.shape != b.shape:
+        return False, float("inf")
+    if not a.numel():
+        return True, 0.0
+    if not (a.is_floating_point() or a.is_complex()):
+        a, b = a.double(), b.double()
+    wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+    a, b = a.to(wide), b.to(wide)
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    same_special = bool(((a == b) | (a.isnan() & b.isnan()) | finite).all())
+    if not finite.any():
+        return same_special, 0.0 if same_special else float("inf")
+    diff = float((a - b)[finite].abs().max())
+    scale = float(b[finite].abs().max())
+    return same_special and diff <= atol + rtol * scale, diff if same_special else float("inf")
 
 
 def _agreement(result: Any, reference: Any, rtol: float, atol: float) -> tuple[bool, float]:
-    """Tensor by tensor: ``max|a - b| <= atol + rtol * max|b|`` (scale-aware, so entries near
-    zero do not fail on rounding that is tiny relative to the tensor)."""
-    got, ref = _leaves(result), _leaves(reference)
-    if len(got) != len(ref) or any(a.shape != b.shape for a, b in zip(got, ref, strict=False)):
+    """Leaf by leaf (same structure, dicts by key): ``max|a - b| <= atol + rtol * max|b|``
+    (scale-aware, so entries near zero do not fail on rounding that is tiny relative to the
+    tensor); numbers too, non-numeric leaves equal."""
+    got, got_spec = tree_flatten(_by_key(result))
+    ref, ref_spec = tree_flatten(_by_key(reference))
+    if got_spec != ref_spec:
         return False, float("inf")
     ok, worst = True, 0.0
     for a, b in zip(got, ref, strict=True):
-        if not a.numel():
-            continue
-        diff = float((a.double() - b.double()).abs().max())
-        scale = float(b.double().abs().max())
-        ok = ok and diff <= atol + rtol * scale
-        worst = max(worst, diff)
+        agree, diff = _leaf_agreement(a, b, rtol, atol)
+        ok, worst = ok and agree, max(worst, diff)
     return ok, worst
 
 
@@ -141,6 +175,11 @@ def compare(
     Returns:
         One :class:`Row` per variant, in the given order.
     """
+    if not isinstance(variants, Mapping):
+        raise LeanpropValueError(
+            f"compare() got variants as a {type(variants).__name__}; pass a dict from names to "
+            "step callables, e.g. {'plain': step_a, 'leanprop': step_b}."
+        )
     if not variants:
         raise LeanpropValueError("compare() got no variants; pass {'name': step_callable, ...}.")
     names = list(variants)

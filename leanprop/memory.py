@@ -35,8 +35,8 @@ from .errors import LeanpropValueError
 
 
 def _storage_key(t: Tensor) -> tuple[str, int]:
-    s = t.untyped_storage()
-    return (str(t.device), s.data_ptr())
+    """The storage object itself (stable when ``resize_`` or ``out=`` moves its data)."""
+    return (str(t.device), t.untyped_storage()._cdata)
 
 
 def _aliases(func: Any) -> bool:
@@ -77,14 +77,19 @@ class _LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()
         out = func(*args, **(kwargs or {}))
-        if not _aliases(func):
-            for t in tree_leaves(out):
-                if isinstance(t, Tensor) and t.device.type == "cpu":
-                    storage = t.untyped_storage()
-                    key = _storage_key(t)
-                    if storage.nbytes() and self._is_new(key):
-                        self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-                        self.current += storage.nbytes()
+        aliases = _aliases(func)  # views, in-place and out= ops: may grow a storage
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor) or t.device.type != "cpu":
+                continue
+            storage, key = t.untyped_storage(), _storage_key(t)
+            if key in self.live:
+                ref, before = self.live[key]
+                if storage.nbytes() != before:  # resize_, or out= into a smaller tensor
+                    self.live[key] = (ref, storage.nbytes())
+                    self.current += storage.nbytes() - before
+            elif not aliases and self._is_new(key):  # also empty: it may grow (out=)
+                self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
 
@@ -125,6 +130,11 @@ class track_memory:
     """
 
     def __init__(self, device: str | torch.device = "cpu", existing: Iterable[Any] = ()) -> None:
+        if not isinstance(device, str | torch.device):
+            raise LeanpropValueError(
+                f"track_memory() got device={device!r}; pass 'cpu' or a CUDA device such as "
+                "'cuda' or 'cuda:0' (a string or torch.device)."
+            )
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise LeanpropValueError(

@@ -122,13 +122,21 @@ def side_loss(
             backward through the same returned ``h``.
     """
     single = isinstance(h, Tensor)
-    hs = (h,) if single else tuple(h)
+    hs = (h,) if single else tuple(h) if isinstance(h, Sequence) else ()
     if not hs or not all(isinstance(t, Tensor) for t in hs):
         raise LeanpropValueError(
             f"side_loss() needs a tensor or a sequence of tensors as h, got {type(h).__name__}."
         )
     if not callable(fn):
         raise LeanpropValueError(f"side_loss() needs a callable fn, got {type(fn).__name__}.")
+    if not (
+        (isinstance(weight, Tensor) and weight.numel() == 1)
+        or (isinstance(weight, int | float) and not isinstance(weight, bool))
+    ):
+        raise LeanpropValueError(
+            f"side_loss() got weight={weight!r}; it must be a number or a one-element tensor "
+            "(the penalty's weight, e.g. 0.1)."
+        )
     if not isinstance(offload, bool):
         raise LeanpropValueError(f"side_loss() got offload={offload!r}; it must be True or False.")
     chunks = _chunks(hs, chunk_size, chunk_reduction)
@@ -299,7 +307,15 @@ class _TransformGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
-        return ctx.fn(g), None
+        out = ctx.fn(g)
+        if not isinstance(out, Tensor) or out.shape != g.shape:
+            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise LeanpropValueError(
+                f"transform_grad(): fn(grad) returned {got} for a gradient of shape "
+                f"{tuple(g.shape)}; it must return the new gradient, a tensor of the same shape "
+                "(return grad itself to leave it unchanged, torch.zeros_like(grad) to stop it)."
+            )
+        return out, None
 
 
 def transform_grad(h: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
@@ -317,6 +333,13 @@ def transform_grad(h: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
 def scale_grad(h: Tensor, s: float | Tensor) -> Tensor:
     """Identity in forward; backward multiplies the gradient by ``s``: a number, a scalar
     tensor, or per-sample factors ``[N]`` (broadcast over ``h``'s other dims)."""
+    if not isinstance(h, Tensor):
+        raise LeanpropValueError(f"scale_grad() needs a tensor h, got {type(h).__name__}.")
+    if not (isinstance(s, Tensor) or (isinstance(s, int | float) and not isinstance(s, bool))):
+        raise LeanpropValueError(
+            f"scale_grad() got s={s!r}; it must be a number, a scalar tensor or per-sample "
+            f"factors [{h.shape[0] if h.dim() else 1}]."
+        )
     if isinstance(s, Tensor) and s.dim() == 1 and h.dim() > 1:
         if s.shape[0] != h.shape[0]:
             raise LeanpropValueError(
@@ -324,6 +347,17 @@ def scale_grad(h: Tensor, s: float | Tensor) -> Tensor:
                 f"{tuple(h.shape)}; they need one factor per sample, [{h.shape[0]}]."
             )
         s = s.reshape(-1, *([1] * (h.dim() - 1)))
+    elif isinstance(s, Tensor) and s.dim() > 0:
+        try:
+            ok = torch.broadcast_shapes(s.shape, h.shape) == h.shape
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise LeanpropValueError(
+                f"scale_grad() got factors of shape {tuple(s.shape)} for h of shape "
+                f"{tuple(h.shape)}; they must broadcast to h's shape (a scalar, or one factor "
+                "per sample)."
+            )
     return transform_grad(h, lambda g: g * s)
 
 

@@ -57,7 +57,8 @@ def time_interleaved(
         >>> sorted(t)
         ['a', 'b']
     """
-    if reps < 1 or warmup < 0:
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (reps, warmup))
+    if not ints or reps < 1 or warmup < 0:
         raise LeanpropValueError(
             f"timing got reps={reps}, warmup={warmup}; need reps >= 1 and warmup >= 0."
         )

@@ -90,6 +90,21 @@ def test_unknown_suite_is_rejected(capsys):
     assert "unknown suite(s) nope" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "0 must be at least 1"),
+        (["--batch", "-4"], "-4 must be at least 1"),
+        (["--reps", "0"], "0 must be at least 1"),
+        (["--json", "no/such/folder/out.json"], "does not exist"),
+    ],
+)
+def test_bad_arguments_are_rejected_before_measuring(args, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "per-sample", *args])
+    assert message in capsys.readouterr().err
+
+
 def test_unknown_method_error():
     with pytest.raises(ValueError, match="unknown per-sample benchmark method 'x'"):
         per_sample_suite.make_step("x", per_sample_suite.torch.device("cpu"), 2)

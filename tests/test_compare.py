@@ -56,6 +56,32 @@ def test_compare_checks_structure_and_baseline():
         compare({})
 
 
+def test_compare_checks_every_kind_of_result():
+    """Numbers were not compared (1.0 vs 2.0 agreed); NaN and inf at the same places agree;
+    dicts compare by key; a list of variants is refused."""
+    nan = float("nan")
+    cases = [
+        (1.0, 2.0, False), (1.0, 1.0, True), (3, 3, True), (1 + 2j, 1 + 3j, False),
+        (nan, nan, True), (float("inf"), float("inf"), True), (float("inf"), -float("inf"), False),
+        (torch.tensor([1.0, nan, float("inf")]), torch.tensor([1.0, nan, float("inf")]), True),
+        (torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0]), False),
+        ({"a": torch.ones(2), "b": 1.0}, {"b": 1.0, "a": torch.ones(2)}, True),
+        ({"a": 1.0}, {"b": 1.0}, False), ("x", "x", True), ("x", "y", False),
+        (torch.tensor([1, 2]), torch.tensor([1, 3]), False),
+    ]  # fmt: skip
+    for a, b, agrees in cases:
+        rows = compare({"ref": lambda b=b: b, "got": lambda a=a: a}, reps=1, show=False,
+                       check=False)  # fmt: skip
+        from leanprop.compare import _agreement
+
+        assert _agreement(a, b, 1e-5, 1e-7)[0] is agrees, (a, b)
+        del rows
+    with pytest.raises(MismatchError):
+        compare({"ref": lambda: 1.0, "got": lambda: 2.0}, reps=1, show=False)
+    with pytest.raises(LeanpropValueError, match=r"variants as a list.*dict"):
+        compare([lambda: 1.0])
+
+
 def test_compare_per_sample_against_loop():
     """leanprop vs the per-sample loop, through the public comparison API."""
     torch.manual_seed(0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -313,3 +316,90 @@ def test_composes_with_per_sample_quantities():
         assert torch.allclose(p.grad_batch, expected[k], rtol=1e-10, atol=1e-14), k
         assert p.grad is None
         assert torch.allclose(p, before[k] - 0.1 * expected[k].sum(0), rtol=1e-12, atol=1e-14), k
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _failing_backward(model: nn.Module, x: torch.Tensor) -> None:
+    """A backward that raises halfway: after the last layer's gradients are accumulated."""
+    h = torch.tanh(model[0](x))
+
+    def boom(grad):
+        raise _Boom("hook failed")
+
+    h.register_hook(boom)
+    with pytest.raises(_Boom):
+        model[2](h).square().sum().backward()
+
+
+@pytest.mark.parametrize("bucket_mb", [1e-6, 25.0], ids=["stepped-before", "waiting"])
+@pytest.mark.parametrize("accumulating", [False, True], ids=["plain", "in-accumulate"])
+def test_a_backward_that_raises_leaves_the_next_one_exact(bucket_mb, accumulating):
+    """Buckets a failed backward stepped stay stepped; what it left is dropped, so the next
+    backward steps with its own gradients only (before: later backward passes stepped
+    nothing, or added to the failed one's gradients)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    opt = InBackward(model.parameters(), torch.optim.AdamW, lr=0.1, bucket_mb=bucket_mb)
+    x = torch.randn(16, 4, dtype=torch.float64)
+    if accumulating:
+        with opt.accumulate():
+            model(x).sum().backward()
+            _failing_backward(model, x)
+    else:
+        _failing_backward(model, x)
+    # the reference starts from the state the failure left, and steps ordinarily
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (loading shares tensors)
+    y = torch.randn(16, 4, dtype=torch.float64)
+    ref(y).square().sum().backward()
+    ref_opt.step()
+    with pytest.warns(RuntimeWarning, match="earlier backward raised") if (
+        bucket_mb > 1 or accumulating
+    ) else contextlib.nullcontext():
+        model(y).square().sum().backward()
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), k
+        assert p.grad is None, k
+    opt.step()  # nothing left waiting
+    opt.remove()
+
+
+def test_step_after_a_backward_that_raised_explains_nothing_is_lost():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    _failing_backward(model, torch.randn(3, 4))
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        opt.step()  # was: an error blaming accumulate()
+    assert all(p.grad is None for p in model.parameters())
+    opt.remove()
+
+
+def test_add_param_group_is_stepped_in_backward():
+    """Parameters of a group added later are stepped like the others (were never stepped)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
+    ref_a, ref_b = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
+    ref_a.load_state_dict(a.state_dict())
+    ref_b.load_state_dict(b.state_dict())
+    opt = InBackward(a.parameters(), torch.optim.Adam, lr=0.1)
+    opt.add_param_group({"params": b.parameters(), "lr": 0.01})
+    ref = torch.optim.Adam(ref_a.parameters(), lr=0.1)
+    ref.add_param_group({"params": ref_b.parameters(), "lr": 0.01})
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for _ in range(2):
+        b(torch.tanh(a(x))).sum().backward()
+        ref_b(torch.tanh(ref_a(x))).sum().backward()
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip([*a.parameters(), *b.parameters()], [*ref_a.parameters(), *ref_b.parameters()],
+                    strict=True):  # fmt: skip
+        assert torch.equal(p, q)
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 0.01
+    with pytest.raises(LeanpropValueError, match="already belong"):
+        opt.add_param_group({"params": [b.weight]})
+    opt.remove()

@@ -71,3 +71,30 @@ def test_cuda_peak_of_known_allocation():
         a = torch.empty(2**20, device="cuda")  # 4 MiB, a multiple of the allocator's blocks
         del a
     assert mem.peak_bytes == 4 * 2**20
+
+
+def test_storage_grown_by_resize_or_out_is_counted():
+    """resize_ and results written through out= into empty tensors (were 40 bytes and 0)."""
+    a, b = torch.randn(100, 100), torch.randn(100, 100)
+    with track_memory(existing=[a, b]) as mem:
+        t = torch.empty(0)
+        t.resize_(100_000)  # 400 kB
+    assert mem.peak_bytes == 400_000
+    with track_memory(existing=[a, b]) as mem:
+        out = torch.empty(0)
+        torch.mm(a, b, out=out)  # 40 kB written into it
+    assert mem.peak_bytes == 40_000
+    del t, out
+
+
+@pytest.mark.parametrize("device", [123, None, 1.5])
+def test_device_must_be_a_string_or_device(device):
+    with pytest.raises(LeanpropValueError, match=r"string or torch\.device"):
+        track_memory(device)
+
+
+def test_time_fn_reps_must_be_a_whole_number():
+    from leanprop import time_fn
+
+    with pytest.raises(LeanpropValueError, match=r"reps=2\.5"):
+        time_fn(lambda: None, reps=2.5)

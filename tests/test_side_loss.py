@@ -136,6 +136,24 @@ def test_bad_input():
         side_loss(torch.randn(2), "fn")
     with pytest.raises(LeanpropValueError, match=r"one factor per sample, \[3\]"):
         scale_grad(torch.randn(3, 2), torch.ones(2))
+    # up front, not in backward (were: a str multiplied in backward, a shape error there)
+    with pytest.raises(LeanpropValueError, match=r"weight='0.1'.*number"):
+        side_loss(torch.randn(2, requires_grad=True), lambda t: t.sum(), weight="0.1")
+    with pytest.raises(LeanpropValueError, match="tensor or a sequence"):
+        side_loss(None, lambda t: t.sum())
+    with pytest.raises(LeanpropValueError, match=r"s='2'"):
+        scale_grad(torch.randn(3, 2), "2")
+    with pytest.raises(LeanpropValueError, match=r"shape \(4, 1\).*broadcast"):
+        scale_grad(torch.randn(3, 2), torch.ones(4, 1))
+
+
+def test_transform_grad_must_return_the_gradient():
+    """fn returning None dropped the gradient silently."""
+    x = torch.randn(3, 2, requires_grad=True)
+    with pytest.raises(LeanpropValueError, match=r"returned NoneType.*same shape"):
+        transform_grad(x * 1.0, lambda g: None).sum().backward()
+    with pytest.raises(LeanpropValueError, match=r"returned \(2,\)"):
+        transform_grad(x * 1.0, lambda g: g[0]).sum().backward()
 
 
 def test_scale_and_transform_grad():

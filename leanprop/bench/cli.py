@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from collections.abc import Callable
@@ -113,6 +114,17 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``leanprop`` command."""
     ap = argparse.ArgumentParser(prog="leanprop", description=__doc__)
@@ -121,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("suites", nargs="*", help=f"any of {', '.join(SUITES)} (default: all)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     b.add_argument("--size", default="small", choices=["small", "large"])
-    b.add_argument("--batch", type=int, nargs="+", help="batch sizes (override --size)")
-    b.add_argument("--reps", type=int, help="timed runs per method (default: 5 small, 10 large)")
+    b.add_argument("--batch", type=_positive_int, nargs="+", help="batch sizes (override --size)")
+    b.add_argument(
+        "--reps", type=_positive_int, help="timed runs per method (default: 5 small, 10 large)"
+    )
     b.add_argument("--json", help="also write the rows and the environment to this file")
     b.add_argument("--plot", help="also write a bar chart PNG to this file")
     a = ap.parse_args(argv)
@@ -132,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    for flag, path in (("--json", a.json), ("--plot", a.plot)):  # before hours of measuring
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):
+            ap.error(f"{flag} {path}: the folder {folder} does not exist; create it first")
     report: dict = {"environment": environment(), "suites": {}}
     for i, name in enumerate(names, 1):
         suite = SUITES[name]

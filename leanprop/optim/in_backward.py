@@ -17,6 +17,12 @@ The facade *is* a ``torch.optim.Optimizer`` sharing the inner optimizer's ``para
 ``state``: LR schedulers, ``state_dict()`` / ``load_state_dict()`` (interchangeable with the
 plain optimizer's) and trainers work. ``step()`` is a no-op kept for them.
 
+A backward that raises (a hook, anomaly detection, out of memory) is abandoned: buckets it
+already stepped stay stepped, and every gradient it left unstepped is dropped (with a warning)
+when the next backward or ``step()`` comes, so the next backward steps with its own gradients
+only (gradients accumulated by ``accumulate()`` micro-batches before it are dropped too: they
+cannot be told apart from the failed backward's partial ones).
+
 Under ``DistributedDataParallel`` pass ``ddp=``: buckets are stepped after their all-reduce
 (see :mod:`leanprop.optim.distributed`); under FSDP2 pass ``fsdp=`` to step each unit with one
 call after its reduce-scatter.
@@ -24,6 +30,9 @@ call after its reduce-scatter.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -34,6 +43,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._torch_compat import current_graph_task_id, queue_callback
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
 
@@ -67,6 +77,21 @@ def _guard_clipping(on: bool) -> None:
         torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _guarded_clip_grad_norm_
     elif not on and _CLIP_ORIGINAL and not len(_OWNER):
         torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _CLIP_ORIGINAL.pop()
+
+
+def _inside_running_backward() -> bool:
+    """Whether this code runs inside the backward of an autograd Function (a backward or
+    autograd.grad started there is nested in a running one)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_FUNCTION_PY = os.path.join("torch", "autograd", "function.py")
 
 
 def _total_norm(
@@ -160,6 +185,7 @@ class InBackward(torch.optim.Optimizer):
         self._ready_bytes = 0
         self._accumulating = False
         self._callback_queued = False
+        self._queued_task = -1  # the backward whose end will step what is left
         self._measuring: dict[int, Tensor] | None = None  # id(p) -> grad norm, first pass
         self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: Tensor | None = None  # global norm of the last backward (clipping)
@@ -183,10 +209,41 @@ class InBackward(torch.optim.Optimizer):
             self._ddp = DDPStepper(self, ddp)
         for p in params_all:
             if p.requires_grad:
-                _OWNER[p] = self
-                if self._ddp is None:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
+                self._hook(p)
+        self._constructed = True
         _guard_clipping(True)
+
+    def _hook(self, p: Tensor) -> None:
+        _OWNER[p] = self
+        if self._ddp is None:
+            self._handles.append(p.register_hook(self._before_accumulate))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (as ``torch.optim.Optimizer.add_param_group``); its
+        parameters are stepped in backward like the others."""
+        if not getattr(self, "_constructed", False):  # torch's __init__ adding the groups
+            super().add_param_group(param_group)
+            return
+        if self._ddp is not None:
+            raise UnsupportedModelError(
+                "InBackward(ddp=...).add_param_group(): DDP's buckets are fixed when it wraps "
+                "the model; build the InBackward with every parameter group instead."
+            )
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        taken = [p for p in params if p in _OWNER]
+        if taken:
+            raise LeanpropValueError(
+                f"InBackward.add_param_group(): {len(taken)} parameter(s) already belong to an "
+                "InBackward optimizer (each gradient can be stepped once)."
+            )
+        self.inner.add_param_group({**group, "params": params})
+        self._share()
+        for p in params:
+            if p.requires_grad:
+                self._hook(p)
 
     def _share(self) -> None:
         """The facade and the inner optimizer use the same groups and state objects."""
@@ -216,6 +273,8 @@ class InBackward(torch.optim.Optimizer):
             )
         if closure is not None:
             raise LeanpropValueError("InBackward.step() takes no closure; steps run in backward.")
+        if self._callback_queued and current_graph_task_id() == -1:
+            self._drop_failed_backward()  # a backward raised: its end never came
         if not self._hooked:
             self.inner.step()
             return
@@ -342,6 +401,43 @@ class InBackward(torch.optim.Optimizer):
             if self._approx_coef is not None:
                 p.grad.mul_(self._approx_coef)
 
+    def _before_accumulate(self, grad: Tensor) -> None:
+        """Before a gradient is accumulated: the first time in a backward, queue its end (also
+        inside accumulate()). If an earlier backward's end never came (it raised), drop what it
+        left first, so this backward does not add to it. (A backward run from inside the queued
+        one, e.g. by a reentrant checkpoint, is part of it.)"""
+        task = current_graph_task_id()
+        if task == self._queued_task:
+            return
+        if self._callback_queued:
+            if _inside_running_backward():
+                return
+            self._drop_failed_backward()
+        self._callback_queued = True
+        self._queued_task = task
+        queue_callback(self._end_of_backward)
+
+    def _drop_failed_backward(self) -> None:
+        """Forget a backward that raised: its unstepped gradients are dropped."""
+        dropped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for p in dropped:
+            p.grad = None
+        self._ready.clear()
+        self._ready_bytes = 0
+        self._unit_ready.clear()
+        self._norms = {}
+        self._callback_queued = False
+        self._queued_task = -1
+        if dropped:
+            warnings.warn(
+                f"InBackward: an earlier backward raised before it ended; the {len(dropped)} "
+                "gradient(s) it left unstepped were dropped (buckets it stepped before the "
+                "error stay stepped). This step uses only the gradients of backward passes "
+                "after it.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
     def _on_ready(self, p: Tensor) -> None:
         if self._accumulating or p.grad is None:
             return
@@ -350,9 +446,6 @@ class InBackward(torch.optim.Optimizer):
             p.grad = None
             return
         self._clip(p)
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         unit = self._unit_of.get(id(p))
         if unit is not None:  # FSDP2: step the unit once all its gradients are reduced
             waiting = self._unit_ready.setdefault(unit, [])
@@ -367,6 +460,7 @@ class InBackward(torch.optim.Optimizer):
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self._queued_task = -1
         self._step_ready()
         for waiting in self._unit_ready.values():  # units with parameters left unused
             self._step_params(waiting, clip=False)

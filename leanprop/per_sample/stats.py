@@ -3,7 +3,8 @@
 Reductions over the leading (sample) dimension are cache-blocked: the columns are processed in
 blocks of about 1 MiB so temporaries stay in cache (several times faster on CPU than one
 strided reduction over the whole tensor). When autograd records (``create_graph=True``), plain
-differentiable formulas are used instead. The variance is always computed from centred values.
+differentiable formulas are used instead. The variance comes from sums shifted by a mean
+(the corrected two-pass form), accurate where the mean is large against the spread.
 """
 
 from __future__ import annotations
@@ -44,33 +45,49 @@ def sum_sq(b: Tensor) -> Tensor:
     b = widen(b)
     if _recording(b):
         return b.pow(2).sum(0)
-    return _blocked_sum_sq(b, None).view(b.shape[1:])
+    return _blocked_sums(b, None)[1].view(b.shape[1:])
+
+
+def shifted_sums(b: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+    """``sum_n (b[n] - shift)`` and ``sum_n (b[n] - shift)²``, each ``b.shape[1:]``: with a
+    shift near the mean, the variance ``(s2 - s1²/N) / N`` is as accurate as a centred one
+    even where the mean is large against the spread."""
+    b = widen(b)
+    if _recording(b):
+        d = b - shift
+        return d.sum(0), d.pow(2).sum(0)
+    s1, s2 = _blocked_sums(b, shift.reshape(-1))
+    return s1.view(b.shape[1:]), s2.view(b.shape[1:])
 
 
 def mean_m2(b: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean and centred sum of squares ``sum_n (b[n] - mean)²`` over the samples."""
+    """Mean and centred sum of squares ``sum_n (b[n] - mean)²`` over the samples (the
+    corrected two-pass form: the rounding error of the mean is taken out again)."""
     b = widen(b)
     mean = b.mean(0)
-    if _recording(b):
-        return mean, (b - mean).pow(2).sum(0)
-    return mean, _blocked_sum_sq(b, mean.reshape(-1)).view(b.shape[1:])
+    s1, s2 = shifted_sums(b, mean)
+    return mean, s2 - s1 * s1 / max(b.shape[0], 1)
 
 
-def _blocked_sum_sq(b: Tensor, centre: Tensor | None) -> Tensor:
-    """``sum_n (b[n] - centre)²`` flattened, a block of columns at a time in one scratch
-    buffer (a fresh temporary per block costs more than the arithmetic: page faults)."""
+def _blocked_sums(b: Tensor, shift: Tensor | None) -> tuple[Tensor | None, Tensor]:
+    """``sum_n (b[n] - shift)`` (None without a shift) and ``sum_n (b[n] - shift)²``,
+    flattened, a block of columns at a time in one scratch buffer (a fresh temporary per
+    block costs more than the arithmetic: page faults)."""
     flat, blk = _blocks(b)
-    out = flat.new_empty(flat.shape[1])
+    s2 = flat.new_empty(flat.shape[1])
+    s1 = None if shift is None else flat.new_empty(flat.shape[1])
     scratch = flat.new_empty(flat.shape[0], min(blk, flat.shape[1]))
     for j in range(0, flat.shape[1], blk):
         part = flat[:, j : j + blk]
         tmp = scratch[:, : part.shape[1]]
-        if centre is None:
+        if shift is None:
             torch.mul(part, part, out=tmp)
         else:
-            torch.sub(part, centre[j : j + blk], out=tmp).square_()
-        torch.sum(tmp, 0, out=out[j : j + blk])
-    return out
+            torch.sub(part, shift[j : j + blk], out=tmp)
+            torch.sum(tmp, 0, out=s1[j : j + blk])
+            tmp.square_()
+        torch.sum(tmp, 0, out=s2[j : j + blk])
+    return s1, s2
 
 
 def quantities_of(b: Tensor, kinds: frozenset[type[Quantity]]) -> dict[str, Tensor]:
@@ -100,7 +117,8 @@ def quantities_from_batch(
 
 class Reducer:
     """Streams chunks of individual gradients ``[n_chunk, *shape]`` into the quantities,
-    without keeping them unless ``BatchGrad`` is asked for."""
+    without keeping them unless ``BatchGrad`` is asked for. The variance uses shifted sums
+    (shift: the first chunk's mean), as accurate chunked as in one piece."""
 
     def __init__(self, kinds: frozenset[type[Quantity]], like: Tensor, n: int) -> None:
         self.kinds, self.like, self.n = kinds, like, n
@@ -108,10 +126,11 @@ class Reducer:
         self.full: Tensor | None = None  # preallocated [n, *shape] when not recording
         self.l2: list[Tensor] = []
         self.count = 0
-        self.mean: Tensor | None = None
-        self.m2: Tensor | None = None
+        self.shift: Tensor | None = None  # Variance: the first chunk's mean
+        self.s1: Tensor | None = None  # Variance: sum of (b - shift)
+        self.s2: Tensor | None = None  # Variance: sum of (b - shift)²
         self.sgs: Tensor | None = None
-        self.total: Tensor | None = None  # sum of the chunks written into `full`
+        self.total: Tensor | None = None  # sum of the individual gradients
 
     def target(self, start: int, stop: int, like: Tensor) -> Tensor | None:
         """Buffer slice ``[stop - start, *shape]`` a rule may write chunk ``start:stop`` into
@@ -145,18 +164,14 @@ class Reducer:
         if SumGradSquared in self.kinds:
             s = sum_sq(b)
             self.sgs = s if self.sgs is None else self.sgs + s
+        total = widen(b).sum(0)
         if Variance in self.kinds:
-            mean_c, m2_c = mean_m2(b)
-        else:
-            mean_c, m2_c = b.mean(0), None
-        if self.mean is None:
-            self.mean, self.m2 = mean_c, m2_c
-        else:  # combine chunks (Chan et al.), still centred
-            total = self.count + k
-            delta = mean_c - self.mean
-            self.mean = self.mean + delta * (k / total)
-            if m2_c is not None:
-                self.m2 = self.m2 + m2_c + delta.pow(2) * (self.count * k / total)
+            if self.shift is None:
+                self.shift = total / max(k, 1)
+            s1, s2 = shifted_sums(b, self.shift)
+            self.s1 = s1 if self.s1 is None else self.s1 + s1
+            self.s2 = s2 if self.s2 is None else self.s2 + s2
+        self.total = total if self.total is None else self.total + total
         self.count += k
 
     def result(self) -> tuple[dict[str, Tensor], Tensor]:
@@ -166,7 +181,7 @@ class Reducer:
                 return quantities_of(self.full, self.kinds), self.total
             b = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
             return quantities_from_batch(b, self.kinds)
-        if self.mean is None:
+        if self.total is None:
             return quantities_from_batch(self.like.new_zeros(0, *self.like.shape), self.kinds)
         out: dict[str, Tensor] = {}
         if BatchL2Grad in self.kinds:
@@ -174,5 +189,5 @@ class Reducer:
         if SumGradSquared in self.kinds:
             out[SumGradSquared.attr] = self.sgs
         if Variance in self.kinds:
-            out[Variance.attr] = self.m2 / self.count
-        return out, self.mean * self.count
+            out[Variance.attr] = (self.s2 - self.s1 * self.s1 / self.count) / self.count
+        return out, self.total
