@@ -358,9 +358,11 @@ def test_a_backward_that_raises_leaves_the_next_one_exact(bucket_mb, accumulatin
     y = torch.randn(16, 4, dtype=torch.float64)
     ref(y).square().sum().backward()
     ref_opt.step()
-    with pytest.warns(RuntimeWarning, match="earlier backward raised") if (
-        bucket_mb > 1 or accumulating
-    ) else contextlib.nullcontext():
+    with (
+        pytest.warns(RuntimeWarning, match="earlier backward raised")
+        if (bucket_mb > 1 or accumulating)
+        else contextlib.nullcontext()
+    ):
         model(y).square().sum().backward()
     for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), k
