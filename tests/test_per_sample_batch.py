@@ -288,3 +288,58 @@ def test_chunked_lm_head_loss_composes_with_per_sample(tied, reduction):
 
     model.reduction = "mean" if reduction == "mean" else "sum"
     check(model, lambda: model(idx, y), own_loss, n, (BatchGrad(), BatchL2Grad()))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", ["label-smoothing", "class-weights"])
+def test_chunked_lm_head_options_compose_with_per_sample(reduction, options):
+    """Every quantity of a tied head under each F.cross_entropy option, against the same
+    forward's plain per-row losses grouped by sample (T == N)."""
+    from leanprop import SumGradSquared
+    from leanprop.testing import individual_gradients_of_losses, quantities_from_individual
+
+    torch.manual_seed(0)
+    model = ChunkedHead(True, reduction).double()
+    n = t = 4
+    idx, y = torch.randint(0, 11, (n, t)), torch.randint(0, 11, (n, t))
+    y[0, 1] = -100
+    extra = (
+        {"label_smoothing": 0.3} if options == "label-smoothing"
+        else {"class_weight": torch.rand(11, dtype=torch.float64) + 0.5}
+    )  # fmt: skip
+    params = dict(model.named_parameters())
+    kinds = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+
+    def both(idx: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(model.mix(model.emb(idx))).flatten(0, 1)
+        out = leanprop.chunked_linear_cross_entropy(
+            h, model.head.weight, y.flatten(), model.head.bias, chunk_size=3,
+            reduction=reduction, **extra,
+        )  # fmt: skip
+        rows = F.cross_entropy(
+            F.linear(h, model.head.weight, model.head.bias),
+            y.flatten(),
+            reduction="none",
+            weight=extra.get("class_weight"),
+            label_smoothing=extra.get("label_smoothing", 0.0),
+        )  # the oracle's per-row losses, from the same forward
+        return out, rows
+
+    model.forward = both
+    with leanprop.per_sample(model, *kinds):
+        out, rows = model(idx, y)
+        go = torch.rand(n * t, dtype=torch.float64) if reduction == "none" else None
+        if reduction == "mean":
+            w = extra.get("class_weight")
+            kept = y.flatten() != -100
+            rows = rows / (kept.sum() if w is None else w[y.flatten()[kept]].sum())
+        if go is not None:
+            rows = rows * go
+            out.backward(go, retain_graph=True)
+        else:
+            out.backward(retain_graph=True)
+    expected = individual_gradients_of_losses(rows.view(n, t).sum(1), params)
+    for k, p in params.items():
+        ref = quantities_from_individual(expected[k])
+        for q in kinds:
+            assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-9, 1e-12)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..side_loss import logit_grads, rows_per_chunk
+from ..side_loss import LossSpec, logit_grads, rows_per_chunk
 from .batch import BatchDim, to_front
 from .rules.linear import gram_is_cheaper
 
@@ -118,29 +118,36 @@ def _chunked_cross_entropy(
 ) -> dict[int, Tensor] | None:  # fmt: skip
     h, weight, target = args[0], args[1], args[2]
     bias = args[3] if len(args) > 3 else kwargs.get("bias")
-    h2, t1 = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+    h2, t1 = h.reshape(-1, h.shape[-1]), target.reshape(-1).long()
     rows = h2.shape[0]
     if bd is None or bd.dim != 0 or not n or rows % n or not set(positions) <= {1, 3}:
         return None  # rows not grouped by sample: the generic path decides
     inner = rows // n  # rows of one sample (h is [N*T, D] or [N, T, D])
     chunk = rows_per_chunk(weight, kwargs.get("chunk_size"), kwargs.get("chunk_mib", 32.0))
-    ignore = kwargs.get("ignore_index", -100)
-    scale = g
-    if kwargs.get("reduction", "mean") == "mean":
-        scale = g / (t1 != ignore).sum().clamp(min=1).to(g.dtype)
+    spec = LossSpec(
+        kwargs.get("ignore_index", -100), kwargs.get("class_weight"),
+        float(kwargs.get("label_smoothing", 0.0)),
+    )  # fmt: skip
     acc = torch.float32 if h2.dtype != torch.float64 else h2.dtype
+    reduction = kwargs.get("reduction", "mean")
+    per_row = g.reshape(-1) if reduction == "none" else None  # each row's output gradient
+    scale = g
+    if reduction == "mean":
+        mass = spec.row_weights(t1, t1 != spec.ignore_index, acc).sum()
+        scale = g / mass.clamp(min=1e-30).to(g.dtype)
     per_w = weight.new_zeros(n, *weight.shape) if 1 in positions else None
     per_b = bias.new_zeros(n, *bias.shape) if 3 in positions and bias is not None else None
-    for start, stop, d, _ in logit_grads(h2, weight, bias, t1, chunk, ignore, acc):
+    for start, stop, d, _ in logit_grads(h2, weight, bias, t1, chunk, spec, acc):
+        if per_row is not None:
+            d = d * per_row[start:stop, None].to(d.dtype)
         for s in range(start // inner, (stop - 1) // inner + 1):  # samples in the chunk
             lo, hi = max(start, s * inner), min(stop, (s + 1) * inner)
             if per_w is not None:
                 per_w[s].addmm_(d[lo - start : hi - start].mT, h2[lo:hi])
             if per_b is not None:
-                per_b[s] += d[lo - start : hi - start].sum(0)
+                per_b[s] += d[lo - start : hi - start].sum(0).sum_to_size(bias.shape)
     out: dict[int, Tensor] = {}
-    if per_w is not None:
-        out[1] = per_w.mul_(scale.to(per_w.dtype))
-    if per_b is not None:
-        out[3] = per_b.mul_(scale.to(per_b.dtype))
+    for i, per in ((1, per_w), (3, per_b)):
+        if per is not None:
+            out[i] = per if per_row is not None else per.mul_(scale.to(per.dtype))
     return out if set(out) == set(positions) else None
