@@ -405,3 +405,72 @@ def test_add_param_group_is_stepped_in_backward():
     with pytest.raises(LeanpropValueError, match="already belong"):
         opt.add_param_group({"params": [b.weight]})
     opt.remove()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bucket_mb": "25"}, "bucket_mb='25'"),
+        ({"bucket_mb": None}, "bucket_mb=None"),
+        ({"bucket_mb": float("inf")}, "bucket_mb=inf"),
+        ({"clip_grad_norm": "1"}, "clip_grad_norm='1'"),
+        ({"clip_grad_norm": float("nan")}, "clip_grad_norm=nan"),
+    ],
+)
+def test_bad_option_values_are_refused_up_front(kwargs, message):
+    model = nn.Linear(3, 2)
+    with pytest.raises(LeanpropValueError, match=message):
+        InBackward(model.parameters(), torch.optim.SGD, lr=0.1, **kwargs)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    loss = model(torch.randn(4, 3)).sum()
+    with pytest.raises(LeanpropValueError, match="max_norm='1'"):
+        opt.clipped_backward(loss, "1")  # before its first backward pass
+    assert model.weight.grad is None
+    opt.remove()
+
+
+def test_reentrant_checkpoint_is_refused_not_stepped_per_inner_backward():
+    """A block under checkpoint(use_reentrant=True) applied 3 times had its weight stepped 3
+    times per backward, each with part of the gradient."""
+    torch.manual_seed(0)
+    block = nn.Linear(4, 4)
+    opt = InBackward(block.parameters(), torch.optim.SGD, lr=0.1)
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for _ in range(3):
+        h = checkpoint(block, h, use_reentrant=True)
+    with pytest.raises(UnsupportedModelError, match=r"use_reentrant=False"):
+        h.sum().backward()
+    ref = nn.Linear(4, 4)
+    ref.load_state_dict(block.state_dict())
+    r = x
+    for _ in range(3):
+        r = ref(r)
+    r.sum().backward()
+    h = x
+    for _ in range(3):
+        h = checkpoint(block, h, use_reentrant=False)
+    h.sum().backward()  # steps once, with the whole gradient
+    torch.testing.assert_close(block.weight, ref.weight - 0.1 * ref.weight.grad)
+    assert block.weight.grad is None
+    opt.remove()
+
+
+def test_dropped_without_remove_releases_everything():
+    """Hooks do not keep the optimizer alive: collected, it stops stepping, and the
+    parameters can get a new InBackward (were: stepped forever, refused)."""
+    import gc
+    import weakref
+
+    model = nn.Linear(3, 2)
+    opt = InBackward(model.parameters(), torch.optim.Adam, lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    before = model.weight.detach().clone()
+    model(torch.randn(4, 3)).sum().backward()
+    assert torch.equal(model.weight, before) and model.weight.grad is not None  # ordinary
+    model.zero_grad()
+    InBackward(model.parameters(), torch.optim.SGD, lr=0.1).remove()

@@ -23,6 +23,11 @@ when the next backward or ``step()`` comes, so the next backward steps with its 
 only (gradients accumulated by ``accumulate()`` micro-batches before it are dropped too: they
 cannot be told apart from the failed backward's partial ones).
 
+A backward run inside another (``checkpoint(use_reentrant=True)``) that accumulates gradients
+of these parameters is refused: stepping there would step them once per inner backward with
+part of their gradient; use ``use_reentrant=False``. The hooks hold the optimizer weakly: one
+dropped without :meth:`InBackward.remove` stops stepping when it is collected.
+
 Under ``DistributedDataParallel`` pass ``ddp=``: buckets are stepped after their all-reduce
 (see :mod:`leanprop.optim.distributed`); under FSDP2 pass ``fsdp=`` to step each unit with one
 call after its reduce-scatter.
@@ -30,9 +35,11 @@ call after its reduce-scatter.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -47,7 +54,16 @@ from .._torch_compat import current_graph_task_id, queue_callback
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
 
-_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the InBackward stepping it
+# parameter -> weak reference to the InBackward stepping it (hooks and this map never keep an
+# optimizer alive: one dropped without remove() releases its hooks when collected)
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _owner(p: Tensor) -> InBackward | None:
+    ref = _OWNER.get(p)
+    return None if ref is None else ref()
+
+
 _NEEDS_CLOSURE = (torch.optim.LBFGS,)
 
 
@@ -57,7 +73,7 @@ _CLIP_ORIGINAL: list[Any] = []  # torch's clip_grad_norm_, while the guard below
 def _guarded_clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
     """torch's ``clip_grad_norm_``, refusing parameters whose gradients InBackward freed."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    if any(p in _OWNER and p.grad is None for p in params):
+    if any(_owner(p) is not None and p.grad is None for p in params):
         raise UnsupportedModelError(
             "clip_grad_norm_ got parameters of an InBackward optimizer: their gradients were "
             "already stepped and freed during backward, so there is nothing left to clip. Use "
@@ -75,8 +91,36 @@ def _guard_clipping(on: bool) -> None:
     if on and not _CLIP_ORIGINAL:
         _CLIP_ORIGINAL.append(torch.nn.utils.clip_grad_norm_)
         torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _guarded_clip_grad_norm_
-    elif not on and _CLIP_ORIGINAL and not len(_OWNER):
+    elif not on and _CLIP_ORIGINAL and not any(r() is not None for r in _OWNER.values()):
         torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _CLIP_ORIGINAL.pop()
+
+
+def _positive(x: Any, allow_inf: bool = False) -> bool:
+    """A positive number (not a bool, not NaN; infinite only where allowed)."""
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return False
+    return x > 0 and (allow_inf or x < float("inf"))
+
+
+def _before_accumulate(ref: weakref.ref, grad: Tensor) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._before_accumulate(grad)
+
+
+def _on_ready(ref: weakref.ref, p: Tensor) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._on_ready(p)
+
+
+def _release(handles: list[RemovableHandle]) -> None:
+    """An InBackward was collected without remove(): its hooks go, and the clipping guard
+    with the last one."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+    _guard_clipping(False)
 
 
 def _inside_running_backward() -> bool:
@@ -166,12 +210,16 @@ class InBackward(torch.optim.Optimizer):
                 f"InBackward() cannot run {optimizer_class.__name__}: it needs a closure that "
                 "re-evaluates the loss, which a step inside backward cannot provide."
             )
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
+        if clip_grad_norm is not None and not _positive(clip_grad_norm):
             raise LeanpropValueError(
-                f"InBackward() got clip_grad_norm={clip_grad_norm!r}; it must be > 0 or None."
+                f"InBackward() got clip_grad_norm={clip_grad_norm!r}; it must be a positive, "
+                "finite number (the largest global gradient norm) or None."
             )
-        if not bucket_mb > 0:
-            raise LeanpropValueError(f"InBackward() got bucket_mb={bucket_mb!r}; it must be > 0.")
+        if not _positive(bucket_mb):
+            raise LeanpropValueError(
+                f"InBackward() got bucket_mb={bucket_mb!r}; it must be a positive, finite "
+                "number of MiB (e.g. 25)."
+            )
         if ddp is not None and fsdp is not None:
             raise LeanpropValueError(
                 "InBackward() takes ddp= (a DistributedDataParallel module) or fsdp= (a model "
@@ -186,6 +234,7 @@ class InBackward(torch.optim.Optimizer):
         self._accumulating = False
         self._callback_queued = False
         self._queued_task = -1  # the backward whose end will step what is left
+        self._nested_task = -1  # a backward run inside a running one (reentrant checkpoint)
         self._measuring: dict[int, Tensor] | None = None  # id(p) -> grad norm, first pass
         self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: Tensor | None = None  # global norm of the last backward (clipping)
@@ -194,7 +243,7 @@ class InBackward(torch.optim.Optimizer):
         self._coef: Tensor | None = None  # clipped_backward, second pass
         self._handles: list[RemovableHandle] = []
         params_all = [p for g in self.param_groups for p in g["params"]]
-        taken = [p for p in params_all if p in _OWNER]
+        taken = [p for p in params_all if _owner(p) is not None]
         if taken:
             raise LeanpropValueError(
                 f"InBackward(): {len(taken)} parameter(s) already belong to another InBackward "
@@ -212,12 +261,17 @@ class InBackward(torch.optim.Optimizer):
                 self._hook(p)
         self._constructed = True
         _guard_clipping(True)
+        # dropped without remove(): its hooks go when it is collected
+        weakref.finalize(self, _release, self._handles)
 
     def _hook(self, p: Tensor) -> None:
-        _OWNER[p] = self
+        me = weakref.ref(self)
+        _OWNER[p] = me
         if self._ddp is None:
-            self._handles.append(p.register_hook(self._before_accumulate))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
+            self._handles.append(p.register_hook(functools.partial(_before_accumulate, me)))
+            self._handles.append(
+                p.register_post_accumulate_grad_hook(functools.partial(_on_ready, me))
+            )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (as ``torch.optim.Optimizer.add_param_group``); its
@@ -233,7 +287,7 @@ class InBackward(torch.optim.Optimizer):
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
-        taken = [p for p in params if p in _OWNER]
+        taken = [p for p in params if _owner(p) is not None]
         if taken:
             raise LeanpropValueError(
                 f"InBackward.add_param_group(): {len(taken)} parameter(s) already belong to an "
@@ -334,6 +388,12 @@ class InBackward(torch.optim.Optimizer):
         Returns:
             The total gradient norm (before clipping), as ``clip_grad_norm_`` returns it.
         """
+        if not _positive(max_norm) or not _positive(norm_type, allow_inf=True):
+            raise LeanpropValueError(
+                f"InBackward.clipped_backward() got max_norm={max_norm!r}, norm_type="
+                f"{norm_type!r}; max_norm must be a positive, finite number and norm_type a "
+                "positive number (or inf)."
+            )
         if self._accumulating:
             raise UnsupportedModelError(
                 "InBackward.clipped_backward() inside accumulate(): clip in the last "
@@ -371,7 +431,7 @@ class InBackward(torch.optim.Optimizer):
             self._ddp = None
         for g in self.param_groups:
             for p in g["params"]:
-                if _OWNER.get(p) is self:
+                if _owner(p) is self:
                     del _OWNER[p]
         _guard_clipping(False)
 
@@ -407,17 +467,18 @@ class InBackward(torch.optim.Optimizer):
         left first, so this backward does not add to it. (A backward run from inside the queued
         one, e.g. by a reentrant checkpoint, is part of it.)"""
         task = current_graph_task_id()
-        if task == self._queued_task:
+        if task in (self._queued_task, self._nested_task):
+            return
+        if _inside_running_backward():  # a backward run from inside another one's
+            self._nested_task = task
             return
         if self._callback_queued:
-            if _inside_running_backward():
-                return
             self._drop_failed_backward()
         self._callback_queued = True
         self._queued_task = task
         queue_callback(self._end_of_backward)
 
-    def _drop_failed_backward(self) -> None:
+    def _drop_failed_backward(self, warn: bool = True) -> None:
         """Forget a backward that raised: its unstepped gradients are dropped."""
         dropped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         for p in dropped:
@@ -428,7 +489,7 @@ class InBackward(torch.optim.Optimizer):
         self._norms = {}
         self._callback_queued = False
         self._queued_task = -1
-        if dropped:
+        if dropped and warn:
             warnings.warn(
                 f"InBackward: an earlier backward raised before it ended; the {len(dropped)} "
                 "gradient(s) it left unstepped were dropped (buckets it stepped before the "
@@ -441,6 +502,16 @@ class InBackward(torch.optim.Optimizer):
     def _on_ready(self, p: Tensor) -> None:
         if self._accumulating or p.grad is None:
             return
+        if current_graph_task_id() == self._nested_task:
+            self._drop_failed_backward(warn=False)  # none of its gradients may stay
+            raise UnsupportedModelError(
+                "InBackward: a backward run inside another backward (checkpoint(use_reentrant="
+                "True)) accumulated gradients of its parameters. Stepping there would step them "
+                "once per inner backward, each time with part of the gradient. Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (HF: "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}))."
+            )
         if self._measuring is not None:  # first pass of clipped_backward: norm only
             self._measuring[id(p)] = torch._foreach_norm([p.grad], self._norm_type)[0]
             p.grad = None
