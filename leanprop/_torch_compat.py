@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -11,6 +13,30 @@ import torch
 def current_graph_task_id() -> int:
     """Id of the backward pass running on this thread, -1 outside backward."""
     return torch._C._current_graph_task_id()
+
+
+def _called_from(name: str, *path: str) -> bool:
+    """Whether a function ``name`` of torch's file ``path`` is on this thread's call stack."""
+    where = os.path.join("torch", *path)
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == name and code.co_filename.endswith(where):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def in_reentrant_checkpoint_backward() -> bool:
+    """Whether this code runs inside ``checkpoint(use_reentrant=True)``'s backward (its
+    recomputation of the forward, whose graph that backward then differentiates)."""
+    return _called_from("backward", "utils", "checkpoint.py")
+
+
+def inside_function_backward() -> bool:
+    """Whether this code runs inside the backward of an autograd ``Function`` (a backward or
+    ``autograd.grad`` started there is nested in a running one: a reentrant checkpoint's)."""
+    return _called_from("apply", "autograd", "function.py")
 
 
 def queue_callback(fn: Callable[[], None]) -> None:

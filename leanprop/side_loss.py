@@ -30,6 +30,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from ._eager import eager_backward
 from ._offload import Parked, park
+from ._torch_compat import in_reentrant_checkpoint_backward
 from .errors import LeanpropValueError, UnsupportedModelError
 
 
@@ -141,8 +142,14 @@ def side_loss(
     if not isinstance(offload, bool):
         raise LeanpropValueError(f"side_loss() got offload={offload!r}; it must be True or False.")
     chunks = _chunks(hs, chunk_size, chunk_reduction)
-    if _recomputing():  # non-reentrant checkpointing re-runs forward inside backward: the
-        return h  # original forward already applied the penalty and its graph keeps the gradient
+    replaying = in_reentrant_checkpoint_backward()
+    if _recomputing() and not replaying:
+        # non-reentrant checkpointing re-runs forward inside backward: the original forward
+        # already applied the penalty and its graph keeps the gradient. (A reentrant one ran
+        # the original forward without grad, and differentiates this recomputation instead.)
+        return h
+    if replaying:
+        log = None  # logged by the original forward
     if not torch.is_grad_enabled():
         with torch.no_grad():
             value = sum(_value(fn, weight, w, _cut(hs, sl)) for sl, w in chunks)
@@ -246,16 +253,19 @@ def _leaves(value: Tensor, exclude: Sequence[Tensor]) -> list[Tensor]:
     """The leaf tensors (parameters) that ``value``'s graph accumulates into, except ``exclude``.
 
     Found by walking the graph to its ``AccumulateGrad`` nodes; order of first discovery.
+    Every visited node object is held until the walk ends: some torch versions hand out a
+    temporary Python object per access, whose id a later one reuses once it is freed (nodes
+    would be taken for visited, their parameters missed).
     """
     skip = {id(t) for t in exclude}
     found: dict[int, Tensor] = {}
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # id -> the node object itself (kept alive)
     stack = [value.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, Tensor):
             if id(leaf) not in skip:

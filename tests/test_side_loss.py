@@ -170,7 +170,9 @@ def test_scale_and_transform_grad():
     assert torch.equal(leanprop.scale_grad(x, 2.0), x)
 
 
-def test_inside_activation_checkpointing():
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_inside_activation_checkpointing(reentrant):
+    """Inside checkpoint(use_reentrant=True) the penalty was dropped (no gradient, no error)."""
     from torch.utils.checkpoint import checkpoint
 
     x = torch.randn(5, 6)
@@ -178,14 +180,19 @@ def test_inside_activation_checkpointing():
     step(a, x, eager=False)
     backbone, pens, head = b
 
+    values = []
+
     def region(h):
         for blk, pen in zip(backbone, pens, strict=True):
-            h = side_loss(blk(h), penalty(pen), weight=0.1)
+            h = side_loss(blk(h), penalty(pen), weight=0.1, log=values)
         return h
 
-    head(checkpoint(region, x, use_reentrant=False)).square().mean().backward()
+    x_in = x.requires_grad_() if reentrant else x  # reentrant needs an input with grad
+    head(checkpoint(region, x_in, use_reentrant=reentrant)).square().mean().backward()
+    assert grads(a).keys() == grads(b).keys()
     for k, g in grads(a).items():
-        assert torch.equal(g, grads(b)[k]), k
+        torch.testing.assert_close(g, grads(b)[k], rtol=1e-6, atol=1e-8, msg=k)
+    assert len(values) == 3  # each penalty logged once
 
 
 def test_loss_scale_inside_the_eager_backward():

@@ -36,8 +36,6 @@ call after its reduce-scatter.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import warnings
 import weakref
 from collections import Counter
@@ -50,7 +48,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_compat import current_graph_task_id, queue_callback
+from .._torch_compat import current_graph_task_id, inside_function_backward, queue_callback
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
 
@@ -121,21 +119,6 @@ def _release(handles: list[RemovableHandle]) -> None:
         h.remove()
     handles.clear()
     _guard_clipping(False)
-
-
-def _inside_running_backward() -> bool:
-    """Whether this code runs inside the backward of an autograd Function (a backward or
-    autograd.grad started there is nested in a running one)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
-            return True
-        frame = frame.f_back
-    return False
-
-
-_FUNCTION_PY = os.path.join("torch", "autograd", "function.py")
 
 
 def _total_norm(
@@ -469,7 +452,7 @@ class InBackward(torch.optim.Optimizer):
         task = current_graph_task_id()
         if task in (self._queued_task, self._nested_task):
             return
-        if _inside_running_backward():  # a backward run from inside another one's
+        if inside_function_backward():  # a backward run from inside another one's
             self._nested_task = task
             return
         if self._callback_queued:
