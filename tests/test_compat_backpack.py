@@ -12,7 +12,13 @@ from torch import nn
 
 from leanprop import UnsupportedModelError
 from leanprop.compat import backpack as facade
-from leanprop.compat.backpack import backpack, extend, extensions, weight_jac_t_save_memory
+from leanprop.compat.backpack import (
+    backpack,
+    extend,
+    extensions,
+    unextend,
+    weight_jac_t_save_memory,
+)
 from leanprop.testing import individual_gradients, quantities_from_individual
 
 from .cases import build
@@ -223,3 +229,35 @@ def test_module_used_twice_backpack_wrong_ours_right():
     case.model.zero_grad()
     ours = _ours(case.model, case.x, case.y, (extensions.BatchGrad(),))["lin.weight"]["grad_batch"]
     assert_close(ours, expected, "ours, module used twice", 1e-9, 1e-12)
+
+
+def test_extend_every_iteration_frees_each_model_without_the_garbage_collector():
+    """BackPACK's usage, extend(new model) per step: no reference cycles (memory grew
+    until a gc.collect())."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        for _ in range(3):
+            model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+            with backpack(extensions.BatchGrad()):
+                model(torch.randn(5, 3)).sum().backward()
+            assert model[0].weight.grad_batch.shape == (5, 4, 3)
+            ref = weakref.ref(model)
+            del model
+            assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_two_forwards_before_one_backward_name_the_cause():
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x = torch.randn(6, 3)
+    loss = model(x[:3]).square().sum() + model(x[3:]).square().sum()
+    with (
+        pytest.raises(UnsupportedModelError, match="ran forward more than once before"),
+        backpack(extensions.BatchGrad()),
+    ):
+        loss.backward()
+    unextend(model)

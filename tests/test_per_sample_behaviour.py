@@ -732,3 +732,41 @@ def test_backward_inputs_given_as_a_generator_as_torch_does():
         loss = case.loss(case.model(case.x), case.y, "sum")
         loss.backward(inputs=(p for p in case.model[2].parameters()))
     assert case.model[0].weight.grad is None and case.model[2].weight.grad is not None
+
+
+@pytest.mark.parametrize("model_kind", ["modules", "functional"])
+def test_two_forwards_in_one_backward_are_refused_not_merged(model_kind):
+    """f(model(x[:3])) + f(model(x[3:])): each row of grad_batch was the sum of two samples'
+    gradients (the batch sizes coincide); now an error. A forward whose outputs get no
+    gradient (a validation pass) does not count."""
+    torch.manual_seed(0)
+    if model_kind == "modules":
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    else:
+        model = _FunctionalMLP()
+    x = torch.randn(6, 3)
+    with (
+        pytest.raises(UnsupportedModelError, match="two forward passes"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        (model(x[:3]).square().sum() + model(x[3:]).square().sum()).backward()
+    params = dict(model.named_parameters())
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x[3:]).sum()  # not backpropagated
+        losses = model(x[:3]).square().sum(1)
+        losses.sum().backward(retain_graph=True)
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        assert_close(p.grad_batch, expected[k], k, 1e-5, 1e-6)
+
+
+class _FunctionalMLP(nn.Module):
+    """Parameters used directly in ops (captured at the op level)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+        self.v = nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(F.linear(x, self.w)), self.v)

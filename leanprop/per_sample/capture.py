@@ -22,6 +22,7 @@ One forward and backward through it (all state lives on the context and its
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -128,6 +129,21 @@ def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
     return x
 
 
+class _Weakly:
+    """``method(*bound, *args)`` while the method's object lives: the hooks on the user's
+    modules and tensors never keep a context (nor, through it, the model) alive."""
+
+    __slots__ = ("bound", "method")
+
+    def __init__(self, method: Any, *bound: Any) -> None:
+        self.method = weakref.WeakMethod(method)
+        self.bound = bound
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        method = self.method()
+        return None if method is None else method(*self.bound, *args, **kwargs)
+
+
 class PerSample:
     """Context manager computing per-sample quantities during ``backward``; see
     :func:`leanprop.per_sample`."""
@@ -174,7 +190,8 @@ class PerSample:
         for key, d in (batch_dims or {}).items():
             if d is not None:
                 _check_dim(f"batch_dims[{key!r}]", d)
-        self.model = model
+        self._model = weakref.ref(model)
+        self._model_held: nn.Module | None = model  # (see owned_by_model)
         self.quantities = quantities
         self.conv_algorithm = conv_algorithm
         self._workspace_mib = max_workspace_mib
@@ -204,6 +221,19 @@ class PerSample:
         # asked for, each parameter's sum of individual gradients (its local mean times N)
         self.last_n: int | None = None
         self.last_sums: dict[nn.Parameter, Tensor] = {}
+
+    @property
+    def model(self) -> nn.Module:
+        """The model this context computes quantities for."""
+        model = self._model()
+        if model is None:
+            raise LeanpropValueError("per_sample: the model of this context no longer exists.")
+        return model
+
+    def owned_by_model(self) -> None:
+        """The model owns this context from now on (the BackPACK facade keeps it in a hook on
+        the model): hold the model weakly, so that dropping the model frees both at once."""
+        self._model_held = None
 
     @property
     def kinds(self) -> frozenset[type[Quantity]]:
@@ -236,27 +266,20 @@ class PerSample:
                     "nothing to compute (are all parameters frozen?)."
                 )
             self._cycle.clear_attrs()
-            for m_name, m in self.model.named_modules():
+            hooks, model = self._handles, self.model  # (hooks hold this context weakly)
+            for m_name, m in model.named_modules():
                 if isinstance(m, _BatchNorm):
-                    self._handles.append(m.register_forward_pre_hook(self._bn_check(m_name)))
+                    hooks.append(m.register_forward_pre_hook(_Weakly(self._bn_check, m_name)))
             for site in self._sites:
-                self._handles.append(
-                    site.module.register_forward_hook(self._on_forward(site), with_kwargs=True)
-                )
-                if site.rule is None:
-                    self._handles.append(
-                        site.module.register_forward_pre_hook(self._on_fallback_enter(site))
-                    )
-                else:
-                    self._handles.append(
-                        site.module.register_forward_pre_hook(self._on_rule_enter(site))
-                    )
+                enter = self._on_fallback_enter if site.rule is None else self._on_rule_enter
+                hooks.append(site.module.register_forward_pre_hook(_Weakly(enter, site)))
+                on_forward = _Weakly(self._on_forward, site)
+                hooks.append(site.module.register_forward_hook(on_forward, with_kwargs=True))
             for state in self._states.values():
-                self._handles.append(state.param.register_hook(self._on_param_grad(state)))
-            self._handles.append(
-                self.model.register_forward_pre_hook(self._on_model_enter, with_kwargs=True)
-            )
-            self._handles.append(self.model.register_forward_hook(self._on_model_exit))
+                hooks.append(state.param.register_hook(_Weakly(self._on_param_grad, state)))
+            on_enter = _Weakly(self._on_model_enter)
+            hooks.append(model.register_forward_pre_hook(on_enter, with_kwargs=True))
+            hooks.append(model.register_forward_hook(_Weakly(self._on_model_exit)))
             self._tracker = BatchTracker(self._states)
             self._captured = frozenset(self._op_params) | frozenset(
                 p for site in self._sites if site.rule is not None for p in site.direct.values()
@@ -353,23 +376,20 @@ class PerSample:
             self._states[p] = ParamState(name, p)
 
     # ------------------------------------------------------------------ forward
-    def _bn_check(self, name: str):
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if self._computing or not torch.is_grad_enabled():
-                return
-            if module.training or module.running_mean is None:
-                problem = (
-                    f"per_sample: {type(module).__name__} '{name}' normalises with statistics "
-                    "of the whole batch (training mode), so each sample's gradient depends on "
-                    "the other samples and per-sample quantities are undefined. Put it in eval "
-                    "mode (module.eval(), uses running statistics), or replace it with "
-                    "GroupNorm/LayerNorm."
-                )
-                if self._kinds:
-                    raise UnsupportedModelError(problem)
-                self._cycle.bn_problem = problem  # idle: raise if quantities are asked in backward
-
-        return hook
+    def _bn_check(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._computing or not torch.is_grad_enabled():
+            return
+        if module.training or module.running_mean is None:
+            problem = (
+                f"per_sample: {type(module).__name__} '{name}' normalises with statistics "
+                "of the whole batch (training mode), so each sample's gradient depends on "
+                "the other samples and per-sample quantities are undefined. Put it in eval "
+                "mode (module.eval(), uses running statistics), or replace it with "
+                "GroupNorm/LayerNorm."
+            )
+            if self._kinds:
+                raise UnsupportedModelError(problem)
+            self._cycle.bn_problem = problem  # idle: raise if quantities are asked in backward
 
     def _on_model_enter(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -384,7 +404,11 @@ class PerSample:
             self._abort_cycle()
         elif self.reset_on_forward and not self._cycle.open:
             # facade: drop what a forward recorded without a backward that asked for quantities
+            recorded = any(s.uses for s in self._states.values())
             self._abort_cycle()
+            self._cycle.discarded_forward = recorded  # a backward through it cannot be split
+        if not self._cycle.open and current_graph_task_id() == -1:
+            self._cycle.next_forward()  # its contributions are told from an earlier forward's
         self._root_running = True
         if self._intercept is not None:
             self._tracker.clear()
@@ -543,8 +567,9 @@ class PerSample:
             if not self._active or not self._kinds or forward.closed:
                 return {}  # (closed: also while a passive backward runs)
             call = Call(
-                site, dict(site.direct), (local[0],), {}, n, [g], 0, in_bd=bd, out_bd=out_bd
-            )
+                site, dict(site.direct), (local[0],), {}, n, [g], 0, in_bd=bd, out_bd=out_bd,
+                forward=forward,
+            )  # fmt: skip
             self._open_cycle()
             sums = self._process(call)
             return {i: sums[k] for i, k in positions.items() if k in sums}
@@ -598,10 +623,13 @@ class PerSample:
         """The current cycle's place for contributions found outside any call."""
         if self._cycle.contributions is None:
             self._cycle.contributions = ops.Contribute(
-                self._contribute, self.own_work, lambda: self._passive > 0, self._norms_only,
-                self._store_norms,
+                _Weakly(self._contribute), _Weakly(self.own_work), _Weakly(self._is_passive),
+                _Weakly(self._norms_only), _Weakly(self._store_norms),
             )  # fmt: skip
         return self._cycle.contributions
+
+    def _is_passive(self) -> bool:
+        return self._passive > 0
 
     @contextmanager
     def own_work(self) -> Iterator[None]:
@@ -624,20 +652,26 @@ class PerSample:
         )
 
     def _store_norms(
-        self, p: nn.Parameter, norms: Tensor, total: Tensor, compute_dtype: torch.dtype | None
-    ) -> None:
+        self, p: nn.Parameter, norms: Tensor, total: Tensor, compute_dtype: torch.dtype | None,
+        source: ops.Contribute,
+    ) -> None:  # fmt: skip
         """``BatchL2Grad`` of a parameter used once, from a closed form."""
         self._open_cycle()
+        self._cycle.from_forward(source)
         state = self._states[p]
         state.saw(compute_dtype or norms.dtype)
         state.results[BatchL2Grad.attr] = widen(norms)
         state.total = total
 
     def _contribute(
-        self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
+        self,
+        batch: dict[nn.Parameter, Tensor],
+        compute_dtype: torch.dtype | None,
+        source: ops.Contribute,
     ) -> None:
         """Individual gradients ``[N, *p.shape]`` of one use, found outside any call."""
         self._open_cycle()
+        self._cycle.from_forward(source)
         for p, b in batch.items():
             state = self._states[p]
             state.saw(compute_dtype or b.dtype)
@@ -668,19 +702,13 @@ class PerSample:
             )
         return info
 
-    def _on_fallback_enter(self, site: Site):
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not self._computing:
-                site.calls_before = [s.calls for s in site.inner]
+    def _on_fallback_enter(self, site: Site, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._computing:
+            site.calls_before = [s.calls for s in site.inner]
 
-        return hook
-
-    def _on_rule_enter(self, site: Site):
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            site.running = not self._computing
-            site.fused = False
-
-        return hook
+    def _on_rule_enter(self, site: Site, module: nn.Module, args: tuple[Any, ...]) -> None:
+        site.running = not self._computing
+        site.fused = False
 
     def begin_fused(self, args: tuple[Any, ...]) -> Call | None:
         """Called by the op interceptor: record a call of a running fusable site whose own
@@ -736,51 +764,50 @@ class PerSample:
             if p in self._states and not any(k.startswith(s) for s in skip)
         }
 
-    def _on_forward(self, site: Site):
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any):
-            site.running = False
-            if site.fused:  # already recorded by begin_fused
-                site.fused = False
-                return None
-            if site.rule is None and self._computing:
-                return None
-            if self._computing or not torch.is_grad_enabled():
-                return None
-            leaves, _ = tree_flatten(out)
-            if site.rule is not None:
-                bd = self._rule_batch(site, args[0] if args else None)
-                if bd is None:  # batch-free input: its output is parameter-derived
-                    site.calls += 1  # (a fallback root above leaves its parameters alone)
-                    return None
-                n = self._rule_batch_size(site, args[0], bd)
-                call = Call(site, {}, args, kwargs, n, [None] * len(leaves), 0, in_bd=bd)
-                call.out_bd = self._rule_out_batch(site, leaves[0], bd)
-            else:
-                n, in_dims, out_dims = self._fallback_dims(site, args, kwargs, leaves)
-                if n is None:  # batch-free call: its outputs are parameter-derived
-                    return None
-                call = Call(site, {}, args, kwargs, n, [None] * len(leaves), 0)
-                call.in_dims, call.out_dims = in_dims, out_dims
-                call.packed = bool(args) and isinstance(args[0], PackedSequence)
-                device = next(iter(site.direct.values())).device.type
-                if torch.is_autocast_enabled(device):
-                    call.autocast = (device, torch.get_autocast_dtype(device))
-            site.calls += 1
-            call.forward = self._sink()
-            call.params = params = self._site_params(site)
-            for i, t in enumerate(leaves):
-                if isinstance(t, Tensor) and t.requires_grad:
-                    call.pending += 1
-                    self._cycle.tensor_handles.append(
-                        t.register_hook(self._on_output_grad(call, i))
-                    )
-            if call.pending and params:
-                for p in params.values():
-                    self._states[p].uses += 1
-                self._cycle.calls.append(call)
+    def _on_forward(
+        self, site: Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ):
+        site.running = False
+        if site.fused:  # already recorded by begin_fused
+            site.fused = False
             return None
-
-        return hook
+        if site.rule is None and self._computing:
+            return None
+        if self._computing or not torch.is_grad_enabled():
+            return None
+        leaves, _ = tree_flatten(out)
+        if site.rule is not None:
+            bd = self._rule_batch(site, args[0] if args else None)
+            if bd is None:  # batch-free input: its output is parameter-derived
+                site.calls += 1  # (a fallback root above leaves its parameters alone)
+                return None
+            n = self._rule_batch_size(site, args[0], bd)
+            call = Call(site, {}, args, kwargs, n, [None] * len(leaves), 0, in_bd=bd)
+            call.out_bd = self._rule_out_batch(site, leaves[0], bd)
+        else:
+            n, in_dims, out_dims = self._fallback_dims(site, args, kwargs, leaves)
+            if n is None:  # batch-free call: its outputs are parameter-derived
+                return None
+            call = Call(site, {}, args, kwargs, n, [None] * len(leaves), 0)
+            call.in_dims, call.out_dims = in_dims, out_dims
+            call.packed = bool(args) and isinstance(args[0], PackedSequence)
+            device = next(iter(site.direct.values())).device.type
+            if torch.is_autocast_enabled(device):
+                call.autocast = (device, torch.get_autocast_dtype(device))
+        site.calls += 1
+        call.forward = self._sink()
+        call.params = params = self._site_params(site)
+        for i, t in enumerate(leaves):
+            if isinstance(t, Tensor) and t.requires_grad:
+                call.pending += 1
+                self._cycle.tensor_handles.append(
+                    t.register_hook(_Weakly(self._on_output_grad, call, i))
+                )
+        if call.pending and params:
+            for p in params.values():
+                self._states[p].uses += 1
+            self._cycle.calls.append(call)
+        return None
 
     def _rule_batch_size(self, site: Site, x: Tensor, bd: BatchDim) -> int:
         """Samples in a rule site's input (batch at ``bd``); checks the input's shape."""
@@ -962,40 +989,35 @@ class PerSample:
         elif accumulates and not self._cycle_seen:
             self._cycle.clear_attrs()  # no quantities for this backward: none of an earlier one
 
-    def _on_param_grad(self, state: ParamState):
-        def hook(grad: Tensor) -> None:
-            # not while computing: the fallback's own per-sample autograd calls fire it too;
-            # recorded before the cycle opens too (autograd may reach a parameter first)
-            if self._active and not self._computing:
-                state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
+    def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
+        # not while computing: the fallback's own per-sample autograd calls fire it too;
+        # recorded before the cycle opens too (autograd may reach a parameter first)
+        if self._active and not self._computing:
+            state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
 
-        return hook
-
-    def _on_output_grad(self, call: Call, index: int):
-        def hook(grad: Tensor) -> None:
-            if not self._active or not self._kinds or self._computing or self._passive:
-                return
-            if call.closed:
-                if call.forward is not None and not call.forward.closed:
-                    raise UnsupportedModelError(
-                        f"per_sample: a second backward through the same forward reached "
-                        f"{type(call.site.module).__name__} '{call.site.name}', whose inputs "
-                        "leanprop keeps for one backward only (a module hooked as a whole: "
-                        "RNNs, convolutions with a padding_mode other than 'zeros'). Run the "
-                        "forward again before each backward."
-                    )
-                return
-            self._open_cycle()
-            call.grads[index] = grad
-            call.pending -= 1
-            if call.pending == 0:
-                self._process(call)
-
-        return hook
+    def _on_output_grad(self, call: Call, index: int, grad: Tensor) -> None:
+        if not self._active or not self._kinds or self._computing or self._passive:
+            return
+        if call.closed:
+            if call.forward is not None and not call.forward.closed:
+                raise UnsupportedModelError(
+                    f"per_sample: a second backward through the same forward reached "
+                    f"{type(call.site.module).__name__} '{call.site.name}', whose inputs "
+                    "leanprop keeps for one backward only (a module hooked as a whole: "
+                    "RNNs, convolutions with a padding_mode other than 'zeros'). Run the "
+                    "forward again before each backward."
+                )
+            return
+        self._open_cycle()
+        call.grads[index] = grad
+        call.pending -= 1
+        if call.pending == 0:
+            self._process(call)
 
     def _process(self, call: Call) -> dict[str, Tensor]:
         call.closed = True
         try:
+            self._cycle.from_forward(call.forward)
             with self.own_work():
                 return self._compute(call)
         except BaseException:

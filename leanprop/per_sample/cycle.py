@@ -36,6 +36,14 @@ ALL_ATTRS = tuple(q.attr for q in (BatchGrad, BatchL2Grad, SumGradSquared, Varia
 _SUM_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-3}
 
 
+_SEVERAL_FORWARDS = (
+    "per_sample (BackPACK facade): the model ran forward more than once before this backward "
+    "(e.g. f(model(x[:3])) + f(model(x[3:]))); the facade keeps the records of the last forward "
+    "only, as BackPACK does, so the earlier forwards' samples cannot be told apart. Run one "
+    "forward on the whole batch per backward."
+)
+
+
 def bits(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits
 
@@ -118,12 +126,41 @@ class Cycle:
     n: int | None = None  # samples in this forward
     calls: list[Call] = field(default_factory=list)  # module calls waiting for gradients
     tensor_handles: list[RemovableHandle] = field(default_factory=list)  # on their outputs
-    contributions: ops.Contribute | None = None  # where op-level contributions go
+    contributions: ops.Contribute | None = None  # the current forward's (created lazily)
+    earlier: list[ops.Contribute] = field(default_factory=list)  # earlier forwards' sinks
+    source: Any = None  # the forward whose samples this backward computes (a Contribute)
     open: bool = False  # a backward is computing quantities
     finish_queued: bool = False  # finish() is queued to run when the engine's task ends
     backward_done: bool = False  # a backward ended since this forward's state was made
     grad_mode: bool = False  # the backward records autograd (create_graph)
     bn_problem: str | None = None  # BatchNorm in training mode: refused when backward opens
+    discarded_forward: bool = False  # BackPACK facade: an earlier forward's records were dropped
+
+    def next_forward(self) -> None:
+        """Another forward of the model starts before a backward: its uses hand their
+        contributions to a sink of their own."""
+        if self.contributions is not None:
+            self.earlier.append(self.contributions)
+            self.contributions = None
+
+    def from_forward(self, source: Any) -> None:
+        """A contribution of the forward ``source`` (its sink) arrives in this backward: every
+        contribution of one backward must come from one forward."""
+        if source is None:
+            return
+        if self.source is None:
+            self.source = source
+        elif source is not self.source:
+            raise UnsupportedModelError(
+                "per_sample: one backward reached the samples of two forward passes of the "
+                "model (e.g. f(model(x[:3])) + f(model(x[3:])), or two views of each "
+                "example): leanprop cannot tell whether sample i of each forward is one example "
+                "or two, so it computes neither. Run the model once on the whole batch "
+                "(concatenate the inputs), or run backward after each forward."
+            )
+
+    def _sinks(self) -> list[Any]:
+        return [*self.earlier, *([self.contributions] if self.contributions else [])]
 
     def clear_attrs(self) -> None:
         """Remove every quantity attribute from the parameters."""
@@ -172,13 +209,16 @@ class Cycle:
             call.args = call.kwargs = None
         self.calls.clear()
         self.bn_problem = None
-        if self.grad_mode and self.contributions is not None:
-            self.contributions.close()
+        self.source = None
+        if self.grad_mode:
+            for sink in self._sinks():
+                sink.close()
         for state in self.states.values():
             state.drop_results()
         self.open = False
         self.finish_queued = False
         self.backward_done = True
+        self.discarded_forward = False
 
     def abort(self) -> None:
         """Forget everything about the current forward and its backward passes."""
@@ -186,9 +226,9 @@ class Cycle:
         for h in self.tensor_handles:
             h.remove()
         self.tensor_handles.clear()
-        if self.contributions is not None:
-            self.contributions.close()
-            self.contributions = None
+        for sink in self._sinks():
+            sink.close()
+        self.contributions, self.earlier = None, []
         for site in self.sites:
             site.calls, site.running, site.fused = 0, False, False
         for state in self.states.values():
@@ -210,6 +250,8 @@ class Cycle:
             for s in self.states.values()
             if s.total is None and not s.results and s.autograd_grad is not None
         ]
+        if missing and self.discarded_forward:
+            raise UnsupportedModelError(_SEVERAL_FORWARDS)
         if missing:
             raise UnsupportedModelError(
                 f"per_sample: {', '.join(missing)} got a gradient in this backward but no "
@@ -236,6 +278,8 @@ class Cycle:
             if e
             > _SUM_TOLERANCE.get(min(r.dtype, t.dtype, s.compute_dtype or t.dtype, key=bits), 5e-2)
         ]
+        if bad and self.discarded_forward:
+            raise UnsupportedModelError(_SEVERAL_FORWARDS)
         if bad:
             raise UnsupportedModelError(
                 "per_sample: the individual gradients do not add up to the batch gradient for "

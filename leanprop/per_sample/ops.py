@@ -41,13 +41,13 @@ class Contribute:
 
     def __init__(
         self,
-        sink: Callable[[dict[nn.Parameter, Tensor], torch.dtype | None], None],
+        sink: Callable[[dict[nn.Parameter, Tensor], torch.dtype | None, Contribute], None],
         computing: Callable[[], AbstractContextManager[None]],
         passive: Callable[[], bool],
         norms_only: Callable[[Tensor], bool],
-        norms: Callable[[nn.Parameter, Tensor, Tensor, torch.dtype | None], None],
+        norms: Callable[[nn.Parameter, Tensor, Tensor, torch.dtype | None, Contribute], None],
     ) -> None:
-        self.sink = sink
+        self.sink = sink  # sink(batch, compute_dtype, source): source is this object
         self.computing = computing  # marks the per-sample work (its autograd calls) as ours
         self.passive = passive  # a backward that is not for parameters (e.g. d output / d x)
         # norms_only(t): t is a parameter used once, and only BatchL2Grad is asked for;
@@ -67,7 +67,7 @@ class Contribute:
         self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
     ) -> None:
         """``compute_dtype``: the autocast dtype the op ran in, if any (for the sum check)."""
-        self.sink(batch, compute_dtype)
+        self.sink(batch, compute_dtype, self)
 
 
 _TENSOR = object()  # marks where a tensor output goes back into the op's output structure
@@ -205,7 +205,7 @@ class OpCapture(torch.autograd.Function):
             ) or {}  # fmt: skip
             for i, (sq, total) in norms.items():  # BatchL2Grad alone: norms, not gradients
                 summed[i] = total
-                op.contribute.norms(op.originals[i], sq, total, op.autocast_dtype)
+                op.contribute.norms(op.originals[i], sq, total, op.autocast_dtype, op.contribute)
         if captured and single and op.rule is None and not summed:
             leaves = list(op.leaves)
             for i, t in zip(op.tensor_at, local, strict=True):

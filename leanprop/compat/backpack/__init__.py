@@ -38,11 +38,24 @@ __all__ = ["backpack", "extend", "extensions", "unextend", "weight_jac_t_save_me
 
 # captures live as long as their model (only the model's hooks reference them)
 _EXTENDED: weakref.WeakSet[PerSample] = weakref.WeakSet()
+_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # capture -> its hook
 _SAVE_MEMORY: list[bool | None] = [None]  # innermost weight_jac_t_save_memory setting
 
 
 def _covered(module: nn.Module) -> bool:
-    return any(any(s is module for s in c.model.modules()) for c in _EXTENDED)
+    return any(any(s is module for s in c.model.modules()) for c in list(_EXTENDED))
+
+
+class _Holder:
+    """A no-op forward pre-hook through which an extended model owns its capture (the capture
+    holds the model weakly and its hooks hold the capture weakly: no reference cycle, so a
+    model dropped every iteration, as in BackPACK's usage, is freed at once)."""
+
+    def __init__(self, capture: PerSample) -> None:
+        self.capture = capture
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        return None
 
 
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
@@ -60,14 +73,17 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
     capture = PerSample(module, BatchGrad(), fuse=False)
     capture.set_quantities(frozenset(), "auto")
     capture.__enter__()
+    _HOLDERS[capture] = module.register_forward_pre_hook(_Holder(capture))
+    capture.owned_by_model()
     _EXTENDED.add(capture)
     return module
 
 
 def unextend(module: nn.Module) -> nn.Module:
     """Remove what :func:`extend` installed on ``module``."""
-    for capture in [c for c in _EXTENDED if c.model is module]:
+    for capture in [c for c in list(_EXTENDED) if c.model is module]:
         _EXTENDED.discard(capture)
+        _HOLDERS.pop(capture).remove()
         capture.__exit__(None, None, None)
     return module
 
