@@ -15,13 +15,18 @@ def current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-def _called_from(name: str, *path: str) -> bool:
-    """Whether a function ``name`` of torch's file ``path`` is on this thread's call stack."""
+def _called_from(name: str, *path: str, first_arg: str | None = None) -> bool:
+    """Whether a function ``name`` of torch's file ``path`` (whose first parameter is named
+    ``first_arg``, if given) is on this thread's call stack."""
     where = os.path.join("torch", *path)
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == name and code.co_filename.endswith(where):
+        if (
+            code.co_name == name
+            and code.co_filename.endswith(where)
+            and (first_arg is None or code.co_varnames[:1] == (first_arg,))
+        ):
             return True
         frame = frame.f_back
     return False
@@ -36,7 +41,8 @@ def in_reentrant_checkpoint_backward() -> bool:
 def inside_function_backward() -> bool:
     """Whether this code runs inside the backward of an autograd ``Function`` (a backward or
     ``autograd.grad`` started there is nested in a running one: a reentrant checkpoint's)."""
-    return _called_from("apply", "autograd", "function.py")
+    # BackwardCFunction.apply(self, ...) runs a backward; Function.apply(cls, ...) a forward
+    return _called_from("apply", "autograd", "function.py", first_arg="self")
 
 
 def queue_callback(fn: Callable[[], None]) -> None:
@@ -117,3 +123,26 @@ def engine_grad(
     if is_grads_batched:
         return _vmap_internals._vmap(vjp, 0, 0, allow_none_pass_through=True)(grads)
     return vjp(grads)
+
+
+def register_packed_sequence_pytree() -> None:
+    """Make ``tree_flatten`` split a ``PackedSequence`` into its tensors, as torch >= 2.5
+    does (older versions treat it as one leaf, so an RNN's packed output would hide its
+    tensors)."""
+    from torch.nn.utils.rnn import PackedSequence
+    from torch.utils import _pytree
+
+    if PackedSequence in _pytree.SUPPORTED_NODES:
+        return
+    _pytree.register_pytree_node(
+        PackedSequence,
+        lambda p: (list(p), None),
+        lambda leaves, _: PackedSequence(*leaves),
+        serialized_type_name="torch.nn.utils.rnn.PackedSequence",
+    )
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)

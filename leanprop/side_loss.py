@@ -468,8 +468,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return (total if denom is None else total / denom).to(h.dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, go: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise UnsupportedModelError(
+                "chunked_linear_cross_entropy: backward(create_graph=True) (second derivatives) "
+                "is not supported: its gradients are computed chunk by chunk outside the graph. "
+                "Use F.cross_entropy(F.linear(h, W, b), target) where you need them."
+            )
         if ctx.reduction == "none":
             return (*_recomputed_grads(ctx, go), None, None, None, None)
         grads, ctx.grads = ctx.grads, None  # computed in forward, handed out once

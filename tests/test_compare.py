@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,6 +69,9 @@ def test_compare_checks_every_kind_of_result():
         ({"a": torch.ones(2), "b": 1.0}, {"b": 1.0, "a": torch.ones(2)}, True),
         ({"a": 1.0}, {"b": 1.0}, False), ("x", "x", True), ("x", "y", False),
         (torch.tensor([1, 2]), torch.tensor([1, 3]), False),
+        (np.array([1.0, 2.0]), np.array([1.0, 2.0]), True),
+        (np.array([1.0, 2.0]), np.array([1.0, 2.5]), False),
+        (torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), True),  # objects: not compared
     ]  # fmt: skip
     for a, b, agrees in cases:
         rows = compare({"ref": lambda b=b: b, "got": lambda a=a: a}, reps=1, show=False,

@@ -180,6 +180,67 @@ def _in_backward_fsdp_worker(rank, world_size, clip):
     opt.remove()
 
 
+class _HalfUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h):
+        return torch.tanh(self.used(h))
+
+
+def _half_used_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), _HalfUsed(), nn.Linear(8, 3))
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_end_of_backward_worker(rank, world_size):
+    """A unit with a parameter that gets no gradient is stepped at the end of each backward,
+    and approximate clipping clips (both need the end-of-backward step, which FSDP2's sharded
+    parameters reach through the post-accumulate hook only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, ref = _half_used_model(mesh), _half_used_model(mesh)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1, fsdp=model)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        x = torch.randn(4, 6, generator=gen)
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+        for (k, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(p.full_tensor(), q.full_tensor()), f"rank {rank}, step {step}, {k}"
+            assert q.grad is None, k
+    opt.remove()
+    clipped, free = _half_used_model(mesh), _half_used_model(mesh)
+    opt_c = InBackward(clipped.parameters(), torch.optim.SGD, lr=0.1, fsdp=clipped,
+                       clip_grad_norm=1e-3)  # fmt: skip
+    opt_f = InBackward(free.parameters(), torch.optim.SGD, lr=0.1, fsdp=free)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=gen)
+        clipped(x).square().mean().backward()
+        free(x).square().mean().backward()
+    assert opt_c.last_grad_norm is not None
+    assert any(
+        not torch.equal(p.full_tensor(), q.full_tensor())
+        for p, q in zip(clipped.parameters(), free.parameters(), strict=True)
+    ), "clip_grad_norm never clipped"
+    opt_c.remove()
+    opt_f.remove()
+
+
+def test_in_backward_under_fsdp2_ends_each_backward():
+    distributed.run(_fsdp_end_of_backward_worker)
+
+
 @pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped_backward"])
 def test_in_backward_under_fsdp2_steps_each_unit_once(clip):
     """FSDP2 (fully_shard, CPU mesh): one optimizer call per unit as soon as its gradients are

@@ -745,11 +745,19 @@ def test_two_forwards_in_one_backward_are_refused_not_merged(model_kind):
     else:
         model = _FunctionalMLP()
     x = torch.randn(6, 3)
-    with (
-        pytest.raises(UnsupportedModelError, match="two forward passes"),
-        leanprop.per_sample(model, BatchGrad()),
+    from torch.utils.checkpoint import checkpoint
+
+    for run in (
+        model,
+        lambda h: checkpoint(model, h, use_reentrant=False),
+        lambda h: checkpoint(model, h.requires_grad_(), use_reentrant=True),
     ):
-        (model(x[:3]).square().sum() + model(x[3:]).square().sum()).backward()
+        with (
+            pytest.raises(UnsupportedModelError, match="two forward passes"),
+            leanprop.per_sample(model, BatchGrad()),
+        ):
+            (run(x[:3].clone()).square().sum() + run(x[3:].clone()).square().sum()).backward()
+        x = x.detach()
     params = dict(model.named_parameters())
     with leanprop.per_sample(model, BatchGrad()):
         model(x[3:]).sum()  # not backpropagated
@@ -770,3 +778,31 @@ class _FunctionalMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(torch.tanh(F.linear(x, self.w)), self.v)
+
+
+def test_forwards_on_the_same_samples_are_one_example_each():
+    """The model applied to its own output (unrolled), or twice to the same input (R-Drop):
+    the same samples, so their contributions add up per sample (exact, not refused)."""
+    torch.manual_seed(0)
+    cell = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Dropout(0.3))
+    x = torch.randn(4, 3)
+    params = dict(cell.named_parameters())
+    with leanprop.per_sample(cell, BatchGrad()):
+        h = cell(cell(cell(x)))
+        losses = h.square().sum(1) + (cell(x) - cell(x)).square().sum(1)
+        losses.sum().backward(retain_graph=True)
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        assert_close(p.grad_batch, expected[k], k, 1e-5, 1e-6)
+
+
+def test_a_model_with_hooks_can_be_deep_copied():
+    """An EMA / best-model snapshot inside the block (was: cannot pickle 'WeakMethod')."""
+    import copy
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with leanprop.per_sample(model, BatchGrad()):
+        snapshot = copy.deepcopy(model)
+        model(torch.randn(5, 3)).sum().backward()
+    assert model[0].weight.grad_batch.shape == (5, 4, 3)
+    snapshot(torch.randn(2, 3)).sum().backward()  # an ordinary model afterwards

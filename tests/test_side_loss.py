@@ -300,6 +300,10 @@ def test_chunked_cross_entropy_bad_input():
     loss.backward(retain_graph=True)
     with pytest.raises(UnsupportedModelError, match="second backward"):
         loss.backward()
+    for reduction in ("mean", "none"):  # second derivatives: refused (were silently dropped)
+        out = call(h, w.requires_grad_(), t, reduction=reduction).sum()
+        with pytest.raises(UnsupportedModelError, match="create_graph=True"):
+            torch.autograd.grad(out, h, create_graph=True)
 
 
 def test_chunked_cross_entropy_never_holds_the_logits():

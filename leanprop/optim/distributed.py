@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._torch_compat import torch_version
 from ..errors import LeanpropValueError
 
 if TYPE_CHECKING:
@@ -197,6 +198,11 @@ def fsdp_units(model: torch.nn.Module, params: list[Tensor]) -> dict[int, int]:
     Raises:
         LeanpropValueError: ``model`` contains no ``fully_shard`` module.
     """
+    if torch_version() < (2, 6):
+        raise LeanpropValueError(
+            f"InBackward(fsdp=...) needs torch >= 2.6 (FSDP2's public fully_shard API); this "
+            f"is torch {torch.__version__}. Upgrade torch, or leave fsdp= out."
+        )
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]

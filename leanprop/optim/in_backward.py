@@ -36,6 +36,7 @@ call after its reduce-scatter.
 from __future__ import annotations
 
 import functools
+import numbers
 import warnings
 import weakref
 from collections import Counter
@@ -95,7 +96,7 @@ def _guard_clipping(on: bool) -> None:
 
 def _positive(x: Any, allow_inf: bool = False) -> bool:
     """A positive number (not a bool, not NaN; infinite only where allowed)."""
-    if not isinstance(x, int | float) or isinstance(x, bool):
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
         return False
     return x > 0 and (allow_inf or x < float("inf"))
 
@@ -278,6 +279,8 @@ class InBackward(torch.optim.Optimizer):
             )
         self.inner.add_param_group({**group, "params": params})
         self._share()
+        if not self._hooked:  # after remove(): an ordinary optimizer
+            return
         for p in params:
             if p.requires_grad:
                 self._hook(p)
@@ -500,6 +503,10 @@ class InBackward(torch.optim.Optimizer):
             p.grad = None
             return
         self._clip(p)
+        if not self._callback_queued:  # (FSDP2's sharded parameters fire no pre-hook)
+            self._callback_queued = True
+            self._queued_task = current_graph_task_id()
+            queue_callback(self._end_of_backward)
         unit = self._unit_of.get(id(p))
         if unit is not None:  # FSDP2: step the unit once all its gradients are reduced
             waiting = self._unit_ready.setdefault(unit, [])

@@ -143,6 +143,9 @@ class _Weakly:
         method = self.method()
         return None if method is None else method(*self.bound, *args, **kwargs)
 
+    def __deepcopy__(self, memo: dict) -> _Weakly:
+        return self  # a deep copy of the model shares its hooks (as with plain functions)
+
 
 class PerSample:
     """Context manager computing per-sample quantities during ``backward``; see
@@ -407,11 +410,16 @@ class PerSample:
             recorded = any(s.uses for s in self._states.values())
             self._abort_cycle()
             self._cycle.discarded_forward = recorded  # a backward through it cannot be split
-        if not self._cycle.open and current_graph_task_id() == -1:
+        # inputs that carry the batch already (an earlier forward's outputs, or the same
+        # tensors again: an unrolled model, R-Drop) hold the same samples: one forward's
+        # contributions; fresh inputs (another part of the batch, another view) a new one's
+        same_samples = self._intercept is not None and self._inputs_tracked(args, kwargs)
+        if not same_samples:
             self._cycle.next_forward()  # its contributions are told from an earlier forward's
         self._root_running = True
         if self._intercept is not None:
-            self._tracker.clear()
+            if not same_samples:
+                self._tracker.clear()
             self._mark_inputs(args, kwargs)
             if (
                 self._cycle.n is not None
@@ -422,6 +430,17 @@ class PerSample:
                 # validation loss under grad): this forward starts anew (a late backward
                 # through the earlier one gets no quantities, and the check says so)
                 self._abort_cycle()
+
+    def _inputs_tracked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether every batched tensor input of the model carries the batch already."""
+        tensors = [
+            t
+            for key, value in [*enumerate(args), *kwargs.items()]
+            if self._batch_dims.get(key, self._batch_dim) is not None
+            for t in tree_flatten(value)[0]
+            if isinstance(t, Tensor) and t.dim() > 0
+        ]
+        return bool(tensors) and all(isinstance(self._tracker.info(t), BatchDim) for t in tensors)
 
     def _on_model_exit(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         self._root_running = False

@@ -57,6 +57,9 @@ class _Holder:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         return None
 
+    def __deepcopy__(self, memo: dict) -> _Holder:
+        return self  # a deep copy of the model shares it (not a copy of the capture)
+
 
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
     """Prepare ``module`` (and its sub-modules) for ``backpack(...)``; returns it unchanged.

@@ -18,7 +18,10 @@ from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
+from ..._torch_compat import register_packed_sequence_pytree
 from .fallback import loop_over_samples
+
+register_packed_sequence_pytree()
 
 
 def sample_count(packed: PackedSequence) -> int:
