@@ -61,12 +61,15 @@ def shifted_sums(b: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def mean_m2(b: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean and centred sum of squares ``sum_n (b[n] - mean)²`` over the samples (the
-    corrected two-pass form: the rounding error of the mean is taken out again)."""
+    """Mean and centred sum of squares ``sum_n (b[n] - mean)²`` over the samples, from sums
+    shifted by the first sample (one pass; the shifted-data algorithm)."""
     b = widen(b)
-    mean = b.mean(0)
-    s1, s2 = shifted_sums(b, mean)
-    return mean, s2 - s1 * s1 / max(b.shape[0], 1)
+    n = b.shape[0]
+    if n == 0:
+        return b.sum(0), b.sum(0)
+    shift = b[0].clone() if not _recording(b) else b[0]
+    s1, s2 = shifted_sums(b, shift)
+    return shift + s1 / n, s2 - s1 * s1 / n
 
 
 def _blocked_sums(b: Tensor, shift: Tensor | None) -> tuple[Tensor | None, Tensor]:
@@ -118,7 +121,7 @@ def quantities_from_batch(
 class Reducer:
     """Streams chunks of individual gradients ``[n_chunk, *shape]`` into the quantities,
     without keeping them unless ``BatchGrad`` is asked for. The variance uses shifted sums
-    (shift: the first chunk's mean), as accurate chunked as in one piece."""
+    (shift: the first sample), as accurate chunked as in one piece."""
 
     def __init__(self, kinds: frozenset[type[Quantity]], like: Tensor, n: int) -> None:
         self.kinds, self.like, self.n = kinds, like, n
@@ -164,13 +167,15 @@ class Reducer:
         if SumGradSquared in self.kinds:
             s = sum_sq(b)
             self.sgs = s if self.sgs is None else self.sgs + s
-        total = widen(b).sum(0)
-        if Variance in self.kinds:
-            if self.shift is None:
-                self.shift = total / max(k, 1)
+        if Variance in self.kinds and k:
+            if self.shift is None:  # one sample: near the mean, and costs no pass
+                self.shift = widen(b[0]).clone() if not _recording(b) else widen(b[0])
             s1, s2 = shifted_sums(b, self.shift)
             self.s1 = s1 if self.s1 is None else self.s1 + s1
             self.s2 = s2 if self.s2 is None else self.s2 + s2
+            total = s1 + k * self.shift
+        else:
+            total = widen(b).sum(0)
         self.total = total if self.total is None else self.total + total
         self.count += k
 
@@ -189,5 +194,8 @@ class Reducer:
         if SumGradSquared in self.kinds:
             out[SumGradSquared.attr] = self.sgs
         if Variance in self.kinds:
-            out[Variance.attr] = (self.s2 - self.s1 * self.s1 / self.count) / self.count
+            if self.s1 is None:  # no samples
+                out[Variance.attr] = self.like.new_full(self.like.shape, float("nan"))
+            else:
+                out[Variance.attr] = (self.s2 - self.s1 * self.s1 / self.count) / self.count
         return out, self.total
