@@ -401,6 +401,7 @@ class PerSample:
         if self._computing:
             return
         died = (self._cycle.finish_queued or self._root_running) and current_graph_task_id() == -1
+        anew = died or self._cycle.backward_done or self.reset_on_forward
         if died or self._cycle.backward_done:
             # a new forward after a backward; or a backward that raised never ended its cycle,
             # or a forward raised: start anew
@@ -413,7 +414,9 @@ class PerSample:
         # inputs that carry the batch already (an earlier forward's outputs, or the same
         # tensors again: an unrolled model, R-Drop) hold the same samples: one forward's
         # contributions; fresh inputs (another part of the batch, another view) a new one's
-        same_samples = self._intercept is not None and self._inputs_tracked(args, kwargs)
+        same_samples = (
+            not anew and self._intercept is not None and self._inputs_tracked(args, kwargs)
+        )
         if not same_samples:
             self._cycle.next_forward()  # its contributions are told from an earlier forward's
         self._root_running = True
