@@ -475,3 +475,36 @@ def test_dropped_without_remove_releases_everything():
     assert torch.equal(model.weight, before) and model.weight.grad is not None  # ordinary
     model.zero_grad()
     InBackward(model.parameters(), torch.optim.SGD, lr=0.1).remove()
+
+
+class _GRUHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru, self.head = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][:, -1])  # h_n gets no gradient
+
+
+def test_per_sample_recomputations_see_the_parameters_before_their_step():
+    """A GRU call whose final state gets no gradient was completed at the end of backward,
+    after InBackward had stepped the GRU: its individual gradients used the new weights
+    (refused by the sum check at a large learning rate, slightly off at a small one)."""
+    import leanprop
+    from leanprop.testing import individual_gradients_of_losses
+
+    torch.manual_seed(0)
+    model = _GRUHead().double()
+    ref = _GRUHead().double()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    losses = ref(x).square().sum(1)
+    params = dict(ref.named_parameters())
+    expected = individual_gradients_of_losses(losses, params)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=10.0)
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        model(x).square().sum().backward()
+    opt.remove()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, expected[k], rtol=1e-9, atol=1e-12, msg=k)
+        torch.testing.assert_close(p, params[k] - 10.0 * expected[k].sum(0), msg=k)

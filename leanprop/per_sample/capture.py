@@ -1016,6 +1016,21 @@ class PerSample:
         # recorded before the cycle opens too (autograd may reach a parameter first)
         if self._active and not self._computing:
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
+            if self._kinds and not self._passive:
+                self._complete_calls_of(state.param)
+
+    def _complete_calls_of(self, p: nn.Parameter) -> None:
+        """``p``'s gradient is computed, so every call that uses it has had all the output
+        gradients it will get: complete those still waiting for others (which count as zero)
+        now, while ``p`` still has its forward value (an optimizer stepping in backward, e.g.
+        InBackward, changes it right after), not at the end of backward."""
+        for call in self._cycle.calls:
+            if (
+                not call.closed
+                and any(g is not None for g in call.grads)
+                and any(q is p for q in call.params.values())
+            ):
+                self._process(call)
 
     def _on_output_grad(self, call: Call, index: int, grad: Tensor) -> None:
         if not self._active or not self._kinds or self._computing or self._passive:
