@@ -1,13 +1,12 @@
 """leanprop: get more out of each PyTorch backward pass, with less memory."""
 
-from .compare import MismatchError, compare
 from .errors import (
     BatchError,
     LeanpropError,
     LeanpropValueError,
     UnsupportedModelError,
 )
-from .memory import track_memory
+from .measure import MismatchError, Timing, compare, time_fn, track_memory
 from .optim import InBackward
 from .per_sample import (
     BatchGrad,
@@ -20,7 +19,6 @@ from .per_sample import (
     register_rule,
 )
 from .side_loss import chunked_linear_cross_entropy, scale_grad, side_loss, transform_grad
-from .timing import Timing, time_fn
 
 __version__ = "0.1.0"
 

@@ -76,7 +76,7 @@ def test_compare_checks_every_kind_of_result():
     for a, b, agrees in cases:
         rows = compare({"ref": lambda b=b: b, "got": lambda a=a: a}, reps=1, show=False,
                        check=False)  # fmt: skip
-        from leanprop.compare import _agreement
+        from leanprop.measure.compare import _agreement
 
         assert _agreement(a, b, 1e-5, 1e-7)[0] is agrees, (a, b)
         del rows

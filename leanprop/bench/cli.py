@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compare import format_table
+from ..measure import format_table
 from . import (
     distributed_suite,
     in_backward_suite,

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import leanprop
-from leanprop.compare import as_dict
+from leanprop.measure import as_dict
 
 SIZES = {
     "small_b1": {"vocab": 2048, "d": 256, "heads": 4, "layers": 4, "seq": 32, "batch": 1},

@@ -25,8 +25,7 @@ from torch import Tensor, nn
 
 import leanprop
 
-from ..memory import track_memory
-from ..timing import time_fn, time_interleaved
+from ..measure import time_fn, time_interleaved, track_memory
 from .measure import rss_peak_mib
 
 LEANPROP_METHODS = {

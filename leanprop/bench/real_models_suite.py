@@ -25,8 +25,7 @@ from torch import Tensor, nn
 
 import leanprop
 
-from ..memory import track_memory
-from ..timing import time_interleaved
+from ..measure import time_interleaved, track_memory
 
 Problem = tuple[nn.Module, Callable[[nn.Module, int], dict], Callable[..., Tensor]]
 LEANPROP = {

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import leanprop
-from leanprop.compare import as_dict
+from leanprop.measure import as_dict
 
 SIZES = {
     "small": {"layers": 4, "batch": 512, "d": 256},

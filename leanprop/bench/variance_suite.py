@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import leanprop
-from leanprop.compare import as_dict
+from leanprop.measure import as_dict
 from leanprop.testing import individual_gradients
 
 

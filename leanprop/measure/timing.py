@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .errors import LeanpropValueError
+from ..errors import LeanpropValueError
 
 
 @dataclass(frozen=True)

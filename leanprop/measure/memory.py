@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .errors import LeanpropValueError
+from ..errors import LeanpropValueError
 
 
 def _storage_key(t: Tensor) -> tuple[str, int]:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from .errors import LeanpropError, LeanpropValueError
+from ..errors import LeanpropError, LeanpropValueError
 from .memory import track_memory
 from .timing import time_interleaved
 
