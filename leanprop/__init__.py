@@ -18,7 +18,7 @@ from .per_sample import (
     per_sample,
     register_rule,
 )
-from .side_loss import chunked_linear_cross_entropy, scale_grad, side_loss, transform_grad
+from .side_losses import chunked_linear_cross_entropy, scale_grad, side_loss, transform_grad
 
 __version__ = "0.1.0"
 

@@ -557,7 +557,7 @@ def test_chunked_penalty_with_shared_and_expanded_parameter_gradients():
 def simulated_offload(monkeypatch):
     """CPU tensors take the offload path, with copies instead of CUDA transfers; returns the
     log of transfers and weak references to the gradients that were moved out."""
-    from leanprop import _offload
+    from leanprop.side_losses import offload as _offload
 
     log, moved_out = [], []
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..side_loss import LossSpec, logit_grads, rows_per_chunk
+from ..side_losses.lm_head import LossSpec, logit_grads, rows_per_chunk
 from .batch import BatchDim, to_front
 from .rules.linear import gram_is_cheaper
 

@@ -1,7 +1,7 @@
 """Parking a side loss's stored gradients in pinned host memory until the main backward.
 
 An eager side loss computes its gradients during forward and holds them until the main
-backward reaches it (see ``side_loss.py``). With ``offload=True`` they leave the GPU meanwhile:
+backward reaches it (see ``eager.py``). With ``offload=True`` they leave the GPU meanwhile:
 
 * When a side loss starts, the gradients of the one before it (in forward order) move to pinned
   host memory on a copy stream, overlapping the new side loss's computation. The newest stays
