@@ -659,3 +659,17 @@ def test_offload_on_cuda_is_exact_and_frees_device_memory():
         del loss
     stored = sum(p.numel() * 4 for p in moved[1][0].parameters()) + x.numel() * 4
     assert parked["kept"] - parked["moved"] >= 2 * stored  # two of the three side losses
+
+
+def test_chunked_penalty_of_an_empty_batch_gives_the_combined_loss_gradients():
+    """N=0 with chunk_size: the penalty parameters' .grad was None where the combined loss
+    gives zeros."""
+    pen = nn.Linear(3, 1)
+    h = torch.randn(0, 3, requires_grad=True)
+    out = side_loss(h, lambda t: pen(t).sum(), weight=0.1, chunk_size=2)
+    out.sum().backward()
+    ref = nn.Linear(3, 1)
+    ref.load_state_dict(pen.state_dict())
+    (0.1 * ref(torch.randn(0, 3)).sum()).backward()
+    for p, q in zip(pen.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)

@@ -227,6 +227,8 @@ def _chunks(
             f"need the same batch size; got shapes {shapes}."
         )
     n = sizes.pop()
+    if n == 0:  # no samples: fn on the whole (empty) batch, as the unchunked penalty
+        return [(None, None)]
     return [
         (slice(a, min(a + chunk_size, n)), (min(a + chunk_size, n) - a) / n if reduction ==
          "mean" else 1.0)
