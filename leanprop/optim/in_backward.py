@@ -460,6 +460,10 @@ class InBackward(torch.optim.Optimizer):
             return
         if self._callback_queued:
             self._drop_failed_backward()
+        self._queue_end(task)
+
+    def _queue_end(self, task: int) -> None:
+        """Step what is left when the backward ``task`` ends."""
         self._callback_queued = True
         self._queued_task = task
         queue_callback(self._end_of_backward)
@@ -504,9 +508,7 @@ class InBackward(torch.optim.Optimizer):
             return
         self._clip(p)
         if not self._callback_queued:  # (FSDP2's sharded parameters fire no pre-hook)
-            self._callback_queued = True
-            self._queued_task = current_graph_task_id()
-            queue_callback(self._end_of_backward)
+            self._queue_end(current_graph_task_id())
         unit = self._unit_of.get(id(p))
         if unit is not None:  # FSDP2: step the unit once all its gradients are reduced
             waiting = self._unit_ready.setdefault(unit, [])

@@ -67,9 +67,15 @@ def mean_m2(b: Tensor) -> tuple[Tensor, Tensor]:
     n = b.shape[0]
     if n == 0:
         return b.sum(0), b.sum(0)
-    shift = b[0].clone() if not _recording(b) else b[0]
+    shift = _first_sample(b)
     s1, s2 = shifted_sums(b, shift)
     return shift + s1 / n, s2 - s1 * s1 / n
+
+
+def _first_sample(b: Tensor) -> Tensor:
+    """``b[0]`` as a shift: near the mean, and known without a pass (a copy, unless autograd
+    records: then part of the graph)."""
+    return b[0] if _recording(b) else b[0].clone()
 
 
 def _blocked_sums(b: Tensor, shift: Tensor | None) -> tuple[Tensor | None, Tensor]:
@@ -169,7 +175,7 @@ class Reducer:
             self.sgs = s if self.sgs is None else self.sgs + s
         if Variance in self.kinds and k:
             if self.shift is None:  # one sample: near the mean, and costs no pass
-                self.shift = widen(b[0]).clone() if not _recording(b) else widen(b[0])
+                self.shift = _first_sample(widen(b))
             s1, s2 = shifted_sums(b, self.shift)
             self.s1 = s1 if self.s1 is None else self.s1 + s1
             self.s2 = s2 if self.s2 is None else self.s2 + s2

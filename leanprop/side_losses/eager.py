@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .._eager import eager_backward
-from .._torch_compat import in_reentrant_checkpoint_backward
+from .._torch_compat import current_graph_task_id, in_reentrant_checkpoint_backward
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .offload import Parked, park
 
@@ -299,7 +299,7 @@ def _keep(t: Tensor) -> Tensor:
 
 def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass (checkpoint recomputation)."""
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+    return torch.is_grad_enabled() and current_graph_task_id() != -1
 
 
 def _scalar(v: Any) -> Tensor:
