@@ -508,3 +508,60 @@ def test_per_sample_recomputations_see_the_parameters_before_their_step():
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad_batch, expected[k], rtol=1e-9, atol=1e-12, msg=k)
         torch.testing.assert_close(p, params[k] - 10.0 * expected[k].sum(0), msg=k)
+
+
+class _LocalStep(torch.autograd.Function):
+    """A forward that trains a side model with its own backward (local learning)."""
+
+    side: nn.Module
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch.enable_grad():
+            _LocalStep.side(x.detach()).square().sum().backward()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_a_backward_inside_a_function_forward_is_not_taken_for_a_reentrant_one():
+    """Only a Function's *backward* nests a backward in a running one; one started from a
+    Function's forward is ordinary (was refused with the reentrant-checkpoint error)."""
+    torch.manual_seed(0)
+    side = nn.Linear(3, 1)
+    ref = nn.Linear(3, 1)
+    ref.load_state_dict(side.state_dict())
+    _LocalStep.side = side
+    opt = InBackward(side.parameters(), torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 3, requires_grad=True)
+    _LocalStep.apply(x).sum().backward()
+    ref(x.detach()).square().sum().backward()
+    opt.remove()
+    for p, q in zip(side.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q - 0.1 * q.grad)
+
+
+def test_add_param_group_after_remove_stays_an_ordinary_optimizer():
+    a, b = nn.Linear(3, 3), nn.Linear(3, 1)
+    opt = InBackward(a.parameters(), torch.optim.SGD, lr=0.1)
+    opt.remove()
+    opt.add_param_group({"params": b.parameters()})
+    before = b.weight.detach().clone()
+    b(torch.tanh(a(torch.randn(4, 3)))).sum().backward()
+    assert torch.equal(b.weight, before) and b.weight.grad is not None  # not stepped in backward
+    opt.step()  # an ordinary step
+    assert not torch.equal(b.weight, before)
+
+
+def test_options_take_any_real_number():
+    import numpy as np
+
+    model = nn.Linear(3, 2)
+    opt = InBackward(
+        model.parameters(), torch.optim.SGD, lr=0.1, bucket_mb=np.float32(1.0),
+        clip_grad_norm=np.float64(5.0),
+    )  # fmt: skip
+    opt.clipped_backward(model(torch.randn(4, 3)).sum(), np.float32(1.0))
+    opt.remove()
