@@ -137,3 +137,28 @@ class FunctionalWide(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(torch.nn.functional.linear(x, self.w1, self.b1))
         return torch.addmm(self.b2, h.reshape(-1, 16), self.w2).view_as(h)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "hf_bert"])
+def test_batch_l2_alone_on_hf_models(name, monkeypatch):
+    """BatchL2Grad alone takes the closed forms (Gram norms, and for GPT-2's embedding tied to
+    its head the factors of both uses): exact against the same forward's individual gradients."""
+    pytest.importorskip("transformers")
+    import importlib
+
+    from leanprop.per_sample import factors
+
+    factored = []
+    cycle = importlib.import_module("leanprop.per_sample.cycle")
+    monkeypatch.setattr(cycle, "inner", lambda *a: factored.append(1) or factors.inner(*a))
+    torch.manual_seed(0)
+    model, losses_fn, options = hf_models()[name]()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    with leanprop.per_sample(model, BatchL2Grad(), **options):
+        losses = losses_fn()
+        losses.sum().backward(retain_graph=True)
+    assert bool(factored) == (name == "hf_gpt2")  # the only one with a tied head here
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        ref = expected[k].flatten(1).square().sum(1)
+        assert_close(p.batch_l2, ref, f"{k}.batch_l2", 1e-8, 1e-12)

@@ -47,6 +47,7 @@ from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_in, to_front
 from .chunks import sample_chunks
 from .cycle import Call, Cycle, ParamState
+from .factors import norms_are_cheaper
 from .fused import Intercept
 from .quantities import (
     BatchGrad,
@@ -690,14 +691,17 @@ class PerSample:
         batch: dict[nn.Parameter, Tensor],
         compute_dtype: torch.dtype | None,
         source: ops.Contribute,
+        totals: dict[nn.Parameter, Tensor],
     ) -> None:
-        """Individual gradients ``[N, *p.shape]`` of one use, found outside any call."""
+        """Individual gradients ``[N, *p.shape]`` of one use, found outside any call (and
+        their sums, where known)."""
         self._open_cycle()
         self._cycle.from_forward(source)
         for p, b in batch.items():
             state = self._states[p]
             state.saw(compute_dtype or b.dtype)
-            state.add_batch(b.to(p.dtype))  # 16-bit (autocast) kept in the parameter's dtype
+            # 16-bit (autocast) kept in the parameter's dtype
+            state.add_batch(b.to(p.dtype), totals.get(p))
 
     def _rule_batch(self, site: Site, x: Any) -> BatchDim | None:
         """Where the batch is in a rule site's input; None if it carries none."""
@@ -1107,6 +1111,15 @@ class PerSample:
             for k, v in closed.items():
                 self._states[call.params[k]].results[BatchL2Grad.attr] = widen(v)
         names = (single - closed.keys()) | multi
+        if multi and site.rule is not None and site.rule.factors is not None:
+            # a shared weight: its use as factors (norms without individual gradients, or
+            # added to those of its other uses without a temporary)
+            front_args, g = self._fronted(call)
+            args = tuple(_like(a, g) for a in front_args)
+            for k, f in site.rule.factors(site.module, args, g, multi).items():
+                keep = l2_only and norms_are_cheaper(f)
+                sums[k] = self._states[call.params[k]].add_factors(f, keep, opts.workspace_bytes)
+            names -= sums.keys()
         reducers = {
             k: Reducer(kinds if k in single else frozenset({BatchGrad}), call.params[k], call.n)
             for k in names
@@ -1124,7 +1137,7 @@ class PerSample:
         state = self._states[p]
         values, total = result
         if multi:
-            state.add_batch(values[BatchGrad.attr].to(p.dtype))
+            state.add_batch(values[BatchGrad.attr].to(p.dtype), total)
             return total
         state.results.update(values)
         state.total = total

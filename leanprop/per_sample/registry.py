@@ -9,15 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .factors import Factors
 
 # batch_grads(module, inputs, grad_out, names, options) -> {param name: [n, *p.shape]}
 BatchGradsFn = Callable[[nn.Module, tuple[Any, ...], Tensor, frozenset[str], "RuleOptions"], dict]
 # batch_l2(module, inputs, grad_out, names, options) -> {param name: [n]} or None if not cheaper
 BatchL2Fn = Callable[..., "dict[str, Tensor] | None"]
+# factors(module, inputs, grad_out, names) -> {param name: factors.Outer | factors.Lookup}
+# (the individual gradients as factors, for the names where norms from them are cheaper)
+FactorsFn = Callable[..., "dict[str, Factors]"]
 # workspace(module, inputs, grad_out, options) -> bytes of scratch memory per sample
 WorkspaceFn = Callable[..., int]
 # input_grad(module, x, grad_out) -> gradient w.r.t. the input (ordinary backward)
@@ -59,6 +65,9 @@ class Rule:
     # the layer's op takes the module's input as is (its rule may run at the op, on the op's
     # input; else the module's forward is hooked)
     op_takes_module_input: Callable[[nn.Module], bool] | None = None
+    # the individual gradients as factors: the norms of a weight used several times (tied)
+    # are formed from them without materialising it (see factors.py)
+    factors: FactorsFn | None = None
 
     def at_op_level(self, module: nn.Module) -> bool:
         return self.op_takes_module_input is None or self.op_takes_module_input(module)
@@ -78,6 +87,7 @@ def register_rule(
     accepts_out: bool = False,
     batch_first: bool = False,
     op_takes_module_input: Callable[[nn.Module], bool] | None = None,
+    factors: FactorsFn | None = None,
 ) -> Callable[[BatchGradsFn], BatchGradsFn]:
     """Register ``batch_grads`` (the decorated function) as the rule of ``module_types``.
 
@@ -93,12 +103,15 @@ def register_rule(
             elsewhere the batch may be in any dimension (rules get it moved to the front).
         op_takes_module_input: whether the module calls its op on its input unchanged (default
             yes); where not (a convolution padding its input first), the module is hooked.
+        factors: the individual gradients as :mod:`factors` (``Outer``/``Lookup``), where
+            norms from them are cheaper; used for ``BatchL2Grad`` of a weight used several
+            times.
     """
 
     def decorate(fn: BatchGradsFn) -> BatchGradsFn:
         rule = Rule(
             fn, batch_l2, workspace, check_input, input_grad, param_grads, can_fuse, accepts_out,
-            batch_first, op_takes_module_input,
+            batch_first, op_takes_module_input, factors,
         )  # fmt: skip
         for t in module_types:
             _RULES[t] = rule

@@ -1,7 +1,8 @@
 """Rule for ``nn.Embedding``: ``y[n, t] = W[i_nt]`` with indices ``i: [N, *T]``, ``W: [V, D]``.
 
 Individual gradient: ``W_n = sum_t e_{i_nt} g_ntᵀ  [V, D]`` (rows at ``padding_idx`` stay zero).
-Squared norm without materialising it: ``||W_n||² = sum_{t,s} [i_nt = i_ns] (g_nt·g_ns)``.
+Squared norm without materialising it: ``||W_n||² = sum_{t,s} [i_nt = i_ns] (g_nt·g_ns)``;
+for a weight shared with other layers (tied), the same from factors (``factors.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..factors import Factors, Lookup
 from ..registry import RuleOptions, register_rule
 
 
@@ -43,11 +45,22 @@ def embedding_batch_l2(
     return {"weight": (torch.bmm(gs, gs.mT) * same).sum((1, 2))}
 
 
+def embedding_factors(
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str]
+) -> dict[str, Factors]:
+    """The weight's individual gradients as factors ``Lookup(i_n [T], g_n [T, D])``."""
+    idx, gs = _flat(module, inputs[0], g)
+    return {"weight": Lookup(idx, gs, module.num_embeddings)} if "weight" in names else {}
+
+
 def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, _: RuleOptions) -> int:
     return module.num_embeddings * module.embedding_dim * g.element_size()
 
 
-@register_rule(nn.Embedding, batch_l2=embedding_batch_l2, workspace=_workspace, check_input=_check)
+@register_rule(
+    nn.Embedding, batch_l2=embedding_batch_l2, workspace=_workspace, check_input=_check,
+    factors=embedding_factors,
+)  # fmt: skip
 def embedding_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:

@@ -6,6 +6,7 @@ Squared norms without materialising ``W_n``:
 * 2-D input: ``||W_n||² = ||x_n||² ||g_n||²``.
 * sequence input: ``||W_n||² = sum_{t,s} (x_nt·x_ns)(g_nt·g_ns)`` (Gram matrices ``[N, T, T]``),
   used where that is cheaper than materialising ``W_n`` (:func:`gram_is_cheaper`).
+* a weight shared with other layers (tied): the same from factors (``factors.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..factors import Factors, Outer
 from ..registry import RuleOptions, register_rule
 
 
@@ -59,6 +61,15 @@ def linear_batch_l2(
     return out
 
 
+def linear_factors(
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str]
+) -> dict[str, Factors]:
+    """The weight's individual gradients as factors ``Outer(g_n [S, O], x_n [S, I])``."""
+    x = inputs[0]
+    xs, gs = (x.unsqueeze(1), g.unsqueeze(1)) if x.dim() == 2 else _as_sequence(x, g)
+    return {"weight": Outer(gs, xs)} if "weight" in names else {}
+
+
 def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, _: RuleOptions) -> int:
     return module.in_features * module.out_features * g.element_size()
 
@@ -89,6 +100,7 @@ def linear_param_grads(
     input_grad=linear_input_grad,
     param_grads=linear_param_grads,
     can_fuse=lambda module: True,
+    factors=linear_factors,
 )
 def linear_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
