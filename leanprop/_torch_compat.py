@@ -146,3 +146,13 @@ def torch_version() -> tuple[int, int]:
     """(major, minor) of the running torch."""
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def foreach_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
+    """``[vector_norm(t, ord) for t in tensors]`` in a few multi-tensor kernels (DTensors too)."""
+    return list(torch._foreach_norm(tensors, ord))
+
+
+def foreach_scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """``t.mul_(factor)`` for each tensor, in a few multi-tensor kernels."""
+    torch._foreach_mul_(tensors, factor)

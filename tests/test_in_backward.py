@@ -268,6 +268,70 @@ def test_torch_clip_grad_norm_on_freed_gradients_raises():
     assert torch.nn.utils.clip_grad_norm_ is original
 
 
+@pytest.mark.parametrize("mode", ["plain", "approx-clipping", "micro-batches", "small-buckets"])
+def test_torch_clip_grad_norm_with_inf_reads_the_stepped_norm(mode):
+    """What trainers do every step to log the norm, clip_grad_norm_(params, inf), returns the
+    global norm of the gradients stepped in the last backward: bit-identical to the plain
+    loop's (tied weight, unused parameters, accumulated micro-batches, several buckets)."""
+    inf = float("inf")
+    kwargs = {"clip_grad_norm": 1e-3} if mode == "approx-clipping" else {}
+    bucket = 1e-4 if mode == "small-buckets" else 25.0
+    micro = 2 if mode == "micro-batches" else 1
+    torch.manual_seed(0)
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+    opt = InBackward(_groups(model), torch.optim.SGD, lr=0.1, bucket_mb=bucket, **kwargs)
+    ref_opt = torch.optim.SGD(_groups(ref), lr=0.1)
+    data = torch.randn(3, micro, 5, 6)
+    for s in range(3):
+        for m in range(micro):
+            ctx = opt.accumulate() if m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                model(data[s, m]).pow(2).mean().backward()
+            ref(data[s, m]).pow(2).mean().backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), inf)
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), inf)
+        assert torch.equal(got, want), (s, got, want)
+        assert torch.equal(opt.last_grad_norm, want)
+        if mode != "approx-clipping":
+            ref_opt.step()
+        ref_opt.zero_grad()
+        if mode == "approx-clipping":  # keep the reference on InBackward's parameters
+            ref.load_state_dict(model.state_dict())
+    opt.remove()
+
+
+def test_torch_clip_grad_norm_of_stepped_gradients_mixed_with_others():
+    """Stepped parameters and ordinary ones in one call: one global norm; error_if_nonfinite
+    as torch; a parameter that got no gradient in the last backward counts as none."""
+    inf = float("inf")
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    opt = InBackward(a.parameters(), torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 3)
+    want = torch.nn.utils.get_total_norm(
+        [g for g in torch.autograd.grad(a(x).sum(), list(a.parameters()))]
+        + [g for g in torch.autograd.grad(b(x).sum(), list(b.parameters()))]
+    )
+    (a(x).sum() + b(x).sum()).backward()
+    got = torch.nn.utils.clip_grad_norm_([*a.parameters(), *b.parameters()], inf)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    b.zero_grad(set_to_none=True)
+    a.weight.requires_grad_(False)
+    a(x).sum().backward()  # only the bias is stepped now
+    # (autograd.grad steps nothing: the norms of the last stepping backward stay)
+    bias_norm = torch.linalg.vector_norm(torch.autograd.grad(a(x).sum(), a.bias)[0])
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(a.parameters(), inf), bias_norm)
+    a.weight.requires_grad_(True)
+    (a(x).sum() * float("nan")).backward()
+    assert torch.nn.utils.clip_grad_norm_(a.parameters(), inf).isnan()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(a.parameters(), inf, error_if_nonfinite=True)
+    with pytest.raises(UnsupportedModelError, match=r"norm_type=1"):
+        torch.nn.utils.clip_grad_norm_(a.parameters(), inf, norm_type=1)
+    opt.remove()
+
+
 def test_peak_memory_is_state_plus_about_one_bucket():
     """Exact tensor bytes (not a timing): gradients are freed bucket by bucket."""
     from leanprop import track_memory

@@ -247,17 +247,27 @@ def test_chunked_linear_cross_entropy_matches_plain(reduction, bias, smoothing, 
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["all-ignored", "empty"])
+@pytest.mark.parametrize("case", ["all-ignored", "empty", "zero-class-weights"])
 def test_chunked_cross_entropy_mean_over_nothing_is_nan(case):
+    """A mean over a total weight of 0: NaN loss, and torch's gradients (zeros where rows are
+    ignored or there are none; NaN where rows of zero class weight were kept)."""
+    torch.manual_seed(0)
     h, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
     t = torch.full((3,), -100)
+    kwargs = {}
     if case == "empty":
         h, t = h[:0], t[:0]
-    ref = nn.functional.cross_entropy(h @ w.T, t)
-    loss = leanprop.chunked_linear_cross_entropy(h, w, t)
+    if case == "zero-class-weights":
+        t = torch.tensor([0, 1, -100])
+        kwargs = {"weight": torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0])}
+    ref = nn.functional.cross_entropy(h @ w.T, t, **kwargs)
+    ref_grads = torch.autograd.grad(ref, (h, w))
+    if "weight" in kwargs:
+        kwargs = {"class_weight": kwargs["weight"]}
+    loss = leanprop.chunked_linear_cross_entropy(h, w, t, **kwargs)
     assert ref.isnan() and loss.isnan()
-    loss.backward()
-    assert torch.equal(w.grad, torch.zeros_like(w))  # as torch's
+    for got, want in zip(torch.autograd.grad(loss, (h, w)), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])

@@ -49,7 +49,13 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_compat import current_graph_task_id, inside_function_backward, queue_callback
+from .._torch_compat import (
+    current_graph_task_id,
+    foreach_norms,
+    foreach_scale_,
+    inside_function_backward,
+    queue_callback,
+)
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
 
@@ -69,17 +75,39 @@ _NEEDS_CLOSURE = (torch.optim.LBFGS,)
 _CLIP_ORIGINAL: list[Any] = []  # torch's clip_grad_norm_, while the guard below is installed
 
 
-def _guarded_clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-    """torch's ``clip_grad_norm_``, refusing parameters whose gradients InBackward freed."""
+def _guarded_clip_grad_norm_(
+    parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:  # fmt: skip
+    """torch's ``clip_grad_norm_``, for parameters whose gradients InBackward stepped and
+    freed in backward: with ``max_norm=inf`` (reading the norm, as trainers do to log it) the
+    global norm of the gradients stepped in the last backward; clipping them is refused."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    if any(_owner(p) is not None and p.grad is None for p in params):
+    stepped = [p for p in params if p.grad is None and _owner(p) is not None]
+    if not stepped:
+        return _CLIP_ORIGINAL[0](params, max_norm, norm_type, error_if_nonfinite, foreach)
+    if float(max_norm) != float("inf") or float(norm_type) != 2.0:
         raise UnsupportedModelError(
-            "clip_grad_norm_ got parameters of an InBackward optimizer: their gradients were "
-            "already stepped and freed during backward, so there is nothing left to clip. Use "
-            "opt.clipped_backward(loss, max_norm) for exact clipping, or "
+            f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r}) got parameters "
+            "of an InBackward optimizer: their gradients were already stepped and freed during "
+            "backward, so there is nothing left to clip (only reading the 2-norm, max_norm=inf, "
+            "works). Use opt.clipped_backward(loss, max_norm) for exact clipping, or "
             "InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate mode."
         )
-    return _CLIP_ORIGINAL[0](params, max_norm, *args, **kwargs)
+    norms = [n for p in stepped if (n := _owner(p)._stepped_norm(p)) is not None]
+    others = [p.grad for p in params if p.grad is not None]
+    norms += foreach_norms(others) if others else []
+    if not norms:
+        return torch.zeros(())
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the "
+            "non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    return total
 
 
 def _guard_clipping(on: bool) -> None:
@@ -223,7 +251,8 @@ class InBackward(torch.optim.Optimizer):
         self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: Tensor | None = None  # global norm of the last backward (clipping)
         self._approx_coef: Tensor | None = None  # clip factor from last_grad_norm
-        self._norms: dict[int, Tensor] = {}  # this backward's gradient norms (approx. clipping)
+        self._norms: dict[int, Tensor] = {}  # id(p) -> norm of the gradient stepped, this backward
+        self._last_norms: dict[int, Tensor] = {}  # ... and in the last backward that ended
         self._coef: Tensor | None = None  # clipped_backward, second pass
         self._handles: list[RemovableHandle] = []
         params_all = [p for g in self.param_groups for p in g["params"]]
@@ -438,14 +467,9 @@ class InBackward(torch.optim.Optimizer):
         return 0 if self._ddp is None else self._ddp.peak_bytes
 
     # ------------------------------------------------------------------ hooks
-    def _clip(self, p: Tensor) -> None:
-        """Apply the clipping mode to ``p.grad`` (and record its norm for the next step)."""
-        if self._coef is not None:
-            p.grad.mul_(self._coef)
-        elif self.clip_grad_norm is not None:
-            self._norms[id(p)] = torch._foreach_norm([p.grad], 2.0)[0]
-            if self._approx_coef is not None:
-                p.grad.mul_(self._approx_coef)
+    def _stepped_norm(self, p: Tensor) -> Tensor | None:
+        """2-norm of ``p``'s gradient as stepped in the last backward (None: it had none)."""
+        return self._last_norms.get(id(p))
 
     def _before_accumulate(self, grad: Tensor) -> None:
         """Before a gradient is accumulated: the first time in a backward, queue its end (also
@@ -503,10 +527,9 @@ class InBackward(torch.optim.Optimizer):
                 "{'use_reentrant': False}))."
             )
         if self._measuring is not None:  # first pass of clipped_backward: norm only
-            self._measuring[id(p)] = torch._foreach_norm([p.grad], self._norm_type)[0]
+            self._measuring[id(p)] = foreach_norms([p.grad], self._norm_type)[0]
             p.grad = None
             return
-        self._clip(p)
         if not self._callback_queued:  # (FSDP2's sharded parameters fire no pre-hook)
             self._queue_end(current_graph_task_id())
         unit = self._unit_of.get(id(p))
@@ -514,7 +537,7 @@ class InBackward(torch.optim.Optimizer):
             waiting = self._unit_ready.setdefault(unit, [])
             waiting.append(p)
             if len(waiting) == self._unit_size[unit]:
-                self._step_params(self._unit_ready.pop(unit), clip=False)
+                self._step_params(self._unit_ready.pop(unit))
             return
         self._ready.append(p)
         self._ready_bytes += p.grad.numel() * p.grad.element_size()
@@ -526,30 +549,35 @@ class InBackward(torch.optim.Optimizer):
         self._queued_task = -1
         self._step_ready()
         for waiting in self._unit_ready.values():  # units with parameters left unused
-            self._step_params(waiting, clip=False)
+            self._step_params(waiting)
         self._unit_ready.clear()
-        if self._norms:
+        if self._norms:  # (a backward that stepped nothing, e.g. autograd.grad, keeps them)
             self.last_grad_norm = _total_norm(self._norms, self.param_groups, 2.0)
-            self._approx_coef = torch.clamp(
-                self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0
-            )
-            self._norms = {}
+            if self.clip_grad_norm is not None:
+                self._approx_coef = torch.clamp(
+                    self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0
+                )
+            self._last_norms, self._norms = self._norms, {}
 
     def _step_ready(self) -> None:
         """Step exactly the parameters whose gradient is final, then free their gradients."""
-        self._step_params(self._ready, clip=False)
+        self._step_params(self._ready)
         self._ready.clear()
         self._ready_bytes = 0
 
-    def _step_params(self, params: list[Tensor], clip: bool = True) -> None:
+    def _step_params(self, params: list[Tensor]) -> None:
         """One inner-optimizer step restricted to ``params`` (their ``.grad`` is final), then
-        free those gradients."""
+        free those gradients. Their norms are recorded first (``last_grad_norm``, and what
+        ``clip_grad_norm_(params, inf)`` reads), then the clipping mode scales them."""
         ready = {id(p) for p in params}
         if not ready:
             return
-        if clip:
-            for p in params:
-                self._clip(p)
+        grads = [p.grad for p in params]
+        for p, norm in zip(params, foreach_norms(grads), strict=True):
+            self._norms[id(p)] = norm
+        coef = self._coef if self._coef is not None else self._approx_coef
+        if coef is not None:
+            foreach_scale_(grads, coef)
         saved = [g["params"] for g in self.param_groups]
         try:
             for g in self.param_groups:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .._torch_compat import current_graph_task_id
+from .._torch_compat import current_graph_task_id, foreach_norms
 from ..errors import UnsupportedModelError
 from .batch import BatchDim
 from .factors import Factors, add_into, inner, materialize, total
@@ -321,7 +321,7 @@ class Cycle:
         totals, refs = [t for _, t, _ in pairs], [r for _, _, r in pairs]
         diffs = [t - r for t, r in zip(totals, refs, strict=True)]
         # multi-tensor norms: a few kernel launches for all parameters instead of three each
-        d, a, b = (torch.stack(torch._foreach_norm(x)).double() for x in (diffs, totals, refs))
+        d, a, b = (torch.stack(foreach_norms(x)).double() for x in (diffs, totals, refs))
         rel = (d / (a + b + 1e-30)).tolist()  # one host synchronisation per backward
         bad = [
             f"'{s.name}' (relative error {e:.2e})"

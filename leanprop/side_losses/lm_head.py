@@ -104,10 +104,11 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for start, stop, g, loss in logit_grads(h, weight, bias, target, chunk, spec, acc):
             total = total + loss.sum()  # g: d loss_sum / d logits  [c, V]
             _add_grads(grads, g, h, weight, bias, start, stop)
-        denom = None
-        if reduction == "mean":  # NaN over no rows, as torch (its gradients are zeros)
-            denom = spec.row_weights(target, target != spec.ignore_index, acc).sum()
-        ctx.grads, ctx.denom = grads, denom
+        denom, keep = None, None
+        if reduction == "mean":  # NaN over no rows, as torch
+            keep = target != spec.ignore_index
+            denom = spec.row_weights(target, keep, acc).sum()
+        ctx.grads, ctx.denom, ctx.keep = grads, denom, keep
         return (total if denom is None else total / denom).to(h.dtype)
 
     @staticmethod
@@ -126,8 +127,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 "chunked_linear_cross_entropy: a second backward through the same loss; its "
                 "gradients were handed out by the first. Run forward again for each backward."
             )
-        scale = go if ctx.denom is None else go / ctx.denom.clamp(min=1e-30)
-        grads = [None if g is None else g.mul_(scale.to(g.dtype)) for g in grads]  # ours
+        if ctx.denom is None:
+            scales = [go] * 3
+        else:  # a mean over a total weight of 0, as torch: NaN where a row was kept, else 0
+            scale = go / ctx.denom
+            kept = ctx.keep.any()
+            whole = torch.where(kept, scale, 0)
+            scales = [torch.where(ctx.keep, scale, 0)[:, None], whole, whole]
+        grads = [
+            None if g is None else g.mul_(s.to(g.dtype)) for g, s in zip(grads, scales, strict=True)
+        ]
         return (*grads, None, None, None, None)
 
 
