@@ -9,6 +9,11 @@ from contextlib import contextmanager
 
 import torch
 
+# private modules torch itself builds on (stable since torch 2.0), re-exported from here only
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten  # noqa: F401
+
 
 def current_graph_task_id() -> int:
     """Id of the backward pass running on this thread, -1 outside backward."""
@@ -156,3 +161,22 @@ def foreach_norms(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.T
 def foreach_scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """``t.mul_(factor)`` for each tensor, in a few multi-tensor kernels."""
     torch._foreach_mul_(tensors, factor)
+
+
+@contextmanager
+def leaf_hooks_suspended(params: list[torch.Tensor]) -> Iterator[None]:
+    """Suspend the ``register_hook`` hooks of the leaf tensors ``params`` in the block."""
+    saved = [(p, p._backward_hooks) for p in params if p._backward_hooks]
+    try:
+        for p, _ in saved:
+            p._backward_hooks = None
+        yield
+    finally:
+        for p, hooks in saved:
+            p._backward_hooks = hooks
+
+
+def ddp_syncs_gradients(ddp: torch.nn.Module) -> bool:
+    """Whether a ``DistributedDataParallel`` module all-reduces in this backward (False
+    inside its ``no_sync()``)."""
+    return bool(ddp.require_backward_grad_sync)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
+from .._torch_compat import tree_flatten
 from ..errors import LeanpropError, LeanpropValueError
 from .memory import track_memory
 from .timing import time_interleaved

@@ -28,9 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from .._torch_compat import TorchDispatchMode, tree_leaves
 from ..errors import LeanpropValueError
 
 

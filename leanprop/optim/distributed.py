@@ -40,16 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._torch_compat import torch_version
+from .._torch_compat import ddp_syncs_gradients, queue_callback, torch_version
 from ..errors import LeanpropValueError
 
 if TYPE_CHECKING:
     from .in_backward import InBackward
-
-
-def _queue_after_backward(fn: Any) -> None:
-    """Run ``fn`` when this backward pass ends, after callbacks queued so far."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 class DDPStepper:
@@ -112,7 +107,7 @@ class DDPStepper:
         """Before DDP copies ``p``'s gradient into its bucket: give the bucket its memory."""
         entry = self._storage.get(id(p))
         ddp = self._ddp()
-        syncing = ddp is not None and ddp.require_backward_grad_sync  # not inside no_sync()
+        syncing = ddp is not None and ddp_syncs_gradients(ddp)  # not inside no_sync()
         if entry is not None and entry[0].nbytes() == 0 and syncing:
             entry[0].resize_(entry[1])
             self._peak = max(self._peak, self.held_bytes())
@@ -146,7 +141,7 @@ class DDPStepper:
                     old[0].resize_(0)
             self._peak = max(self._peak, self.held_bytes() + current.nbytes())
         if not self._pending:  # first bucket of this backward
-            _queue_after_backward(self._before_finalize)
+            queue_callback(self._before_finalize)
         stepped = fut.then(lambda f: self._step_bucket(bucket, f.value()[0]))
         self._pending.append(stepped)
         return stepped
@@ -172,7 +167,7 @@ class DDPStepper:
             if storage.nbytes() == 0:
                 storage.resize_(nbytes)  # never written: DDP only re-views them
         self.peak_bytes, self._peak = max(self._peak, self.held_bytes()), 0
-        _queue_after_backward(self._after_finalize)
+        queue_callback(self._after_finalize)
 
     def _after_finalize(self) -> None:
         """DDP pointed each ``.grad`` at its bucket again: drop them and free the buckets."""

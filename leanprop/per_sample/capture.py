@@ -30,17 +30,18 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from .._eager import in_eager_backward
 from .._torch_compat import (
+    BatchNormBase,
     current_graph_task_id,
     innermost_mode_off,
     queue_callback,
     top_function_mode,
+    tree_flatten,
+    tree_unflatten,
 )
 from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedModelError
 from . import broadcast, ops
@@ -272,7 +273,7 @@ class PerSample:
             self._cycle.clear_attrs()
             hooks, model = self._handles, self.model  # (hooks hold this context weakly)
             for m_name, m in model.named_modules():
-                if isinstance(m, _BatchNorm):
+                if isinstance(m, BatchNormBase):
                     hooks.append(m.register_forward_pre_hook(_Weakly(self._bn_check, m_name)))
             for site in self._sites:
                 enter = self._on_fallback_enter if site.rule is None else self._on_rule_enter

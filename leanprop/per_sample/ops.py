@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._torch_compat import tree_flatten, tree_unflatten
 from .batch import BatchDim, op_name, to_front
 from .chunks import sample_chunks
 from .op_rules import closed_form, closed_norms

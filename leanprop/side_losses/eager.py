@@ -21,15 +21,19 @@ forward ran without grad). Results stay exact in both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._eager import eager_backward
-from .._torch_compat import current_graph_task_id, in_reentrant_checkpoint_backward
+from .._torch_compat import (
+    current_graph_task_id,
+    in_reentrant_checkpoint_backward,
+    leaf_hooks_suspended,
+)
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .offload import Parked, park
 
@@ -277,20 +281,12 @@ def _leaves(value: Tensor, exclude: Sequence[Tensor]) -> list[Tensor]:
     return list(found.values())
 
 
-@contextmanager
-def _leaf_hooks_off(params: list[Tensor]) -> Iterator[None]:
+def _leaf_hooks_off(params: list[Tensor]) -> AbstractContextManager[None]:
     """Suspend the ``register_hook`` hooks of ``params`` while their gradients are captured:
     autograd runs a leaf's hooks on captured gradients too, and the main backward, through
     which the gradients are handed over, runs them again (once, on the whole gradient, as
     the combined loss would)."""
-    saved = [(p, p._backward_hooks) for p in params if p._backward_hooks]
-    try:
-        for p, _ in saved:
-            p._backward_hooks = None
-        yield
-    finally:
-        for p, hooks in saved:
-            p._backward_hooks = hooks
+    return leaf_hooks_suspended(params)
 
 
 def _keep(t: Tensor) -> Tensor:

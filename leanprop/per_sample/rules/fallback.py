@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..._torch_compat import tree_flatten, tree_unflatten
 from ...errors import UnsupportedModelError
 
 

@@ -16,9 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten
 
-from ..._torch_compat import register_packed_sequence_pytree
+from ..._torch_compat import register_packed_sequence_pytree, tree_flatten
 from .fallback import loop_over_samples
 
 register_packed_sequence_pytree()
