@@ -332,6 +332,28 @@ def test_torch_clip_grad_norm_of_stepped_gradients_mixed_with_others():
     opt.remove()
 
 
+def test_second_backward_through_a_retained_graph_fails_loudly_and_changes_nothing():
+    """The first backward stepped the parameters the graph saved: torch refuses the second
+    (never a step with stale values); the optimizer then trains on as the plain loop."""
+    torch.manual_seed(0)
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+    opt = InBackward(_groups(model), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(_groups(ref), lr=0.1)
+    x = torch.randn(2, 5, 6)
+    loss = model(x[0]).pow(2).mean()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    model(x[1]).pow(2).mean().backward()
+    for b in x:
+        ref(b).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.remove()
+    assert_bitwise_equal(model, ref)
+
+
 def test_peak_memory_is_state_plus_about_one_bucket():
     """Exact tensor bytes (not a timing): gradients are freed bucket by bucket."""
     from leanprop import track_memory

@@ -23,6 +23,15 @@ when the next backward or ``step()`` comes, so the next backward steps with its 
 only (gradients accumulated by ``accumulate()`` micro-batches before it are dropped too: they
 cannot be told apart from the failed backward's partial ones).
 
+A second backward through one retained graph cannot work: the first stepped the parameters
+the graph saved (torch raises "modified by an inplace operation"); add the losses and call
+backward once.
+
+Clipping: while any InBackward hooks parameters, ``torch.nn.utils.clip_grad_norm_`` goes through
+a guard (installed once, removed with the last InBackward): with ``max_norm=inf`` it returns the
+global norm of the gradients stepped in the last backward (what trainers log); clipping
+gradients already stepped and freed is refused with what to use instead.
+
 A backward run inside another (``checkpoint(use_reentrant=True)``) that accumulates gradients
 of these parameters is refused: stepping there would step them once per inner backward with
 part of their gradient; use ``use_reentrant=False``. The hooks hold the optimizer weakly: one
