@@ -25,7 +25,7 @@ from ..errors import UnsupportedModelError
 from .batch import BatchDim
 from .factors import Factors, add_into, inner, materialize, total
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
-from .stats import quantities_of
+from .stats import quantities_of, sample_sum
 
 if TYPE_CHECKING:
     from . import ops
@@ -234,7 +234,7 @@ class Cycle:
                         state.results = quantities_of(state.batch, kinds)
                         state.total = state.batch_total
                         if state.total is None:
-                            state.total = state.batch.sum(0)
+                            state.total = sample_sum(state.batch)
                     elif state.factors:  # BatchL2Grad alone (see ParamState.add_factors)
                         state.results = {BatchL2Grad.attr: state.factor_sq}
                         state.total = state.factor_total

@@ -32,6 +32,7 @@ from .._torch_compat import tree_flatten, tree_unflatten
 from .batch import BatchDim, op_name, to_front
 from .chunks import sample_chunks
 from .op_rules import closed_form, closed_norms
+from .stats import sample_sum
 
 
 class Contribute:
@@ -231,7 +232,7 @@ class OpCapture(torch.autograd.Function):
             for i, g in zip(rest, ordinary, strict=True):
                 result[i] = g
         for i, ps in fast.items():
-            result[i] = ps.sum(0)
+            result[i] = sample_sum(ps)
             with op.contribute.computing():
                 hand_back(
                     op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype,

@@ -33,6 +33,16 @@ def widen(b: Tensor) -> Tensor:
     return b.float() if b.is_floating_point() and b.element_size() < 4 else b
 
 
+def sample_sum(b: Tensor) -> Tensor:
+    """``sum_n b[n]``: ``b.shape[1:]``, as a matrix-vector product where ``b`` is contiguous
+    float32/64 (BLAS: up to several times faster on CPU than a reduction over the leading
+    dimension)."""
+    n = b.shape[0]
+    if not (b.dtype in (torch.float32, torch.float64) and b.is_contiguous() and b.numel()):
+        return b.sum(0)
+    return torch.mv(b.reshape(n, -1).t(), b.new_ones(n)).view(b.shape[1:])
+
+
 def sq_norms(b: Tensor) -> Tensor:
     """``||b[n]||²`` for each n: ``[N]``."""
     b = widen(b)
@@ -121,7 +131,7 @@ def quantities_from_batch(
     b: Tensor, kinds: frozenset[type[Quantity]]
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Quantities from materialised individual gradients ``b: [N, *shape]``, and their sum."""
-    return quantities_of(b, kinds), b.sum(0)
+    return quantities_of(b, kinds), sample_sum(b)
 
 
 class Reducer:
@@ -164,7 +174,7 @@ class Reducer:
                 part = self.full[self.count : self.count + k]
                 if b.data_ptr() != part.data_ptr():  # not written in place by the rule
                     part.copy_(b)
-                s = b.sum(0)  # while the chunk is still in cache: about 2x faster on CPU
+                s = sample_sum(b)  # while the chunk is still in cache: about 2x faster on CPU
                 self.total = s if self.total is None else self.total.add_(s)
             self.count += k
             return
@@ -181,7 +191,7 @@ class Reducer:
             self.s2 = s2 if self.s2 is None else self.s2 + s2
             total = s1 + k * self.shift
         else:
-            total = widen(b).sum(0)
+            total = sample_sum(widen(b))
         self.total = total if self.total is None else self.total + total
         self.count += k
 
