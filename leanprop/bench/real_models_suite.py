@@ -8,7 +8,7 @@ Methods side by side in one run: ``plain`` forward+backward, leanprop's ``BatchG
 and Opacus' ``GradSampleModule``, where each runs. Peak memory is the exact tensor peak of one
 step (:class:`leanprop.track_memory`); time is measured in rounds, every method once per round.
 leanprop's individual gradients are checked to add up to the batch gradient (its own sum
-check, on); their exactness on these model families is what tests/test_per_sample_models.py
+check, on); their exactness on these model families is what tests/per_sample/test_models.py
 tests.
 """
 

@@ -9,8 +9,8 @@ import leanprop
 from leanprop import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from leanprop.testing import individual_gradients, quantities_from_individual
 
-from .cases import CASES, build
-from .helpers import assert_close
+from ..cases import CASES, build
+from ..helpers import assert_close
 
 ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
 CONV_CASES = [name for name in CASES if build(name).convs]
@@ -86,7 +86,7 @@ def test_sequence_l2_uses_gram_when_cheaper():
     model = torch.nn.Sequential(torch.nn.Linear(16, 16))
     x, y = torch.randn(3, 2, 16, dtype=torch.float64), torch.randn(3, 2, 16, dtype=torch.float64)
     model.double()
-    from .cases import Case, mse
+    from ..cases import Case, mse
 
     check_against_oracle(Case(model, x, y, mse), "sum", (BatchL2Grad(),))
 

@@ -12,7 +12,7 @@ from torch import nn
 from leanprop.per_sample import registry
 from leanprop.per_sample.registry import RuleOptions, rule_for
 
-from .helpers import assert_close
+from ..helpers import assert_close
 
 
 def _cases() -> dict[type[nn.Module], tuple[nn.Module, torch.Tensor]]:

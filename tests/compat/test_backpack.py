@@ -21,10 +21,10 @@ from leanprop.compat.backpack import (
 )
 from leanprop.testing import individual_gradients, quantities_from_individual
 
-from .cases import build
-from .helpers import assert_close
+from ..cases import build
+from ..helpers import assert_close
 
-EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
 ALL = (
     extensions.BatchGrad(),
     extensions.BatchL2Grad(),

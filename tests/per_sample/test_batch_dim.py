@@ -13,7 +13,7 @@ import leanprop
 from leanprop import BatchError, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from leanprop.testing import quantities_from_individual
 
-from .helpers import assert_close
+from ..helpers import assert_close
 
 ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
 

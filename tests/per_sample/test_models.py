@@ -10,8 +10,8 @@ import leanprop
 from leanprop import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from leanprop.testing import individual_gradients_of_losses, quantities_from_individual
 
-from .helpers import assert_close
-from .model_zoo import ZOO, hf_models
+from ..helpers import assert_close
+from ..model_zoo import ZOO, hf_models
 
 ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
 

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from leanprop import BatchGrad, BatchL2Grad
 from leanprop.per_sample import factors
 
-from .cases import Case, mse, token_ce
-from .test_per_sample import check_against_oracle
+from ..cases import Case, mse, token_ce
+from .test_quantities_against_oracle import check_against_oracle
 
 
 class TiedHead(nn.Module):

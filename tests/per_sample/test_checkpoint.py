@@ -12,7 +12,7 @@ import leanprop
 from leanprop import BatchGrad, BatchL2Grad, UnsupportedModelError, Variance
 from leanprop.testing import quantities_from_individual
 
-from .helpers import assert_close
+from ..helpers import assert_close
 
 
 class Checkpointed(nn.Module):

@@ -16,8 +16,8 @@ import leanprop
 from leanprop import BatchError, BatchGrad, LeanpropValueError, UnsupportedModelError, Variance
 from leanprop.testing import individual_gradients, individual_gradients_of_losses
 
-from .cases import build
-from .helpers import assert_close
+from ..cases import build
+from ..helpers import assert_close
 
 
 # attention is left out: torch has no double backward for CPU flash attention

@@ -91,10 +91,3 @@ def test_storage_grown_by_resize_or_out_is_counted():
 def test_device_must_be_a_string_or_device(device):
     with pytest.raises(LeanpropValueError, match=r"string or torch\.device"):
         track_memory(device)
-
-
-def test_time_fn_reps_must_be_a_whole_number():
-    from leanprop import time_fn
-
-    with pytest.raises(LeanpropValueError, match=r"reps=2\.5"):
-        time_fn(lambda: None, reps=2.5)

@@ -1,4 +1,4 @@
-"""time_fn and compare."""
+"""compare: ratios, memory and agreement of variants, and every kind of result checked."""
 
 from __future__ import annotations
 
@@ -7,19 +7,7 @@ import pytest
 import torch
 
 import leanprop
-from leanprop import LeanpropValueError, MismatchError, compare, time_fn
-
-
-def test_time_fn_counts_runs_and_orders_stats():
-    calls = []
-    t = time_fn(lambda: calls.append(1), warmup=2, reps=5)
-    assert len(calls) == 7 and len(t.runs) == 5
-    assert t.min <= t.median and t.min == min(t.runs)
-
-
-def test_time_fn_rejects_bad_reps():
-    with pytest.raises(LeanpropValueError, match="reps=0"):
-        time_fn(lambda: None, reps=0)
+from leanprop import LeanpropValueError, MismatchError, compare
 
 
 def test_compare_reports_ratios_memory_and_agreement(capsys):
