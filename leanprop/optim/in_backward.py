@@ -264,6 +264,8 @@ class InBackward(torch.optim.Optimizer):
         self._last_norms: dict[int, Tensor] = {}  # ... and in the last backward that ended
         self._coef: Tensor | None = None  # clipped_backward, second pass
         self._handles: list[RemovableHandle] = []
+        self._positions_key: tuple = ()  # the groups _where was built for
+        self._where: dict[int, tuple[int, int]] = {}
         params_all = [p for g in self.param_groups for p in g["params"]]
         taken = [p for p in params_all if _owner(p) is not None]
         if taken:
@@ -476,6 +478,16 @@ class InBackward(torch.optim.Optimizer):
         return 0 if self._ddp is None else self._ddp.peak_bytes
 
     # ------------------------------------------------------------------ hooks
+    def _positions(self, group_params: list[list[Tensor]]) -> dict[int, tuple[int, int]]:
+        """``id(p) -> (group, position in it)``, rebuilt only when the groups change."""
+        key = tuple((id(ps), len(ps), id(ps[0]), id(ps[-1])) if ps else () for ps in group_params)
+        if key != self._positions_key:
+            self._positions_key = key
+            self._where = {
+                id(p): (i, j) for i, ps in enumerate(group_params) for j, p in enumerate(ps)
+            }
+        return self._where
+
     def _stepped_norm(self, p: Tensor) -> Tensor | None:
         """2-norm of ``p``'s gradient as stepped in the last backward (None: it had none)."""
         return self._last_norms.get(id(p))
@@ -578,8 +590,7 @@ class InBackward(torch.optim.Optimizer):
         """One inner-optimizer step restricted to ``params`` (their ``.grad`` is final), then
         free those gradients. Their norms are recorded first (``last_grad_norm``, and what
         ``clip_grad_norm_(params, inf)`` reads), then the clipping mode scales them."""
-        ready = {id(p) for p in params}
-        if not ready:
+        if not params:
             return
         grads = [p.grad for p in params]
         for p, norm in zip(params, foreach_norms(grads), strict=True):
@@ -587,10 +598,15 @@ class InBackward(torch.optim.Optimizer):
         coef = self._coef if self._coef is not None else self._approx_coef
         if coef is not None:
             foreach_scale_(grads, coef)
-        saved = [g["params"] for g in self.param_groups]
+        groups = self.param_groups
+        saved = [g["params"] for g in groups]
+        subsets: list[list[Tensor]] = [[] for _ in groups]
+        where = self._positions(saved)
+        for p in sorted(params, key=lambda p: where[id(p)]):  # each group's own order
+            subsets[where[id(p)][0]].append(p)
         try:
-            for g in self.param_groups:
-                g["params"] = [p for p in g["params"] if id(p) in ready]
+            for g, subset in zip(groups, subsets, strict=True):
+                g["params"] = subset
             with torch.no_grad():
                 self.inner.step()
         finally:
