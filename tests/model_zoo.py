@@ -267,15 +267,23 @@ def nanogpt() -> Built:
     return m, lambda: token_losses(m(x), y), {}
 
 
+def zero_state(rnn: nn.RNNBase, n: int, like: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    """The usual explicit initial state: zeros ``[layers * directions, N, H]`` made in the
+    model's forward (batch-free: no sample reaches it)."""
+    h = like.new_zeros(rnn.num_layers * (2 if rnn.bidirectional else 1), n, rnn.hidden_size)
+    return (h, h.clone()) if isinstance(rnn, nn.LSTM) else h
+
+
 class Recurrent(nn.Module):
-    def __init__(self, cell: type[nn.RNNBase], batch_first: bool) -> None:
+    def __init__(self, cell: type[nn.RNNBase], batch_first: bool, zeros: bool = False) -> None:
         super().__init__()
         self.rnn = cell(3, 4, num_layers=2, bidirectional=True, batch_first=batch_first)
         self.head = nn.Linear(8, 2)
-        self.batch_first = batch_first
+        self.batch_first, self.zeros = batch_first, zeros
 
     def forward(self, x: Tensor) -> Tensor:
-        h, _ = self.rnn(x)
+        n = x.shape[0 if self.batch_first else 1]
+        h, _ = self.rnn(x, zero_state(self.rnn, n, x) if self.zeros else None)
         return self.head(h if self.batch_first else h.transpose(0, 1))
 
 
@@ -291,6 +299,13 @@ def gru_bidirectional_batch_first() -> Built:
     m = Recurrent(nn.GRU, batch_first=True)
     x = torch.randn(N, N, 3)
     return m, lambda: per_sample_sq(m(x)), {}
+
+
+@model
+def lstm_zero_initial_state_sequence_first() -> Built:
+    m = Recurrent(nn.LSTM, batch_first=False, zeros=True)
+    x = torch.randn(N, N, 3)
+    return m, lambda: per_sample_sq(m(x)), {"batch_dim": 1}
 
 
 class LookedUpEmbeddings(nn.Module):
@@ -323,19 +338,21 @@ LENGTHS = [3, N, 1, N, 2]  # unsorted, repeated, and the longest as long as the 
 
 
 class PackedClassifier(nn.Module):
-    """Packs padded input by its lengths inside the model; classifies from the final states."""
+    """Packs padded input by its lengths inside the model; classifies from the final states
+    (optionally starting from explicit zero states)."""
 
-    def __init__(self, cell: type[nn.RNNBase], batch_first: bool) -> None:
+    def __init__(self, cell: type[nn.RNNBase], batch_first: bool, zeros: bool = False) -> None:
         super().__init__()
         self.rnn = cell(3, 4, num_layers=2, bidirectional=True, batch_first=batch_first)
         self.head = nn.Linear(8, 2)
-        self.batch_first = batch_first
+        self.batch_first, self.zeros = batch_first, zeros
 
     def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
         packed = nn.utils.rnn.pack_padded_sequence(
             x, lengths, batch_first=self.batch_first, enforce_sorted=False
         )
-        _, hidden = self.rnn(packed)
+        n = x.shape[0 if self.batch_first else 1]
+        _, hidden = self.rnn(packed, zero_state(self.rnn, n, x) if self.zeros else None)
         h_n = hidden[0] if isinstance(hidden, tuple) else hidden  # [layers * 2, N, 4]
         return self.head(torch.cat([h_n[-2], h_n[-1]], dim=1))
 
@@ -345,6 +362,20 @@ def lstm_packed_classifier_batch_first() -> Built:
     m = PackedClassifier(nn.LSTM, batch_first=True)
     x, lengths = torch.randn(N, N, 3), torch.tensor(LENGTHS)
     return m, lambda: per_sample_sq(m(x, lengths)), {}
+
+
+@model
+def gru_packed_zero_initial_state() -> Built:
+    m = PackedClassifier(nn.GRU, batch_first=True, zeros=True)
+    x, lengths = torch.randn(N, N, 3), torch.tensor(LENGTHS)
+    return m, lambda: per_sample_sq(m(x, lengths)), {}
+
+
+@model
+def lstm_packed_zero_initial_state_sequence_first() -> Built:
+    m = PackedClassifier(nn.LSTM, batch_first=False, zeros=True)
+    x, lengths = torch.randn(N, N, 3), torch.tensor(LENGTHS)
+    return m, lambda: per_sample_sq(m(x, lengths)), {"batch_dims": {0: 1}}
 
 
 @model

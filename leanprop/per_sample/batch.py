@@ -146,8 +146,8 @@ def _index_arg(
     computed from batched lengths) where the op reorders or packs the samples of ``args[0]``;
     None if there is none."""
     first = next(((t, info) for w, t, info in batched if w == 0), None)
-    if first is None:
-        return None
+    if first is None:  # rows of a batch-free tensor at indices computed from the samples
+        return _index_of_batch_free(name, args, kwargs, batched)
     x, info = first
     if name in ("index_select", "getitem"):
         dim = info.dim if isinstance(info, BatchDim | Reordered) else None
@@ -159,6 +159,31 @@ def _index_arg(
     if name in ("_pack_padded_sequence", "_pad_packed_sequence") or is_packed_rnn_op(name, args):
         return 1
     return None
+
+
+def _index_of_batch_free(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], batched: list[tuple[Any, Tensor, Info]]
+) -> int | str | None:
+    """``x.index_select(d, index)`` / ``x[index]`` of a batch-free ``x`` (a constant, or one
+    derived from parameters, e.g. an RNN's initial state put in a packed sequence's order) at an
+    integer ``index`` whose samples are mixed or reordered (a :class:`Lost`, e.g. sorted
+    lengths): the index is read by value, so the result is batch-free like ``x`` (gradients
+    reach ``x`` through the rows where the result meets the batch). Returns the index's
+    position; None for other calls (indices that hold the batch in a dimension give a result
+    with the batch there)."""
+    if name == "index_select":
+        at: int | str = 2 if len(args) > 2 else "index"
+    elif name == "getitem":
+        at = 1
+    else:
+        return None
+    info = next((info for w, _, info in batched if w == at), None)
+    index = args[at] if isinstance(at, int) else kwargs.get(at)
+    if not isinstance(info, Lost) or len(batched) != 1:
+        return None
+    if not isinstance(index, Tensor) or index.is_floating_point():
+        return None
+    return at
 
 
 _ORDER_OPS = {"index_select", "getitem", "_pack_padded_sequence"}
@@ -670,6 +695,12 @@ class BatchTracker:
                     batched.append((key, v, info))
                 else:
                     derived |= self.derived_params(v)
+        try:
+            index = _index_arg(name, args, kwargs, batched)
+        except (IndexError, TypeError, ValueError, KeyError):
+            index = None
+        if index is not None:  # read by value: its own batch does not reach the outputs
+            batched = [b for b in batched if b[0] != index]
         if not batched:
             if derived:
                 params = frozenset(derived)
@@ -680,12 +711,6 @@ class BatchTracker:
                     if found is not None:
                         self._lookups[outs[0]] = found
             return
-        try:
-            index = _index_arg(name, args, kwargs, batched)
-        except (IndexError, TypeError, ValueError, KeyError):
-            index = None
-        if index is not None:  # read by value: its own batch does not reach the outputs
-            batched = [b for b in batched if b[0] != index]
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
             results = set()

@@ -908,6 +908,8 @@ class PerSample:
             return info.dim
 
         in_dims = [dim_of(t, "an input") for t in leaves]
+        if isinstance(site.module, nn.RNNBase):
+            in_dims = self._rnn_state_dims(site, args, kwargs, leaves, in_dims)
         # an output that mixed samples is refused in backward, if it gets a gradient
         out_dims = [
             info.dim if isinstance(info := self._tracker.info(t), BatchDim) and info.inner == 1
@@ -918,6 +920,32 @@ class PerSample:
         if not sizes:
             return None, in_dims, out_dims
         return self._same_n(site, sizes.pop()), in_dims, out_dims
+
+    def _refuse_learned_state(self, site: Site, hx: Any) -> None:
+        """An RNN's initial state computed from parameters (a learned ``h0`` expanded over the
+        batch) would need its per-sample gradients through the RNN: not supported."""
+        for h in tree_flatten(hx)[0]:
+            learned = sorted(self._states[p].name for p in self._tracker.derived_params(h))
+            if learned:
+                raise UnsupportedModelError(
+                    f"per_sample: {type(site.module).__name__} '{site.name}' got an initial "
+                    f"state hx computed from parameters ({', '.join(map(repr, learned))}: a "
+                    "learned initial state); per-sample gradients through an RNN's initial "
+                    "state are not supported. Freeze those parameters, or leave hx out."
+                )
+
+    def _rnn_state_dims(
+        self, site: Site, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
+        in_dims: list[int | None],
+    ) -> list[int | None]:  # fmt: skip
+        """An RNN's batch-free initial state (e.g. zeros ``[layers, N, H]``) holds sample n in
+        column n by the RNN's contract: its batch dimension is 1."""
+        hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        self._refuse_learned_state(site, hx)
+        states = {id(h) for h in tree_flatten(hx)[0] if isinstance(h, Tensor) and h.dim() == 3}
+        return [
+            1 if d is None and id(t) in states else d for t, d in zip(leaves, in_dims, strict=True)
+        ]
 
     def _packed_samples(
         self, site: Site, packed: PackedSequence, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -949,6 +977,7 @@ class PerSample:
                 "or pack_sequence (inside or before the model), unchanged."
             )
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        self._refuse_learned_state(site, hx)
         for h in tree_flatten(hx)[0]:
             info = self._tracker.info(h)
             if info is not None and info != BatchDim(1):

@@ -162,3 +162,51 @@ def test_batch_l2_alone_on_hf_models(name, monkeypatch):
     for k, p in params.items():
         ref = expected[k].flatten(1).square().sum(1)
         assert_close(p.batch_l2, ref, f"{k}.batch_l2", 1e-8, 1e-12)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_learned_initial_state_of_an_rnn_is_refused(packed):
+    """A learned h0 expanded over the batch would need per-sample gradients through the RNN's
+    initial state: a clear error (was a raw shape error, padded; a misleading one, packed)."""
+    from torch import nn
+
+    from leanprop import UnsupportedModelError
+
+    class LearnedH0(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(3, 4, batch_first=True)
+            self.h0 = nn.Parameter(torch.randn(1, 1, 4))
+
+        def forward(self, x, lengths):
+            if packed:
+                x = nn.utils.rnn.pack_padded_sequence(x, lengths, True, enforce_sorted=False)
+            return self.rnn(x, self.h0.expand(1, lengths.shape[0], 4).contiguous())[1].sum()
+
+    m = LearnedH0()
+    learned = pytest.raises(UnsupportedModelError, match=r"'h0': a learned initial state")
+    with leanprop.per_sample(m, BatchGrad()), learned:
+        m(torch.randn(3, 3, 3), torch.tensor([3, 1, 2]))
+
+
+def test_batch_free_rows_picked_by_an_order_of_the_samples():
+    """Rows of a parameter picked by indices computed from the samples (sorted lengths: the
+    index mixes samples, and is read by value) meet the batch further on: exact, T == N."""
+    from torch import nn
+
+    class Picked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(5, 5))
+            self.head = nn.Linear(5, 2)
+
+        def forward(self, x, lengths):
+            order = torch.sort(lengths, descending=True).indices
+            return self.head(x * self.table.index_select(0, order) + self.table[order])
+
+    def build():
+        m = Picked()
+        x, lengths = torch.randn(5, 5), torch.tensor([3, 5, 1, 4, 2])
+        return m, lambda: m(x, lengths).square().sum(1), {}
+
+    check(build)
