@@ -180,3 +180,12 @@ def ddp_syncs_gradients(ddp: torch.nn.Module) -> bool:
     """Whether a ``DistributedDataParallel`` module all-reduces in this backward (False
     inside its ``no_sync()``)."""
     return bool(ddp.require_backward_grad_sync)
+
+
+def grouped_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by (device, dtype) in the order torch's multi-tensor code (e.g.
+    ``clip_grad_norm_``) groups them."""
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    grouped = _group_tensors_by_device_and_dtype([tensors])
+    return [list(group[0]) for group, _ in grouped.values()]

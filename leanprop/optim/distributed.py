@@ -141,6 +141,7 @@ class DDPStepper:
                     old[0].resize_(0)
             self._peak = max(self._peak, self.held_bytes() + current.nbytes())
         if not self._pending:  # first bucket of this backward
+            self.opt._begin_backward()
             queue_callback(self._before_finalize)
         stepped = fut.then(lambda f: self._step_bucket(bucket, f.value()[0]))
         self._pending.append(stepped)

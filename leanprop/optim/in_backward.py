@@ -29,8 +29,9 @@ backward once.
 
 Clipping: while any InBackward hooks parameters, ``torch.nn.utils.clip_grad_norm_`` goes through
 a guard (installed once, removed with the last InBackward): with ``max_norm=inf`` it returns the
-global norm of the gradients stepped in the last backward (what trainers log); clipping
-gradients already stepped and freed is refused with what to use instead.
+global norm of the last backward's gradients as backward produced them, before any clipping
+(what trainers log; recorded per bucket before its step); clipping gradients already stepped
+and freed is refused with what to use instead.
 
 A backward run inside another (``checkpoint(use_reentrant=True)``) that accumulates gradients
 of these parameters is refused: stepping there would step them once per inner backward with
@@ -61,12 +62,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._torch_compat import (
     current_graph_task_id,
     foreach_norms,
-    foreach_scale_,
     inside_function_backward,
     queue_callback,
 )
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
+from .norms import SteppedNorms, global_norm, grad_norms, scale_grads
 
 # parameter -> weak reference to the InBackward stepping it (hooks and this map never keep an
 # optimizer alive: one dropped without remove() releases its hooks when collected)
@@ -81,7 +82,8 @@ def _owner(p: Tensor) -> InBackward | None:
 _NEEDS_CLOSURE = (torch.optim.LBFGS,)
 
 
-_CLIP_ORIGINAL: list[Any] = []  # torch's clip_grad_norm_, while the guard below is installed
+_TORCH_CLIP = torch.nn.utils.clip_grad_norm_  # what the guard hands ordinary calls to
+_CLIP_ORIGINAL: list[Any] = []  # what the guard replaced, while it is installed
 
 
 def _guarded_clip_grad_norm_(
@@ -90,11 +92,13 @@ def _guarded_clip_grad_norm_(
 ) -> Tensor:  # fmt: skip
     """torch's ``clip_grad_norm_``, for parameters whose gradients InBackward stepped and
     freed in backward: with ``max_norm=inf`` (reading the norm, as trainers do to log it) the
-    global norm of the gradients stepped in the last backward; clipping them is refused."""
+    global norm of those gradients as the last backward produced them (before any clipping,
+    as ``clip_grad_norm_`` returns it); clipping them is refused."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     stepped = [p for p in params if p.grad is None and _owner(p) is not None]
+    torch_clip = _CLIP_ORIGINAL[0] if _CLIP_ORIGINAL else _TORCH_CLIP
     if not stepped:
-        return _CLIP_ORIGINAL[0](params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
     if float(max_norm) != float("inf") or float(norm_type) != 2.0:
         raise UnsupportedModelError(
             f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r}) got parameters "
@@ -103,18 +107,20 @@ def _guarded_clip_grad_norm_(
             "works). Use opt.clipped_backward(loss, max_norm) for exact clipping, or "
             "InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate mode."
         )
-    norms = [n for p in stepped if (n := _owner(p)._stepped_norm(p)) is not None]
-    others = [p.grad for p in params if p.grad is not None]
-    norms += foreach_norms(others) if others else []
-    if not norms:
-        return torch.zeros(())
-    device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    # the last backward among the optimizers involved (another one's older norms are over)
+    records = {id(o): o._stepped for p in stepped if (o := _owner(p)) is not None}
+    last = max(r.task for r in records.values())
+    norms: list[Tensor] = []
+    for p in params:
+        if p.grad is not None:
+            norms.append(grad_norms([p.grad])[0])
+        elif (o := _owner(p)) is not None and o._stepped.task == last and id(p) in o._stepped.norms:
+            norms.append(o._stepped.norms[id(p)])
+    total = global_norm(norms)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
-            "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
-            "cannot be clipped. To disable this error and scale the gradients by the "
-            "non-finite norm anyway, set `error_if_nonfinite=False`"
+            "clip_grad_norm_: the total norm of order 2.0 of the gradients is non-finite "
+            "(error_if_nonfinite=True)."
         )
     return total
 
@@ -258,14 +264,11 @@ class InBackward(torch.optim.Optimizer):
         self._nested_task = -1  # a backward run inside a running one (reentrant checkpoint)
         self._measuring: dict[int, Tensor] | None = None  # id(p) -> grad norm, first pass
         self.clip_grad_norm = clip_grad_norm
-        self.last_grad_norm: Tensor | None = None  # global norm of the last backward (clipping)
         self._approx_coef: Tensor | None = None  # clip factor from last_grad_norm
-        self._norms: dict[int, Tensor] = {}  # id(p) -> norm of the gradient stepped, this backward
-        self._last_norms: dict[int, Tensor] = {}  # ... and in the last backward that ended
+        self._stepped = SteppedNorms()  # gradient norms of the last backward
         self._coef: Tensor | None = None  # clipped_backward, second pass
         self._handles: list[RemovableHandle] = []
-        self._positions_key: tuple = ()  # the groups _where was built for
-        self._where: dict[int, tuple[int, int]] = {}
+        self._where: dict[int, tuple[int, int]] = {}  # id(p) -> (group, position)
         params_all = [p for g in self.param_groups for p in g["params"]]
         taken = [p for p in params_all if _owner(p) is not None]
         if taken:
@@ -478,19 +481,28 @@ class InBackward(torch.optim.Optimizer):
         return 0 if self._ddp is None else self._ddp.peak_bytes
 
     # ------------------------------------------------------------------ hooks
-    def _positions(self, group_params: list[list[Tensor]]) -> dict[int, tuple[int, int]]:
-        """``id(p) -> (group, position in it)``, rebuilt only when the groups change."""
-        key = tuple((id(ps), len(ps), id(ps[0]), id(ps[-1])) if ps else () for ps in group_params)
-        if key != self._positions_key:
-            self._positions_key = key
-            self._where = {
-                id(p): (i, j) for i, ps in enumerate(group_params) for j, p in enumerate(ps)
-            }
+    def _positions(
+        self, group_params: list[list[Tensor]], params: list[Tensor]
+    ) -> dict[int, tuple[int, int]]:
+        """``id(p) -> (group, position in it)`` for ``params``; the map is built once and
+        rebuilt when a lookup finds the groups changed (parameters added, moved, replaced)."""
+        where = self._where
+        for p in params:
+            at = where.get(id(p))
+            if at is None or at[0] >= len(group_params) or at[1] >= len(group_params[at[0]]):
+                break
+            if group_params[at[0]][at[1]] is not p:
+                break
+        else:
+            return where
+        self._where = {id(p): (i, j) for i, ps in enumerate(group_params) for j, p in enumerate(ps)}
         return self._where
 
-    def _stepped_norm(self, p: Tensor) -> Tensor | None:
-        """2-norm of ``p``'s gradient as stepped in the last backward (None: it had none)."""
-        return self._last_norms.get(id(p))
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """Global 2-norm of the gradients of the last backward (as it produced them, before
+        any clipping), over the parameters it stepped; None before any."""
+        return self._stepped.total(self.param_groups)
 
     def _before_accumulate(self, grad: Tensor) -> None:
         """Before a gradient is accumulated: the first time in a backward, queue its end (also
@@ -521,7 +533,6 @@ class InBackward(torch.optim.Optimizer):
         self._ready.clear()
         self._ready_bytes = 0
         self._unit_ready.clear()
-        self._norms = {}
         self._callback_queued = False
         self._queued_task = -1
         if dropped and warn:
@@ -534,8 +545,16 @@ class InBackward(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
+    def _begin_backward(self) -> None:
+        """A backward accumulates gradients of these parameters (also inside accumulate()):
+        the last one's gradient norms are over."""
+        self._stepped.begin(current_graph_task_id())
+
     def _on_ready(self, p: Tensor) -> None:
-        if self._accumulating or p.grad is None:
+        if p.grad is None:
+            return
+        self._begin_backward()
+        if self._accumulating:
             return
         if current_graph_task_id() == self._nested_task:
             self._drop_failed_backward(warn=False)  # none of its gradients may stay
@@ -572,13 +591,12 @@ class InBackward(torch.optim.Optimizer):
         for waiting in self._unit_ready.values():  # units with parameters left unused
             self._step_params(waiting)
         self._unit_ready.clear()
-        if self._norms:  # (a backward that stepped nothing, e.g. autograd.grad, keeps them)
-            self.last_grad_norm = _total_norm(self._norms, self.param_groups, 2.0)
-            if self.clip_grad_norm is not None:
-                self._approx_coef = torch.clamp(
-                    self.clip_grad_norm / (self.last_grad_norm + 1e-6), max=1.0
-                )
-            self._last_norms, self._norms = self._norms, {}
+        if self._stepped.task != current_graph_task_id():
+            return  # stepped nothing (e.g. autograd.grad): the last backward's norms stay
+        norm = self.last_grad_norm if self.clip_grad_norm is not None else None
+        self._approx_coef = (
+            None if norm is None else torch.clamp(self.clip_grad_norm / (norm + 1e-6), max=1.0)
+        )
 
     def _step_ready(self) -> None:
         """Step exactly the parameters whose gradient is final, then free their gradients."""
@@ -587,21 +605,28 @@ class InBackward(torch.optim.Optimizer):
         self._ready_bytes = 0
 
     def _step_params(self, params: list[Tensor]) -> None:
-        """One inner-optimizer step restricted to ``params`` (their ``.grad`` is final), then
-        free those gradients. Their norms are recorded first (``last_grad_norm``, and what
-        ``clip_grad_norm_(params, inf)`` reads), then the clipping mode scales them."""
+        """One inner-optimizer step restricted to ``params``, then free their gradients.
+
+        Their norms are recorded first (``last_grad_norm``, and what
+        ``clip_grad_norm_(params, inf)`` reads), then the clipping mode scales them.
+
+        Args:
+            params: parameters whose ``.grad`` is final (a bucket, an FSDP2 unit, or a DDP
+                bucket after its all-reduce).
+        """
         if not params:
             return
         grads = [p.grad for p in params]
-        for p, norm in zip(params, foreach_norms(grads), strict=True):
-            self._norms[id(p)] = norm
-        coef = self._coef if self._coef is not None else self._approx_coef
+        self._stepped.record(params, grads)
+        coef = self._coef
+        if coef is None and self.clip_grad_norm is not None:
+            coef = self._approx_coef
         if coef is not None:
-            foreach_scale_(grads, coef)
+            scale_grads(grads, coef)
         groups = self.param_groups
         saved = [g["params"] for g in groups]
         subsets: list[list[Tensor]] = [[] for _ in groups]
-        where = self._positions(saved)
+        where = self._positions(saved, params)
         for p in sorted(params, key=lambda p: where[id(p)]):  # each group's own order
             subsets[where[id(p)][0]].append(p)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 
 import pytest
 import torch
@@ -352,6 +353,124 @@ def test_second_backward_through_a_retained_graph_fails_loudly_and_changes_nothi
         ref_opt.zero_grad()
     opt.remove()
     assert_bitwise_equal(model, ref)
+
+
+def test_approximate_clipping_switched_off_stops_clipping():
+    """clip_grad_norm set back to None: the next steps are the plain loop's (the last clip
+    factor is not applied any more)."""
+    torch.manual_seed(0)
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+    opt = InBackward(_groups(model), torch.optim.SGD, lr=0.1, clip_grad_norm=0.01)
+    x = torch.randn(3, 5, 6)
+    model(x[0]).pow(2).mean().backward()
+    ref.load_state_dict(model.state_dict())
+    opt.clip_grad_norm = None
+    ref_opt = torch.optim.SGD(_groups(ref), lr=0.1)
+    for b in x[1:]:
+        model(b).pow(2).mean().backward()
+        ref(b).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.remove()
+    assert_bitwise_equal(model, ref)
+
+
+def test_sparse_gradients_step_and_report_their_norm():
+    torch.manual_seed(0)
+    model, ref = nn.Embedding(10, 4, sparse=True), nn.Embedding(10, 4, sparse=True)
+    ref.load_state_dict(model.state_dict())
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for ids in torch.randint(0, 10, (3, 6)):
+        model(ids).square().sum().backward()
+        ref(ids).square().sum().backward()
+        want = torch.linalg.vector_norm(ref.weight.grad.coalesce().values())
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        torch.testing.assert_close(got, want)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.remove()
+    assert torch.equal(model.weight, ref.weight)
+
+
+def test_norm_read_covers_the_last_backward_only():
+    """Two optimizers on one model, and micro-batches: clip_grad_norm_(params, inf) counts
+    the gradients of the last backward only, as the plain loop (zero_grad after each step)."""
+    inf = float("inf")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    first = InBackward(model[0].parameters(), torch.optim.SGD, lr=0.1)
+    second = InBackward(model[2].parameters(), torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    h = torch.tanh(model[0](x)).detach()
+    grads = torch.autograd.grad(model[2](h).sum(), list(model[2].parameters()))
+    model[2](h).sum().backward()  # reaches the second optimizer's parameters only
+    torch.testing.assert_close(
+        torch.nn.utils.clip_grad_norm_(model.parameters(), inf),
+        torch.nn.utils.get_total_norm(grads),
+    )
+    with second.accumulate():  # a micro-batch through the first layer only: its gradients
+        loss = model[2](torch.tanh(model[0](x)).detach() * 0 + 1).sum() * 0
+        model[0](x).sum().backward()
+        loss.backward()
+    want = torch.nn.utils.get_total_norm([model[2].weight.grad, model[2].bias.grad])
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(model[2].parameters(), inf), want)
+    first.remove()
+    second.remove()
+
+
+def test_parameters_moved_between_groups_step_with_their_new_group():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+    params = list(model.parameters())
+    opt = InBackward(
+        [{"params": params[:3], "lr": 0.0}, {"params": params[3:], "lr": 1.0}], torch.optim.SGD
+    )
+    x = torch.randn(2, 3)
+    model(x).sum().backward()
+    groups = opt.param_groups  # swap the middle parameters of the groups, in place
+    groups[0]["params"][1], groups[1]["params"][1] = groups[1]["params"][1], groups[0]["params"][1]
+    before = [p.detach().clone() for p in params]
+    grads = torch.autograd.grad(model(x).sum(), params)
+    model(x).sum().backward()
+    lrs = [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]  # params[1] now in the lr=1 group, params[4] in lr=0
+    for p, b, g, lr in zip(params, before, grads, lrs, strict=True):
+        torch.testing.assert_close(p, b - lr * g)
+    opt.remove()
+
+
+def test_norm_read_bit_identical_with_mixed_dtypes():
+    """bf16 and float32 parameters: the norm is grouped by dtype as torch forms it."""
+    inf = float("inf")
+    for seed in range(12):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5).bfloat16(), nn.Linear(5, 2))
+        ref = copy.deepcopy(model)
+        opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1, bucket_mb=1e-5)
+        x = torch.randn(3, 5)
+
+        def run(m, x=x):
+            return m[2](m[1](m[0](x).bfloat16()).float()).square().sum()
+
+        run(ref).backward()
+        run(model).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), inf)
+        assert torch.equal(torch.nn.utils.clip_grad_norm_(model.parameters(), inf), want), seed
+        opt.remove()
+
+
+def test_a_reference_to_the_guarded_clip_keeps_working_after_remove():
+    gc.collect()  # no other InBackward alive: remove() uninstalls the guard
+    model = nn.Linear(3, 2)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    clip = torch.nn.utils.clip_grad_norm_  # taken while the guard is installed
+    opt.remove()
+    assert torch.nn.utils.clip_grad_norm_ is not clip
+    model(torch.randn(4, 3)).sum().backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    torch.testing.assert_close(clip(model.parameters(), 1e9), want)
 
 
 def test_peak_memory_is_state_plus_about_one_bucket():

@@ -1,0 +1,74 @@
+"""Norms of the gradients an InBackward optimizer stepped, for clipping and for trainers that
+read the global norm (``clip_grad_norm_(params, inf)``) after backward freed the gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._torch_compat import foreach_norms, foreach_scale_, grouped_by_device_and_dtype
+
+
+def grad_norms(grads: Sequence[Tensor]) -> list[Tensor]:
+    """2-norm of each gradient (dense ones in a few multi-tensor kernels; sparse ones from
+    their coalesced values)."""
+    dense = [g for g in grads if not g.is_sparse]
+    it = iter(foreach_norms(dense) if dense else [])
+    return [
+        torch.linalg.vector_norm(g.coalesce().values()) if g.is_sparse else next(it) for g in grads
+    ]
+
+
+def scale_grads(grads: Sequence[Tensor], factor: Tensor) -> None:
+    """``g.mul_(factor)`` for each gradient (dense ones in a few multi-tensor kernels)."""
+    dense = [g for g in grads if not g.is_sparse]
+    if dense:
+        foreach_scale_(dense, factor)
+    for g in grads:
+        if g.is_sparse:
+            g.mul_(factor)
+
+
+@dataclass
+class SteppedNorms:
+    """Each parameter's gradient norm, as backward produced it (before any clipping), in the
+    last backward pass that accumulated gradients of the optimizer's parameters.
+
+    Attributes:
+        task: the autograd graph task of that backward (-1: none yet).
+        norms: ``id(p) -> 0-dim norm`` of the parameters stepped in it so far.
+    """
+
+    task: int = -1
+    norms: dict[int, Tensor] = field(default_factory=dict)
+
+    def begin(self, task: int) -> None:
+        """A gradient of backward ``task`` arrived: a new backward forgets the last one's."""
+        if task != self.task:
+            self.task, self.norms = task, {}
+
+    def record(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+        for p, norm in zip(params, grad_norms(grads), strict=True):
+            self.norms[id(p)] = norm
+
+    def total(self, groups: Iterable[dict[str, Any]]) -> Tensor | None:
+        """Global 2-norm over ``groups``' parameters, stacked in parameter order (None if
+        nothing was stepped)."""
+        ordered = [self.norms[id(p)] for g in groups for p in g["params"] if id(p) in self.norms]
+        if not ordered:
+            return None
+        return torch.linalg.vector_norm(torch.stack(ordered), 2.0)
+
+
+def global_norm(norms: Sequence[Tensor]) -> Tensor:
+    """The global 2-norm from per-tensor norms as ``clip_grad_norm_`` forms it: grouped by
+    device and dtype (in torch's order), stacked on the first one's device."""
+    if not norms:
+        return torch.zeros(())
+    ordered = [n for group in grouped_by_device_and_dtype(list(norms)) for n in group]
+    device = ordered[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in ordered]), 2.0)
