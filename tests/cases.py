@@ -201,6 +201,27 @@ def own_parameter() -> Case:
     return Case(Scaled(), *_cls(5, (4,), 3), ce)
 
 
+class DerivedUse(nn.Module):
+    """Parameters used through tensors derived from them (a row of a layer's weight, another
+    layer's weight summed, a squashed matrix in an einsum): their contributions are handed back
+    through the derivation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.mix = nn.Parameter(torch.randn(4, 4) / 2)  # used by an op without a closed form
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.lin(x)) * self.lin.weight[2] + self.head.weight.sum(0)
+        return self.head(torch.tanh(torch.einsum("nd,de->ne", h, self.mix.tanh())))
+
+
+@case
+def derived_use() -> Case:
+    return Case(DerivedUse(), *_cls(5, (4,), 3), ce)
+
+
 class Recurrent(nn.Module):
     """A GRU (batch first) and a sequence-first LSTM: not vmappable, loop fallback."""
 

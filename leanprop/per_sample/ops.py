@@ -93,8 +93,9 @@ def hand_back(
         contribute({w: per_sample}, compute_dtype, None if summed is None else {w: summed})
         return
     grads = torch.autograd.grad(
-        w, params, per_sample, retain_graph=True, allow_unused=True, is_grads_batched=True
-    )
+        w, params, per_sample, retain_graph=True, allow_unused=True, is_grads_batched=True,
+        create_graph=torch.is_grad_enabled(),  # (create_graph: the results stay differentiable)
+    )  # fmt: skip
     n = per_sample.shape[0]
     contribute(
         {
@@ -297,12 +298,13 @@ def _batched_vjp(outputs: list[Tensor], inputs: list[Tensor], masks: list[Tensor
             warnings.filterwarnings("ignore", message="There is a performance drop")
             grads = torch.autograd.grad(
                 outputs, inputs, masks, retain_graph=True, allow_unused=True,
-                is_grads_batched=True,
+                is_grads_batched=True, create_graph=torch.is_grad_enabled(),
             )  # fmt: skip
     except RuntimeError:  # vmap cannot batch this op's backward (e.g. RNNs): one at a time
         rows = [
             torch.autograd.grad(
-                outputs, inputs, [m[j] for m in masks], retain_graph=True, allow_unused=True
+                outputs, inputs, [m[j] for m in masks], retain_graph=True, allow_unused=True,
+                create_graph=torch.is_grad_enabled(),
             )
             for j in range(k)
         ]

@@ -21,7 +21,9 @@ from ..helpers import assert_close
 
 
 # attention is left out: torch has no double backward for CPU flash attention
-@pytest.mark.parametrize("name", ["mlp", "conv2d", "tied_lm", "shared", "own_parameter"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "conv2d", "tied_lm", "shared", "own_parameter", "derived_use"]
+)
 def test_gradient_of_total_variance_matches_double_backward(name):
     case = build(name)
     params = [p for p in case.model.parameters() if p.requires_grad]
