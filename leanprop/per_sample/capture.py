@@ -692,17 +692,14 @@ class PerSample:
         batch: dict[nn.Parameter, Tensor],
         compute_dtype: torch.dtype | None,
         source: ops.Contribute,
-        totals: dict[nn.Parameter, Tensor],
     ) -> None:
-        """Individual gradients ``[N, *p.shape]`` of one use, found outside any call (and
-        their sums, where known)."""
+        """Individual gradients ``[N, *p.shape]`` of one use, found outside any call."""
         self._open_cycle()
         self._cycle.from_forward(source)
         for p, b in batch.items():
             state = self._states[p]
             state.saw(compute_dtype or b.dtype)
-            # 16-bit (autocast) kept in the parameter's dtype
-            state.add_batch(b.to(p.dtype), totals.get(p))
+            state.add_batch(b.to(p.dtype))  # 16-bit (autocast) kept in the parameter's dtype
 
     def _rule_batch(self, site: Site, x: Any) -> BatchDim | None:
         """Where the batch is in a rule site's input; None if it carries none."""
@@ -1167,7 +1164,7 @@ class PerSample:
         state = self._states[p]
         values, total = result
         if multi:
-            state.add_batch(values[BatchGrad.attr].to(p.dtype), total)
+            state.add_batch(values[BatchGrad.attr].to(p.dtype))
             return total
         state.results.update(values)
         state.total = total

@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from .._torch_compat import current_graph_task_id, foreach_norms
 from ..errors import UnsupportedModelError
 from .batch import BatchDim
-from .factors import Factors, add_into, inner, materialize, total
+from .factors import FactoredUses, Factors, add_into, materialize, total
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
 from .stats import quantities_of, sample_sum
 
@@ -43,11 +43,6 @@ _SEVERAL_FORWARDS = (
     "only, as BackPACK does, so the earlier forwards' samples cannot be told apart. Run one "
     "forward on the whole batch per backward."
 )
-
-
-def _plus(a: Tensor | None, b: Tensor) -> Tensor | None:
-    """``a + b``, unknown (None) if ``a`` is."""
-    return None if a is None else a + b
 
 
 def bits(dtype: torch.dtype) -> int:
@@ -83,7 +78,6 @@ class ParamState:
     param: nn.Parameter
     uses: int = 0
     batch: Tensor | None = None  # accumulated individual gradients (weight sharing)
-    batch_total: Tensor | None = None  # their sum, where every contribution came with its own
     total: Tensor | None = None  # sum of the individual gradients, for the final check
     autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
     # (graph task, cycle open, gradient) as autograd handed them over: the backward itself,
@@ -91,16 +85,13 @@ class ParamState:
     autograd_grads: list[tuple[int, bool, Tensor]] = field(default_factory=list)
     compute_dtype: torch.dtype | None = None  # lowest precision its contributions came in
     results: dict[str, Tensor] = field(default_factory=dict)
-    # BatchL2Grad of a weight used several times: its uses as factors (instead of ``batch``),
-    # the sum of their inner products ``sum_{u,v} <W_n^u, W_n^v>`` [N] and of their gradients
-    factors: list[Factors] = field(default_factory=list)
-    factor_sq: Tensor | None = None
-    factor_total: Tensor | None = None
+    # BatchL2Grad of a weight used several times: its uses as factors, instead of ``batch``
+    factored: FactoredUses | None = None
 
     @property
     def formed(self) -> bool:
         """Something was contributed in this cycle already."""
-        return self.batch is not None or bool(self.results) or bool(self.factors)
+        return self.batch is not None or bool(self.results) or self.factored is not None
 
     def add_factors(self, f: Factors, keep: bool, workspace_bytes: int) -> Tensor:
         """Add one more use given as factors (see ``factors.py``); returns its gradient.
@@ -108,30 +99,19 @@ class ParamState:
         ``keep``: only norms are wanted and they are cheaper from the factors; the use is
         kept as factors while every use so far was. Otherwise it is added to the individual
         gradients (without a ``[N, *p.shape]`` temporary where some are there already)."""
-        s = total(f)
         if keep and self.batch is None and not self.results:
-            sq = inner(f, f, workspace_bytes)
-            for earlier in self.factors:
-                sq = sq + 2 * inner(f, earlier, workspace_bytes)
-            self.factor_sq = sq if self.factor_sq is None else self.factor_sq + sq
-            self.factor_total = s if self.factor_total is None else self.factor_total + s
-            self.factors.append(f)
-        elif self.batch is not None:
+            self.factored = self.factored or FactoredUses()
+            return self.factored.add(f, workspace_bytes)
+        if self.batch is not None:
             self.batch = add_into(self.batch, f)
-            self.batch_total = _plus(self.batch_total, s.to(self.param.dtype))
         else:
-            self.add_batch(materialize(f).to(self.param.dtype), s)
-        return s
+            self.add_batch(materialize(f).to(self.param.dtype))
+        return total(f)
 
-    def add_batch(self, b: Tensor, total: Tensor | None = None) -> None:
-        """Add individual gradients ``[N, *p.shape]`` of one more use (``total``: their sum,
-        if known)."""
-        total = None if total is None else total.to(b.dtype)
-        if self.factors:  # earlier uses kept as factors: materialised now
-            for f in self.factors:
-                b = add_into(b, f)
-            total = _plus(total, self.factor_total.to(b.dtype))
-            self.factors, self.factor_sq, self.factor_total = [], None, None
+    def add_batch(self, b: Tensor) -> None:
+        """Add individual gradients ``[N, *p.shape]`` of one more use."""
+        if self.factored is not None:  # earlier uses kept as factors: materialised now
+            b, self.factored = self.factored.added_to(b), None
         if self.results:  # formed as a single use, then used again
             if BatchGrad.attr not in self.results:
                 raise UnsupportedModelError(
@@ -140,13 +120,9 @@ class ParamState:
                     "recomputed it), and only statistics were kept. Use "
                     "checkpoint(use_reentrant=False), or also request BatchGrad()."
                 )
-            b, total = b + self.results[BatchGrad.attr], None
+            b = b + self.results[BatchGrad.attr]
             self.results, self.total = {}, None
-        if self.batch is None:
-            self.batch, self.batch_total = b, total
-        else:
-            self.batch = self.batch + b
-            self.batch_total = None if total is None else _plus(self.batch_total, total)
+        self.batch = b if self.batch is None else self.batch + b
 
     def saw(self, dtype: torch.dtype) -> None:
         if self.compute_dtype is None or bits(dtype) < bits(self.compute_dtype):
@@ -154,10 +130,9 @@ class ParamState:
 
     def drop_results(self) -> None:
         """Forget what a backward computed."""
-        self.batch, self.batch_total, self.total = None, None, None
+        self.batch, self.total, self.factored = None, None, None
         self.results, self.autograd_grad, self.compute_dtype = {}, None, None
         self.autograd_grads = []
-        self.factors, self.factor_sq, self.factor_total = [], None, None
 
 
 @dataclass(eq=False)
@@ -232,12 +207,10 @@ class Cycle:
                 for state in self.states.values():
                     if state.batch is not None:
                         state.results = quantities_of(state.batch, kinds)
-                        state.total = state.batch_total
-                        if state.total is None:
-                            state.total = sample_sum(state.batch)
-                    elif state.factors:  # BatchL2Grad alone (see ParamState.add_factors)
-                        state.results = {BatchL2Grad.attr: state.factor_sq}
-                        state.total = state.factor_total
+                        state.total = sample_sum(state.batch)  # checks what is written
+                    elif state.factored is not None:  # BatchL2Grad alone (add_factors)
+                        state.results = {BatchL2Grad.attr: state.factored.squared_norms()}
+                        state.total = state.factored.total
                 if check:  # before anything is written: no unchecked results are left
                     self.verify()
                 for state in self.states.values():

@@ -18,7 +18,7 @@ a unit vector is a lookup (``a_s·e_i = a_s[i]``) or an equality of indices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ class Outer:
 
 @dataclass(frozen=True)
 class Lookup:
-    """``W_n = sum_s e_{ids[n, s]} ⊗ rows[n, s]`` for ``W: [rows_total, D]``: ``ids: [N, S]``,
+    """``W_n = sum_s e_{ids[n, s]} ⊗ rows[n, s]`` for ``W: [num, D]``: ``ids: [N, S]``,
     ``rows: [N, S, D]``."""
 
     ids: Tensor
@@ -87,20 +87,24 @@ def _widened(f: Factors) -> Factors:
     return Lookup(f.ids, widen(f.rows), f.num)
 
 
+def _values(f: Factors) -> Tensor:
+    return f.left if isinstance(f, Outer) else f.rows
+
+
 def inner(a: Factors, b: Factors, workspace_bytes: int) -> Tensor:
     """``<A_n, B_n>`` for every sample: ``[N]`` (16-bit factors in float32), in chunks of
-    samples whose ``[S, T]`` temporaries fit ``workspace_bytes``."""
-    a, b = _widened(a), _widened(b)
-    n = a.left.shape[0] if isinstance(a, Outer) else a.ids.shape[0]
-    dtype = a.left.dtype if isinstance(a, Outer) else a.rows.dtype
-    per_sample = 3 * _rows_of(a) * _rows_of(b) * torch.finfo(dtype).bits // 8
+    samples whose ``[S, T]`` temporaries (and float32 copies) fit ``workspace_bytes``."""
+    n = _values(a).shape[0]
+    per_sample = 3 * _rows_of(a) * _rows_of(b) * 8 + sum(
+        _values(f)[:1].numel() * 4 + (f.right[:1].numel() * 4 if isinstance(f, Outer) else 0)
+        for f in (a, b)
+    )
     parts = [
-        _inner(_slice(a, start, stop), _slice(b, start, stop))
+        _inner(_widened(_slice(a, start, stop)), _widened(_slice(b, start, stop)))
         for start, stop in sample_chunks(n, per_sample, workspace_bytes)
     ]
     if not parts:
-        like = a.left if isinstance(a, Outer) else a.rows
-        return like.new_zeros(0)
+        return widen(_values(a)).new_zeros(0)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -127,3 +131,53 @@ def add_into(batch: Tensor, f: Factors) -> Tensor:
     d = f.rows.shape[2]
     index = f.ids.unsqueeze(2).expand(-1, -1, d)
     return batch.scatter_add(1, index, f.rows.to(batch.dtype))
+
+
+@dataclass
+class FactoredUses:
+    """The uses of one weight kept as factors, and the inner products of every pair of them,
+    accumulated as they arrive in backward.
+
+    Attributes:
+        uses: the factors of each use.
+        sq: ``sum_{u,v} <W_n^u, W_n^v>``: ``[N]``, the squared norms of ``sum_u W_n^u``.
+        own: ``sum_u ||W_n^u||²``: ``[N]``, against which cancellation in ``sq`` is judged.
+        total: ``sum_u sum_n W_n^u``: the summed gradient.
+    """
+
+    uses: list[Factors] = field(default_factory=list)
+    sq: Tensor | None = None
+    own: Tensor | None = None
+    total: Tensor | None = None
+
+    def add(self, f: Factors, workspace_bytes: int) -> Tensor:
+        """Add a use; returns its summed gradient."""
+        s, own = total(f), inner(f, f, workspace_bytes)
+        sq = own
+        for earlier in self.uses:
+            sq = sq + 2 * inner(f, earlier, workspace_bytes)
+        self.uses.append(f)
+        self.sq = sq if self.sq is None else self.sq + sq
+        self.own = own if self.own is None else self.own + own
+        self.total = s if self.total is None else self.total + s
+        return s
+
+    def squared_norms(self) -> Tensor:
+        """``||sum_u W_n^u||²``: ``[N]``. Where the uses nearly cancel (the sum below a tenth
+        of ``own``, so rounding in the pairwise terms would show), those samples' norms come
+        from their materialised individual gradients instead."""
+        sq = self.sq
+        cancel = (sq < 0.1 * self.own).nonzero().flatten().tolist()
+        if not cancel:
+            return sq
+        exact = sq.clone()
+        for n in cancel:
+            w = sum(materialize(_slice(f, n, n + 1)) for f in self.uses)
+            exact[n] = widen(w).square().sum()
+        return exact
+
+    def added_to(self, b: Tensor) -> Tensor:
+        """``b + sum_u W_n^u`` for individual gradients ``b: [N, *W.shape]``."""
+        for f in self.uses:
+            b = add_into(b, f)
+        return b

@@ -136,7 +136,7 @@ def _chunked_cross_entropy(
         keep = t1 != spec.ignore_index
         mass = spec.row_weights(t1, keep, acc).sum()
         # a total weight of 0, as torch: NaN where a row was kept, else 0
-        scale = torch.where(keep.any(), g / mass.to(g.dtype), 0)
+        scale = torch.where(keep.any(), torch.where(mass == 0, torch.nan, g / mass), 0)
     per_w = weight.new_zeros(n, *weight.shape) if 1 in positions else None
     per_b = bias.new_zeros(n, *bias.shape) if 3 in positions and bias is not None else None
     for start, stop, d, _ in logit_grads(h2, weight, bias, t1, chunk, spec, acc):

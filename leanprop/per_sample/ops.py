@@ -42,15 +42,13 @@ class Contribute:
 
     def __init__(
         self,
-        sink: Callable[..., None],
+        sink: Callable[[dict[nn.Parameter, Tensor], torch.dtype | None, Contribute], None],
         computing: Callable[[], AbstractContextManager[None]],
         passive: Callable[[], bool],
         norms_only: Callable[[Tensor], bool],
         norms: Callable[[nn.Parameter, Tensor, Tensor, torch.dtype | None, Contribute], None],
     ) -> None:
-        # sink(batch, compute_dtype, source, totals): source is this object, totals the sums
-        # of the individual gradients where known
-        self.sink = sink
+        self.sink = sink  # sink(batch, compute_dtype, source): source is this object
         self.computing = computing  # marks the per-sample work (its autograd calls) as ours
         self.passive = passive  # a backward that is not for parameters (e.g. d output / d x)
         # norms_only(t): t is a parameter used once, and only BatchL2Grad is asked for;
@@ -67,12 +65,10 @@ class Contribute:
         self._closed = True
 
     def __call__(
-        self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None,
-        totals: dict[nn.Parameter, Tensor] | None = None,
-    ) -> None:  # fmt: skip
-        """``compute_dtype``: the autocast dtype the op ran in, if any (for the sum check);
-        ``totals``: ``batch[p].sum(0)`` where already computed."""
-        self.sink(batch, compute_dtype, self, totals or {})
+        self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
+    ) -> None:
+        """``compute_dtype``: the autocast dtype the op ran in, if any (for the sum check)."""
+        self.sink(batch, compute_dtype, self)
 
 
 _TENSOR = object()  # marks where a tensor output goes back into the op's output structure
@@ -80,17 +76,16 @@ _TENSOR = object()  # marks where a tensor output goes back into the op's output
 
 def hand_back(
     w: Tensor, params: tuple[nn.Parameter, ...], per_sample: Tensor, contribute: Contribute,
-    compute_dtype: torch.dtype | None = None, summed: Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> None:  # fmt: skip
     """Give each parameter ``w`` derives from its contributions ``(dw/dp)ᵀ per_sample[n]``.
 
     Args:
         w: a parameter, or a batch-free tensor computed from ``params``.
         per_sample: ``[N, *w.shape]``, each sample's contribution to ``w``'s gradient.
-        summed: ``per_sample.sum(0)``, if already computed.
     """
     if len(params) == 1 and w is params[0]:
-        contribute({w: per_sample}, compute_dtype, None if summed is None else {w: summed})
+        contribute({w: per_sample}, compute_dtype)
         return
     grads = torch.autograd.grad(
         w, params, per_sample, retain_graph=True, allow_unused=True, is_grads_batched=True,
@@ -235,10 +230,7 @@ class OpCapture(torch.autograd.Function):
         for i, ps in fast.items():
             result[i] = sample_sum(ps)
             with op.contribute.computing():
-                hand_back(
-                    op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype,
-                    result[i],
-                )  # fmt: skip
+                hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
         generic = [i for i in captured if i not in fast and i not in summed]
         generic = generic if op.rule is None else []
         if generic:
@@ -303,7 +295,11 @@ def _batched_vjp(outputs: list[Tensor], inputs: list[Tensor], masks: list[Tensor
     except RuntimeError:  # vmap cannot batch this op's backward (e.g. RNNs): one at a time
         rows = [
             torch.autograd.grad(
-                outputs, inputs, [m[j] for m in masks], retain_graph=True, allow_unused=True,
+                outputs,
+                inputs,
+                [m[j] for m in masks],
+                retain_graph=True,
+                allow_unused=True,
                 create_graph=torch.is_grad_enabled(),
             )
             for j in range(k)

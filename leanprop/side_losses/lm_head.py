@@ -109,7 +109,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             keep = target != spec.ignore_index
             denom = spec.row_weights(target, keep, acc).sum()
         ctx.grads, ctx.denom, ctx.keep = grads, denom, keep
-        return (total if denom is None else total / denom).to(h.dtype)
+        return (total if denom is None else _mean(total, denom)).to(h.dtype)
 
     @staticmethod
     def backward(ctx: Any, go: Tensor) -> tuple[Tensor | None, ...]:
@@ -130,7 +130,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         if ctx.denom is None:
             scales = [go] * 3
         else:  # a mean over a total weight of 0, as torch: NaN where a row was kept, else 0
-            scale = go / ctx.denom
+            scale = _mean(go, ctx.denom)
             kept = ctx.keep.any()
             whole = torch.where(kept, scale, 0)
             scales = [torch.where(ctx.keep, scale, 0)[:, None], whole, whole]
@@ -138,6 +138,11 @@ class _ChunkedLinearCE(torch.autograd.Function):
             None if g is None else g.mul_(s.to(g.dtype)) for g, s in zip(grads, scales, strict=True)
         ]
         return (*grads, None, None, None, None)
+
+
+def _mean(total: Tensor, denom: Tensor) -> Tensor:
+    """``total / denom``, NaN where ``denom`` is 0 (a mean over nothing, as torch; not inf)."""
+    return torch.where(denom == 0, torch.nan, total / denom)
 
 
 def _empty_grads(

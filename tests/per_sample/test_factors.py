@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import leanprop
 from leanprop import BatchGrad, BatchL2Grad
 from leanprop.per_sample import factors
 
@@ -84,14 +85,17 @@ def paths(monkeypatch):
     or added to other uses' individual gradients)."""
     seen: dict[str, int] = {"inner": 0, "materialize": 0, "add_into": 0}
     cycle = importlib.import_module("leanprop.per_sample.cycle")
-    for name in seen:
-        real = getattr(factors, name)
+    for module, name in (
+        (factors, "inner"), (factors, "materialize"), (factors, "add_into"),
+        (cycle, "materialize"), (cycle, "add_into"),
+    ):  # fmt: skip
+        real = getattr(module, name)
 
         def counting(*args, _name=name, _real=real):
             seen[_name] += 1
             return _real(*args)
 
-        monkeypatch.setattr(cycle, name, counting)
+        monkeypatch.setattr(module, name, counting)
     return seen
 
 
@@ -135,3 +139,45 @@ def test_inner_products_of_every_pair_against_materialised():
         torch.testing.assert_close(
             factors.total(a), factors.materialize(a).sum(0), rtol=1e-12, atol=1e-12
         )
+
+
+class Cancelling(nn.Module):
+    """An embedding tied to a head whose use nearly cancels the embedding's, per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, t: Tensor, a: Tensor) -> Tensor:  # t [N], a [N, 8]
+        looked_up = (self.emb(t) * a).sum(1)
+        head = (self.head(-a * (1 - 1e-4)) * nn.functional.one_hot(t, 16)).sum(1)
+        return looked_up + head
+
+
+def test_nearly_cancelling_uses_stay_accurate_in_float32(paths):
+    """||A + B||² from ||A||² + ||B||² + 2<A, B> loses the digits that cancel: such samples'
+    norms come from their materialised individual gradients (were negative in float32)."""
+    torch.manual_seed(0)
+    model = Cancelling()
+    t, a = torch.randint(0, 16, (4,)), torch.randn(4, 8) * 100
+    with leanprop.per_sample(model, BatchL2Grad()):
+        model(t, a).sum().backward()
+    exact = (1e-4 * a.double()).square().sum(1)  # each sample's gradient is 1e-4 a in row t
+    torch.testing.assert_close(model.emb.weight.batch_l2.double(), exact, rtol=1e-3, atol=0)
+    assert paths["inner"] >= 3
+
+
+def test_the_sum_check_covers_uses_added_in_place(monkeypatch):
+    """The individual gradients written are summed for the check (not the factors' own sums):
+    a wrong in-place addition is caught."""
+    cycle = importlib.import_module("leanprop.per_sample.cycle")
+    real = factors.add_into
+    monkeypatch.setattr(cycle, "add_into", lambda b, f: real(real(b, f), f))  # added twice
+    case = _tied(3, 4)
+    with (
+        leanprop.per_sample(case.model, BatchGrad()),
+        pytest.raises(leanprop.UnsupportedModelError, match="do not add up"),
+    ):
+        case.loss(case.model(case.x), case.y, "sum").backward()

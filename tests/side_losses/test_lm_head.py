@@ -44,7 +44,9 @@ def test_chunked_linear_cross_entropy_matches_plain(reduction, bias, smoothing, 
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["all-ignored", "empty", "zero-class-weights"])
+@pytest.mark.parametrize(
+    "case", ["all-ignored", "empty", "zero-class-weights", "zero-class-weights-smoothed"]
+)
 def test_chunked_cross_entropy_mean_over_nothing_is_nan(case):
     """A mean over a total weight of 0: NaN loss, and torch's gradients (zeros where rows are
     ignored or there are none; NaN where rows of zero class weight were kept)."""
@@ -54,13 +56,15 @@ def test_chunked_cross_entropy_mean_over_nothing_is_nan(case):
     kwargs = {}
     if case == "empty":
         h, t = h[:0], t[:0]
-    if case == "zero-class-weights":
+    if case.startswith("zero-class-weights"):
         t = torch.tensor([0, 1, -100])
         kwargs = {"weight": torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0])}
+    if case == "zero-class-weights-smoothed":
+        kwargs["label_smoothing"] = 0.1
     ref = nn.functional.cross_entropy(h @ w.T, t, **kwargs)
     ref_grads = torch.autograd.grad(ref, (h, w))
     if "weight" in kwargs:
-        kwargs = {"class_weight": kwargs["weight"]}
+        kwargs["class_weight"] = kwargs.pop("weight")
     loss = leanprop.chunked_linear_cross_entropy(h, w, t, **kwargs)
     assert ref.isnan() and loss.isnan()
     for got, want in zip(torch.autograd.grad(loss, (h, w)), ref_grads, strict=True):
