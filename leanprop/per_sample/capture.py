@@ -209,6 +209,7 @@ class PerSample:
         self._backward_depth = 0  # backward passes called through the op interception
         self._passive = 0  # inside a backward that is not for the parameters (backward_scope)
         self._cycle_seen = False  # a cycle was open when the outermost backward_scope began
+        self._orphan_check_task = -1  # the backward that checks for a dropped forward
         self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
         self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
         self._handles: list[RemovableHandle] = []
@@ -399,8 +400,10 @@ class PerSample:
     def _on_model_enter(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        """A forward of the whole model: drop a cycle that died, mark the batched inputs."""
-        if self._computing:
+        """A forward of the whole model: drop a cycle that died, mark the batched inputs. A
+        forward without autograd (``torch.no_grad()``: an evaluation) has no backward: it
+        leaves the records of the forward before it alone."""
+        if self._computing or not torch.is_grad_enabled():
             return
         died = (self._cycle.finish_queued or self._root_running) and current_graph_task_id() == -1
         anew = died or self._cycle.backward_done or self.reset_on_forward
@@ -433,8 +436,10 @@ class PerSample:
             ):
                 # an earlier forward of another batch size never had its backward (e.g. a
                 # validation loss under grad): this forward starts anew (a late backward
-                # through the earlier one gets no quantities, and the check says so)
+                # through the earlier one gets no quantities: _check_orphaned says so)
+                orphaned = self._cycle.n
                 self._abort_cycle()
+                self._cycle.orphaned_n = orphaned
 
     def _inputs_tracked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether every batched tensor input of the model carries the batch already."""
@@ -1049,6 +1054,25 @@ class PerSample:
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
             if self._kinds and not self._passive:
                 self._complete_calls_of(state.param)
+                task = current_graph_task_id()
+                if self._cycle.orphaned_n is not None and self._orphan_check_task != task:
+                    self._orphan_check_task = task  # once per backward
+                    queue_callback(_Weakly(self._check_orphaned, state.name))
+
+    def _check_orphaned(self, name: str) -> None:
+        """End of a backward that reached ``name`` while the records of a forward were dropped
+        (another forward of another batch size came before this backward): if this backward
+        computed nothing per sample, it went through the dropped forward."""
+        if self._cycle.open or self._cycle.orphaned_n is None:
+            return
+        n, self._cycle.orphaned_n = self._cycle.orphaned_n, None
+        raise UnsupportedModelError(
+            f"per_sample: this backward reached '{name}' through a forward of {n} samples whose "
+            "records were dropped: another forward of the model, of another batch size, ran "
+            "after it and before this backward, so leanprop computed no per-sample quantities "
+            "for it. Run each forward's backward before the next forward (or run the other "
+            "forward under torch.no_grad())."
+        )
 
     def _complete_calls_of(self, p: nn.Parameter) -> None:
         """``p``'s gradient is computed, so every call that uses it has had all the output

@@ -155,6 +155,7 @@ class Cycle:
     grad_mode: bool = False  # the backward records autograd (create_graph)
     bn_problem: str | None = None  # BatchNorm in training mode: refused when backward opens
     discarded_forward: bool = False  # BackPACK facade: an earlier forward's records were dropped
+    orphaned_n: int | None = None  # samples of a forward dropped before its backward came
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -259,6 +260,7 @@ class Cycle:
             state.uses = 0
         self.n = None
         self.backward_done = False
+        self.orphaned_n = None
 
     def verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward,

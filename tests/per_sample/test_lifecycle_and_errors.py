@@ -808,3 +808,65 @@ def test_a_model_with_hooks_can_be_deep_copied():
         model(torch.randn(5, 3)).sum().backward()
     assert model[0].weight.grad_batch.shape == (5, 4, 3)
     snapshot(torch.randn(2, 3)).sum().backward()  # an ordinary model afterwards
+
+
+@pytest.mark.parametrize("other", ["fewer-samples", "same-input"])
+def test_a_forward_under_no_grad_between_forward_and_backward_changes_nothing(other):
+    """An evaluation forward (torch.no_grad) between a forward and its backward has no
+    backward: the first forward's quantities are exact (were silently missing)."""
+    case = build("residual")
+    expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        loss = case.loss(case.model(case.x), case.y, "sum")
+        with torch.no_grad():
+            case.model(case.x[:2] if other == "fewer-samples" else case.x)
+        loss.backward()
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+def test_a_backward_through_a_dropped_forward_is_refused():
+    """Forward, then a forward of another batch size under grad (its records replace the
+    first's), then the first forward's backward: an error (was silently no quantities); the
+    second forward's backward is exact."""
+    case = build("mlp")
+    x2, y2 = case.x[:2], case.y[:2]
+    expected = individual_gradients(case.model, case.loss, x2, y2, "sum")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        first = case.loss(case.model(case.x), case.y, "sum")
+        second = case.loss(case.model(x2), y2, "sum")
+        with pytest.raises(UnsupportedModelError, match="records were dropped"):
+            first.backward()
+        case.model.zero_grad()
+        second.backward()
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+def test_a_forward_under_no_grad_between_leaves_checkpointing_exact():
+    """Non-reentrant checkpoint recomputes its block in backward, after an evaluation forward
+    under torch.no_grad ran: exact (was no quantities)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=False)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Checkpointed().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    names, params = zip(*model.named_parameters(), strict=True)
+    rows = [torch.autograd.grad(model(x[i : i + 1]).square().sum(), params) for i in range(5)]
+    expected = {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(names)}
+    with leanprop.per_sample(model, BatchGrad()):
+        loss = model(x).square().sum()
+        with torch.no_grad():
+            model(x[:2])
+        loss.backward()
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
