@@ -22,6 +22,7 @@ One forward and backward through it (all state lives on the context and its
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -64,6 +65,9 @@ from .stats import Reducer, quantities_from_batch, widen
 ConvAlgorithm = Literal["auto", "unfold", "grouped", "weight_backward"]
 CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped", "weight_backward")
 DEFAULT_WORKSPACE_MIB = {"cpu": 16.0}
+# how many contexts run their own per-sample work on this thread (inside own_work): another
+# context's recomputations (a fallback's per-sample forward) are not the model's forward
+_WORKING = threading.local()
 
 
 @dataclass(eq=False)
@@ -217,7 +221,7 @@ class PerSample:
         self._states: dict[nn.Parameter, ParamState] = {}
         self._cycle = Cycle(self._states, self._sites)  # the current forward and its backward
         self._active = False
-        self._computing = False
+        self._computing_here = False
         self._intercept: Intercept | None = None
         self._fusable_by_weight: dict[int, list[Site]] = {}  # id(weight) -> fusable sites
         self._rule_sites_of: dict[Tensor | None, list[Site]] = {}  # weight -> rule sites
@@ -324,7 +328,7 @@ class PerSample:
         self._op_params.clear()
         self._tracker = BatchTracker(())
         self._root_running = False
-        self._computing = False
+        self._computing_here = False
         self.last_n, self.last_sums = None, {}
         if misplaced:  # everything else is undone; our mode stays, passing every op through
             raise LeanpropError(
@@ -660,16 +664,24 @@ class PerSample:
     def _is_passive(self) -> bool:
         return self._passive > 0
 
+    @property
+    def _computing(self) -> bool:
+        """This context, or another one on this thread (nested contexts), runs its own
+        per-sample work: its ops and module calls are not the model's."""
+        return self._computing_here or getattr(_WORKING, "depth", 0) > 0
+
     @contextmanager
     def own_work(self) -> Iterator[None]:
         """Work of ours (per-sample and backward computations): its ops are not followed or
         captured, and hooks ignore the autograd calls made inside."""
-        before, self._computing = self._computing, True
+        before, self._computing_here = self._computing_here, True
+        _WORKING.depth = getattr(_WORKING, "depth", 0) + 1
         try:
             with innermost_mode_off(self._intercept):  # its ops cost a Python call each
                 yield
         finally:
-            self._computing = before
+            self._computing_here = before
+            _WORKING.depth -= 1
 
     def _norms_only(self, t: Tensor) -> bool:
         state = self._states.get(t) if isinstance(t, nn.Parameter) else None
@@ -1262,9 +1274,9 @@ class PerSample:
             self.last_sums = self._cycle.finish(self._kinds, self._check, self._process)
             self.last_n = n
         finally:
-            self._computing = False
+            self._computing_here = False
 
     def _abort_cycle(self) -> None:
         """Forget everything about the current forward and its backward passes."""
-        self._computing = False
+        self._computing_here = False
         self._cycle.abort()

@@ -450,11 +450,14 @@ def test_zero_dim_parameter_with_batch_l2():
     assert_close(model.t.batch_l2, torch.stack(rows).square(), "t.batch_l2", 1e-10, 1e-12)
 
 
-@pytest.mark.parametrize("inner_on", ["model", "submodule"])
+@pytest.mark.parametrize("inner_on", ["model", "submodule", "rnn"])
 def test_nested_contexts_each_compute_theirs(inner_on):
-    case = build("residual")
+    """Each context computes its own quantities; one's per-sample recomputations (an RNN's
+    loop) are not the model's forward to the other (the inner one on an RNN raised)."""
+    case = build("recurrent" if inner_on == "rnn" else "residual")
     expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
-    inner_model = case.model if inner_on == "model" else case.model.head
+    inner_model = {"model": case.model, "submodule": case.model.head}.get(inner_on)
+    inner_model = case.model.gru if inner_model is None else inner_model
     with (
         leanprop.per_sample(case.model, BatchGrad()),
         leanprop.per_sample(inner_model, Variance()),
@@ -463,7 +466,7 @@ def test_nested_contexts_each_compute_theirs(inner_on):
     for k, p in case.model.named_parameters():
         assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
     for k, p in inner_model.named_parameters():
-        key = k if inner_on == "model" else f"head.{k}"
+        key = k if inner_on == "model" else f"{'head' if inner_on == 'submodule' else 'gru'}.{k}"
         ref = expected[key].var(0, unbiased=False)
         assert_close(p.variance, ref, f"{key}.variance", 1e-10, 1e-12)
     for m in case.model.modules():
