@@ -171,11 +171,9 @@ def _total_norm(
     norm_type: float,
     device: torch.device | None = None,
 ) -> Tensor:
-    """Global norm from per-tensor norms, stacked in parameter order as clip_grad_norm_ does."""
+    """Global norm from per-tensor norms in parameter order, as clip_grad_norm_ forms it."""
     ordered = [norms[id(p)] for g in groups for p in g["params"] if id(p) in norms]
-    if not ordered:
-        return torch.zeros((), device=device)
-    return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+    return global_norm(ordered, norm_type, device)
 
 
 class InBackward(torch.optim.Optimizer):
@@ -436,8 +434,9 @@ class InBackward(torch.optim.Optimizer):
             )
         self._norm_type = float(norm_type)
         self._measuring = {}
-        try:
-            loss.backward(retain_graph=True)
+        mine = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        try:  # (only these: other leaves must get their gradient once, in the second pass)
+            loss.backward(retain_graph=True, inputs=mine)
             norms = self._measuring
         finally:
             self._measuring = None

@@ -64,11 +64,14 @@ class SteppedNorms:
         return torch.linalg.vector_norm(torch.stack(ordered), 2.0)
 
 
-def global_norm(norms: Sequence[Tensor]) -> Tensor:
-    """The global 2-norm from per-tensor norms as ``clip_grad_norm_`` forms it: grouped by
-    device and dtype (in torch's order), stacked on the first one's device."""
+def global_norm(
+    norms: Sequence[Tensor], norm_type: float = 2.0, device: torch.device | None = None
+) -> Tensor:
+    """The global norm from per-tensor norms as ``clip_grad_norm_`` forms it: grouped by
+    device and dtype (in torch's order), stacked on the first one's device (0 on ``device``
+    if there are none)."""
     if not norms:
-        return torch.zeros(())
+        return torch.zeros((), device=device)
     ordered = [n for group in grouped_by_device_and_dtype(list(norms)) for n in group]
-    device = ordered[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in ordered]), 2.0)
+    first = ordered[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in ordered]), norm_type)

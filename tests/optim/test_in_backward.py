@@ -355,6 +355,38 @@ def test_second_backward_through_a_retained_graph_fails_loudly_and_changes_nothi
     assert_bitwise_equal(model, ref)
 
 
+def test_clipped_backward_gives_other_leaves_their_gradient_once():
+    """Parameters of another optimizer and inputs that require grad: one gradient each, as
+    from one backward (the measuring pass used to accumulate into them too)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    opt = InBackward(model[2].parameters(), torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 3, requires_grad=True)
+    want = torch.autograd.grad(model(x).square().sum(), [x, *model[0].parameters()])
+    opt.clipped_backward(model(x).square().sum(), 1e-3)
+    for got, ref in zip([x.grad, model[0].weight.grad, model[0].bias.grad], want, strict=True):
+        torch.testing.assert_close(got, ref)
+    opt.remove()
+
+
+def test_clipped_backward_norm_bit_identical_with_mixed_dtypes():
+    """The global norm it returns (and clips with) is grouped by dtype as torch's."""
+    for seed in range(12):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5).bfloat16(), nn.Linear(5, 2))
+        ref = copy.deepcopy(model)
+        opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+        x = torch.randn(3, 5)
+
+        def run(m, x=x):
+            return m[2](m[1](m[0](x).bfloat16()).float()).square().sum()
+
+        run(ref).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        assert torch.equal(opt.clipped_backward(run(model), 0.5), want), seed
+        opt.remove()
+
+
 def test_approximate_clipping_switched_off_stops_clipping():
     """clip_grad_norm set back to None: the next steps are the plain loop's (the last clip
     factor is not applied any more)."""
