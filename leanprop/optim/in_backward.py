@@ -434,9 +434,11 @@ class InBackward(torch.optim.Optimizer):
             )
         self._norm_type = float(norm_type)
         self._measuring = {}
+        # only these (other leaves get their gradient once, in the second pass); under FSDP2
+        # the graph's leaves are the unsharded parameters, which its hooks reduce: all of them
         mine = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        try:  # (only these: other leaves must get their gradient once, in the second pass)
-            loss.backward(retain_graph=True, inputs=mine)
+        try:
+            loss.backward(retain_graph=True, inputs=None if self._unit_of else mine)
             norms = self._measuring
         finally:
             self._measuring = None
