@@ -592,8 +592,8 @@ class InBackward(torch.optim.Optimizer):
         for waiting in self._unit_ready.values():  # units with parameters left unused
             self._step_params(waiting)
         self._unit_ready.clear()
-        if self._stepped.task != current_graph_task_id():
-            return  # stepped nothing (e.g. autograd.grad): the last backward's norms stay
+        if self._stepped.task != current_graph_task_id() or not self._stepped.norms:
+            return  # stepped nothing (autograd.grad, accumulate()): the clip factor stays
         norm = self.last_grad_norm if self.clip_grad_norm is not None else None
         self._approx_coef = (
             None if norm is None else torch.clamp(self.clip_grad_norm / (norm + 1e-6), max=1.0)

@@ -164,13 +164,12 @@ def _index_arg(
 def _index_of_batch_free(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], batched: list[tuple[Any, Tensor, Info]]
 ) -> int | str | None:
-    """``x.index_select(d, index)`` / ``x[index]`` of a batch-free ``x`` (a constant, or one
-    derived from parameters, e.g. an RNN's initial state put in a packed sequence's order) at an
-    integer ``index`` whose samples are mixed or reordered (a :class:`Lost`, e.g. sorted
-    lengths): the index is read by value, so the result is batch-free like ``x`` (gradients
-    reach ``x`` through the rows where the result meets the batch). Returns the index's
+    """``x.index_select(d, index)`` / ``x[index]`` of a constant batch-free ``x`` (e.g. an
+    RNN's zero initial state put in a packed sequence's order) at an integer ``index`` whose
+    samples are mixed or reordered (a :class:`Lost`, e.g. sorted lengths): the index is read
+    by value and no gradient flows, so the result is batch-free like ``x``. Returns the index's
     position; None for other calls (indices that hold the batch in a dimension give a result
-    with the batch there)."""
+    with the batch there; rows of a tensor that requires grad stay :class:`Lost`)."""
     if name == "index_select":
         at: int | str = 2 if len(args) > 2 else "index"
     elif name == "getitem":
@@ -179,8 +178,8 @@ def _index_of_batch_free(
         return None
     info = next((info for w, _, info in batched if w == at), None)
     index = args[at] if isinstance(at, int) else kwargs.get(at)
-    if not isinstance(info, Lost) or len(batched) != 1:
-        return None
+    if not isinstance(info, Lost) or len(batched) != 1 or args[0].requires_grad:
+        return None  # (rows of parameters would need their per-sample parts: not followed)
     if not isinstance(index, Tensor) or index.is_floating_point():
         return None
     return at

@@ -48,6 +48,7 @@ class BroadcastCapture(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, h: Tensor) -> tuple[Tensor | None, ...]:
         w, bd, n = ctx.w, ctx.bd, ctx.n
+        ctx.contribute.refuse_if_dropped()
         if not ctx.contribute.closed:
             with ctx.contribute.computing():
                 if ctx.lookup is not None:  # rows of one parameter: scattered directly

@@ -213,7 +213,6 @@ class PerSample:
         self._backward_depth = 0  # backward passes called through the op interception
         self._passive = 0  # inside a backward that is not for the parameters (backward_scope)
         self._cycle_seen = False  # a cycle was open when the outermost backward_scope began
-        self._orphan_check_task = -1  # the backward that checks for a dropped forward
         self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
         self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
         self._handles: list[RemovableHandle] = []
@@ -440,10 +439,9 @@ class PerSample:
             ):
                 # an earlier forward of another batch size never had its backward (e.g. a
                 # validation loss under grad): this forward starts anew (a late backward
-                # through the earlier one gets no quantities: _check_orphaned says so)
-                orphaned = self._cycle.n
+                # through the earlier one is refused where it meets a captured op)
+                self._cycle.drop_forward()
                 self._abort_cycle()
-                self._cycle.orphaned_n = orphaned
 
     def _inputs_tracked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether every batched tensor input of the model carries the batch already."""
@@ -782,6 +780,8 @@ class PerSample:
     def fused_backward(self, call: Call, x: Tensor, grad: Tensor) -> dict[str, Tensor] | None:
         """Output gradient of a replaced op: process the call, return its summed gradients
         (None when the capture is over and the op must do an ordinary backward)."""
+        if self._active and self._kinds:
+            call.forward.refuse_if_dropped()
         if not self._active or not self._kinds or call.forward.closed:
             return None  # (closed: also while a passive backward runs)
         if call.closed:  # another backward through the same forward: a call of its own
@@ -939,6 +939,8 @@ class PerSample:
         """An RNN's initial state computed from parameters (a learned ``h0`` expanded over the
         batch) would need its per-sample gradients through the RNN: not supported."""
         for h in tree_flatten(hx)[0]:
+            if not (isinstance(h, Tensor) and h.requires_grad):
+                continue  # (a detached one is a constant)
             learned = sorted(self._states[p].name for p in self._tracker.derived_params(h))
             if learned:
                 raise UnsupportedModelError(
@@ -1066,25 +1068,6 @@ class PerSample:
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
             if self._kinds and not self._passive:
                 self._complete_calls_of(state.param)
-                task = current_graph_task_id()
-                if self._cycle.orphaned_n is not None and self._orphan_check_task != task:
-                    self._orphan_check_task = task  # once per backward
-                    queue_callback(_Weakly(self._check_orphaned, state.name))
-
-    def _check_orphaned(self, name: str) -> None:
-        """End of a backward that reached ``name`` while the records of a forward were dropped
-        (another forward of another batch size came before this backward): if this backward
-        computed nothing per sample, it went through the dropped forward."""
-        if self._cycle.open or self._cycle.orphaned_n is None:
-            return
-        n, self._cycle.orphaned_n = self._cycle.orphaned_n, None
-        raise UnsupportedModelError(
-            f"per_sample: this backward reached '{name}' through a forward of {n} samples whose "
-            "records were dropped: another forward of the model, of another batch size, ran "
-            "after it and before this backward, so leanprop computed no per-sample quantities "
-            "for it. Run each forward's backward before the next forward (or run the other "
-            "forward under torch.no_grad())."
-        )
 
     def _complete_calls_of(self, p: nn.Parameter) -> None:
         """``p``'s gradient is computed, so every call that uses it has had all the output

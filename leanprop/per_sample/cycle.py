@@ -155,7 +155,6 @@ class Cycle:
     grad_mode: bool = False  # the backward records autograd (create_graph)
     bn_problem: str | None = None  # BatchNorm in training mode: refused when backward opens
     discarded_forward: bool = False  # BackPACK facade: an earlier forward's records were dropped
-    orphaned_n: int | None = None  # samples of a forward dropped before its backward came
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -245,6 +244,12 @@ class Cycle:
         self.backward_done = True
         self.discarded_forward = False
 
+    def drop_forward(self) -> None:
+        """The current forward (and earlier ones waiting for a backward) will be dropped
+        before their backward came: a backward through them is refused."""
+        for sink in self._sinks():
+            sink.dropped_n = self.n
+
     def abort(self) -> None:
         """Forget everything about the current forward and its backward passes."""
         self.end_backward()
@@ -260,7 +265,6 @@ class Cycle:
             state.uses = 0
         self.n = None
         self.backward_done = False
-        self.orphaned_n = None
 
     def verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward,

@@ -55,6 +55,7 @@ class Contribute:
         # norms(p, ||c_n||² [N], summed gradient, compute dtype) then stores its results
         self.norms_only, self.norms = norms_only, norms
         self._closed = False
+        self.dropped_n: int | None = None  # samples, if a later forward dropped this one
 
     @property
     def closed(self) -> bool:
@@ -63,6 +64,21 @@ class Contribute:
 
     def close(self) -> None:
         self._closed = True
+
+    def refuse_if_dropped(self) -> None:
+        """A backward through a forward whose records a later forward (of another batch size)
+        dropped, before its backward came: it would get no per-sample quantities."""
+        if self.dropped_n is None or self.passive():
+            return
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"per_sample: this backward goes through a forward of {self.dropped_n} samples whose "
+            "records were dropped: another forward of the model, of another batch size, ran "
+            "after it and before this backward, so leanprop cannot compute its per-sample "
+            "quantities. Run each forward's backward before the next forward (or run the other "
+            "forward under torch.no_grad())."
+        )
 
     def __call__(
         self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
@@ -192,6 +208,8 @@ class OpCapture(torch.autograd.Function):
         result: list[Tensor | None] = [None] * len(local)
         if not live or not wanted:
             return (None, *result)
+        if any(i in op.captured for i in wanted):
+            op.contribute.refuse_if_dropped()
         captured = [i for i in wanted if i in op.captured and not op.contribute.closed]
         fast: dict[int, Tensor] = {}
         summed: dict[int, Tensor] = {}

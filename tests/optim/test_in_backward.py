@@ -387,6 +387,36 @@ def test_clipped_backward_norm_bit_identical_with_mixed_dtypes():
         opt.remove()
 
 
+def test_approximate_clipping_with_micro_batches():
+    """accumulate() micro-batches step nothing: the clip factor of the last stepping backward
+    still applies to the next step (it was dropped: silently unclipped)."""
+    max_norm, kwargs = 1e-3, {"lr": 0.01}
+    data = torch.randn(3, 2, 5, 6)
+    torch.manual_seed(0)
+    ref = Net()
+    plain = torch.optim.AdamW(ref.parameters(), **kwargs)
+    previous = None
+    for s in range(3):
+        for m in range(2):
+            ref(data[s, m]).pow(2).mean().backward()
+        params = [p for p in ref.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if previous is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, previous)
+        previous = norm
+        plain.step()
+        plain.zero_grad()
+    torch.manual_seed(0)
+    model = Net()
+    opt = InBackward(model.parameters(), torch.optim.AdamW, clip_grad_norm=max_norm, **kwargs)
+    for s in range(3):
+        with opt.accumulate():
+            model(data[s, 0]).pow(2).mean().backward()
+        model(data[s, 1]).pow(2).mean().backward()
+    opt.remove()
+    assert_bitwise_equal(model, ref)
+
+
 def test_approximate_clipping_switched_off_stops_clipping():
     """clip_grad_norm set back to None: the next steps are the plain loop's (the last clip
     factor is not applied any more)."""

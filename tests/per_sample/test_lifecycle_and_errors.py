@@ -828,6 +828,25 @@ def test_a_forward_under_no_grad_between_forward_and_backward_changes_nothing(ot
         assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
 
 
+def test_backward_passes_after_a_dropped_forward():
+    """A, B (same batch size), then C of another size: A's and B's backward are refused, C's
+    is exact, and a backward through parameters alone (a penalty) afterwards is fine."""
+    case = build("mlp")
+    x3, y3 = case.x[:3], case.y[:3]
+    expected = individual_gradients(case.model, case.loss, x3, y3, "sum")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        a = case.loss(case.model(case.x), case.y, "sum")
+        b = case.loss(case.model(case.x + 1), case.y, "sum")
+        c = case.loss(case.model(x3), y3, "sum")
+        c.backward()
+        for k, p in case.model.named_parameters():
+            assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+        for dropped in (a, b):
+            with pytest.raises(UnsupportedModelError, match="records were dropped"):
+                dropped.backward()
+        sum(p.square().sum() for p in case.model.parameters()).backward()
+
+
 def test_a_backward_through_a_dropped_forward_is_refused():
     """Forward, then a forward of another batch size under grad (its records replace the
     first's), then the first forward's backward: an error (was silently no quantities); the

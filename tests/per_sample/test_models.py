@@ -188,23 +188,63 @@ def test_learned_initial_state_of_an_rnn_is_refused(packed):
 
 
 def test_batch_free_rows_picked_by_an_order_of_the_samples():
-    """Rows of a parameter picked by indices computed from the samples (sorted lengths: the
-    index mixes samples, and is read by value) meet the batch further on: exact, T == N."""
+    """Rows of a constant picked by indices computed from the samples (sorted lengths: the
+    index mixes samples, and is read by value) meet the batch further on: exact, T == N.
+    Rows of a parameter picked so stay refused clearly (their per-sample parts would have to
+    follow the order)."""
     from torch import nn
 
+    from leanprop import BatchError
+
     class Picked(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, learned: bool) -> None:
             super().__init__()
-            self.table = nn.Parameter(torch.randn(5, 5))
+            table = torch.randn(5, 5)
+            if learned:
+                self.table = nn.Parameter(table)
+            else:
+                self.register_buffer("table", table)
             self.head = nn.Linear(5, 2)
 
         def forward(self, x, lengths):
             order = torch.sort(lengths, descending=True).indices
             return self.head(x * self.table.index_select(0, order) + self.table[order])
 
-    def build():
-        m = Picked()
+    def build(learned=False):
+        m = Picked(learned)
         x, lengths = torch.randn(5, 5), torch.tensor([3, 5, 1, 4, 2])
         return m, lambda: m(x, lengths).square().sum(1), {}
+
+    check(build)
+    m, losses, _ = build(learned=True)
+    with leanprop.per_sample(m, BatchGrad()), pytest.raises(BatchError, match="sort"):
+        losses().sum().backward()
+
+
+@pytest.mark.parametrize("how", ["detach", "no_grad"])
+def test_a_detached_initial_state_is_a_constant(how):
+    """A learned h0 detached (or expanded under no_grad) gets no gradient: exact (was refused
+    as a learned initial state)."""
+    from torch import nn
+
+    class Detached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(3, 4, batch_first=True)
+            self.h0 = nn.Parameter(torch.randn(1, 1, 4))
+
+        def forward(self, x):
+            if how == "detach":
+                h0 = self.h0.detach().expand(1, x.shape[0], 4).contiguous()
+            else:
+                with torch.no_grad():
+                    h0 = self.h0.expand(1, x.shape[0], 4).contiguous()
+            return self.rnn(x, h0)[1][0].square().sum(1)
+
+    def build():
+        m = Detached()
+        m.h0.requires_grad_(False)  # (no gradient reaches it: frozen, so the oracle skips it)
+        x = torch.randn(4, 4, 3)
+        return m, lambda: m(x), {}
 
     check(build)
