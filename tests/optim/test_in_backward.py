@@ -229,15 +229,19 @@ def test_grad_scaler_is_refused_clearly():
     opt.remove()
 
 
-def test_approximate_clipping_uses_the_previous_norm():
+@pytest.mark.parametrize("micro", [1, 2], ids=["one-batch", "micro-batches"])
+def test_approximate_clipping_uses_the_previous_norm(micro):
+    """Clipped with the last stepping backward's norm; accumulate() micro-batches step nothing
+    and keep that factor (it was dropped there: silently unclipped)."""
     max_norm, kwargs = 1e-3, {"lr": 0.01}
-    data = torch.randn(3, 5, 6)
+    data = torch.randn(3, micro, 5, 6)
     torch.manual_seed(0)
     ref = Net()
     plain = torch.optim.AdamW(ref.parameters(), **kwargs)
     previous = None
     for s in range(3):
-        ref(data[s]).pow(2).mean().backward()
+        for m in range(micro):
+            ref(data[s, m]).pow(2).mean().backward()
         params = [p for p in ref.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if previous is not None:
@@ -249,7 +253,9 @@ def test_approximate_clipping_uses_the_previous_norm():
     model = Net()
     opt = InBackward(model.parameters(), torch.optim.AdamW, clip_grad_norm=max_norm, **kwargs)
     for s in range(3):
-        model(data[s]).pow(2).mean().backward()
+        for m in range(micro):
+            with opt.accumulate() if m < micro - 1 else contextlib.nullcontext():
+                model(data[s, m]).pow(2).mean().backward()
     assert torch.equal(opt.last_grad_norm, previous)
     opt.remove()
     assert_bitwise_equal(model, ref)
@@ -385,36 +391,6 @@ def test_clipped_backward_norm_bit_identical_with_mixed_dtypes():
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         assert torch.equal(opt.clipped_backward(run(model), 0.5), want), seed
         opt.remove()
-
-
-def test_approximate_clipping_with_micro_batches():
-    """accumulate() micro-batches step nothing: the clip factor of the last stepping backward
-    still applies to the next step (it was dropped: silently unclipped)."""
-    max_norm, kwargs = 1e-3, {"lr": 0.01}
-    data = torch.randn(3, 2, 5, 6)
-    torch.manual_seed(0)
-    ref = Net()
-    plain = torch.optim.AdamW(ref.parameters(), **kwargs)
-    previous = None
-    for s in range(3):
-        for m in range(2):
-            ref(data[s, m]).pow(2).mean().backward()
-        params = [p for p in ref.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if previous is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, previous)
-        previous = norm
-        plain.step()
-        plain.zero_grad()
-    torch.manual_seed(0)
-    model = Net()
-    opt = InBackward(model.parameters(), torch.optim.AdamW, clip_grad_norm=max_norm, **kwargs)
-    for s in range(3):
-        with opt.accumulate():
-            model(data[s, 0]).pow(2).mean().backward()
-        model(data[s, 1]).pow(2).mean().backward()
-    opt.remove()
-    assert_bitwise_equal(model, ref)
 
 
 def test_approximate_clipping_switched_off_stops_clipping():
