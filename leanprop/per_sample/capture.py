@@ -22,7 +22,6 @@ One forward and backward through it (all state lives on the context and its
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -65,9 +64,6 @@ from .stats import Reducer, quantities_from_batch, widen
 ConvAlgorithm = Literal["auto", "unfold", "grouped", "weight_backward"]
 CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped", "weight_backward")
 DEFAULT_WORKSPACE_MIB = {"cpu": 16.0}
-# how many contexts run their own per-sample work on this thread (inside own_work): another
-# context's recomputations (a fallback's per-sample forward) are not the model's forward
-_WORKING = threading.local()
 
 
 @dataclass(eq=False)
@@ -666,20 +662,20 @@ class PerSample:
     def _computing(self) -> bool:
         """This context, or another one on this thread (nested contexts), runs its own
         per-sample work: its ops and module calls are not the model's."""
-        return self._computing_here or getattr(_WORKING, "depth", 0) > 0
+        return self._computing_here or ops.working()
 
     @contextmanager
     def own_work(self) -> Iterator[None]:
         """Work of ours (per-sample and backward computations): its ops are not followed or
         captured, and hooks ignore the autograd calls made inside."""
         before, self._computing_here = self._computing_here, True
-        _WORKING.depth = getattr(_WORKING, "depth", 0) + 1
+        ops.WORKING.depth = getattr(ops.WORKING, "depth", 0) + 1
         try:
             with innermost_mode_off(self._intercept):  # its ops cost a Python call each
                 yield
         finally:
             self._computing_here = before
-            _WORKING.depth -= 1
+            ops.WORKING.depth -= 1
 
     def _norms_only(self, t: Tensor) -> bool:
         state = self._states.get(t) if isinstance(t, nn.Parameter) else None

@@ -19,6 +19,7 @@ the op per sample, so closed-form rules stay the fast path.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -33,6 +34,15 @@ from .batch import BatchDim, op_name, to_front
 from .chunks import sample_chunks
 from .op_rules import closed_form, closed_norms
 from .stats import sample_sum
+
+# how many per_sample contexts run their own per-sample work on this thread (see
+# PerSample.own_work): backward passes run by that work are not the model's backward
+WORKING = threading.local()
+
+
+def working() -> bool:
+    """Whether some context runs its own per-sample work on this thread."""
+    return getattr(WORKING, "depth", 0) > 0
 
 
 class Contribute:
@@ -59,8 +69,9 @@ class Contribute:
 
     @property
     def closed(self) -> bool:
-        """No contributions wanted now: the forward is over, or this backward is passive."""
-        return self._closed or self.passive()
+        """No contributions wanted now: the forward is over, this backward is passive, or it
+        is a context's own per-sample work (another context's, when contexts are nested)."""
+        return self._closed or self.passive() or working()
 
     def close(self) -> None:
         self._closed = True

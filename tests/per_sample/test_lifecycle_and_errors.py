@@ -892,3 +892,30 @@ def test_a_forward_under_no_grad_between_leaves_checkpointing_exact():
         loss.backward()
     for k, p in model.named_parameters():
         assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+def test_nested_contexts_with_parameters_broadcast_over_the_batch():
+    """A position table and a learned scale (broadcast over the batch) under two contexts on
+    the same model: each exact (one's batched VJPs ran through the other's captures: a raw
+    vmap error, or with check=False a dead batched tensor as the result)."""
+
+    class Broadcast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+            self.pos, self.scale = nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return self.head((self.tok(x) + self.pos) * self.scale)
+
+    torch.manual_seed(0)
+    model = Broadcast().double()
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(model(x[i : i + 1]).square().sum(), params) for i in range(3)]
+    with leanprop.per_sample(model, BatchGrad()), leanprop.per_sample(model, Variance()):
+        model(x).square().sum().backward()
+    for j, (k, p) in enumerate(model.named_parameters()):
+        ref = torch.stack([r[j] for r in rows])
+        assert_close(p.grad_batch, ref, f"{k}.grad_batch", 1e-10, 1e-12)
+        assert_close(p.variance, ref.var(0, unbiased=False), f"{k}.variance", 1e-10, 1e-12)
