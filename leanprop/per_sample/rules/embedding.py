@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from ..factors import Factors, Lookup
+from ..factors import Factors, Lookup, inner, materialize
 from ..registry import RuleOptions, register_rule
 
 
@@ -36,21 +35,22 @@ def _flat(module: nn.Module, idx: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     return flat_idx, flat_g
 
 
-def embedding_batch_l2(
-    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
-) -> dict[str, Tensor]:
-    """Squared norms ``[N]`` from the Gram matrix of output gradients, masked by equal indices."""
-    idx, gs = _flat(module, inputs[0], g)
-    same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(gs.dtype)  # [N, T, T]
-    return {"weight": (torch.bmm(gs, gs.mT) * same).sum((1, 2))}
-
-
 def embedding_factors(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str]
 ) -> dict[str, Factors]:
     """The weight's individual gradients as factors ``Lookup(i_n [T], g_n [T, D])``."""
     idx, gs = _flat(module, inputs[0], g)
     return {"weight": Lookup(idx, gs, module.num_embeddings)} if "weight" in names else {}
+
+
+def embedding_batch_l2(
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str],
+    options: RuleOptions,
+) -> dict[str, Tensor]:  # fmt: skip
+    """Squared norms ``[N]`` from the Gram matrix of output gradients, masked by equal indices
+    (the factors' own inner product)."""
+    f = embedding_factors(module, inputs, g, names)["weight"]
+    return {"weight": inner(f, f, options.workspace_bytes)}
 
 
 def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, _: RuleOptions) -> int:
@@ -65,7 +65,4 @@ def embedding_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:
     """Individual gradients ``{"weight": [N, V, D]}`` by scatter-add of the output gradients."""
-    idx, gs = _flat(module, inputs[0], g)
-    n, _t, d = gs.shape
-    zeros = gs.new_zeros(n, module.num_embeddings, d)
-    return {"weight": zeros.scatter_add(1, idx.unsqueeze(2).expand(-1, -1, d), gs)}
+    return {"weight": materialize(embedding_factors(module, inputs, g, names)["weight"])}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..factors import Factors, Outer
+from ..factors import Factors, Outer, inner
 from ..registry import RuleOptions, register_rule
 
 
@@ -43,8 +43,9 @@ def _as_sequence(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def linear_batch_l2(
-    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
-) -> dict[str, Tensor]:
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str],
+    options: RuleOptions,
+) -> dict[str, Tensor]:  # fmt: skip
     """Squared norms ``[N]`` of the individual gradients, where a closed form is cheaper."""
     x = inputs[0]
     out: dict[str, Tensor] = {}
@@ -54,8 +55,8 @@ def linear_batch_l2(
         else:
             xs, gs = _as_sequence(x, g)
             t, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
-            if gram_is_cheaper(t, i, o):
-                out["weight"] = (torch.bmm(xs, xs.mT) * torch.bmm(gs, gs.mT)).sum((1, 2))
+            if gram_is_cheaper(t, i, o):  # the factors' own inner product
+                out["weight"] = inner(Outer(gs, xs), Outer(gs, xs), options.workspace_bytes)
     if "bias" in names:
         out["bias"] = (g if g.dim() == 2 else _as_sequence(x, g)[1].sum(1)).pow(2).sum(1)
     return out
