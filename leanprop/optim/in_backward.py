@@ -67,7 +67,7 @@ from .._torch_compat import (
 )
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
-from .norms import SteppedNorms, global_norm, grad_norms, scale_grads
+from .norms import SteppedNorms, global_norm, grad_norms, norm_in_order, scale_grads
 
 # parameter -> weak reference to the InBackward stepping it (hooks and this map never keep an
 # optimizer alive: one dropped without remove() releases its hooks when collected)
@@ -108,12 +108,12 @@ def _guarded_clip_grad_norm_(
             "InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate mode."
         )
     # the last backward among the optimizers involved (another one's older norms are over)
-    records = {id(o): o._stepped for p in stepped if (o := _owner(p)) is not None}
-    last = max(r.task for r in records.values())
+    last = max(o._stepped.task for p in stepped if (o := _owner(p)) is not None)
+    held = iter(grad_norms([p.grad for p in params if p.grad is not None]))
     norms: list[Tensor] = []
     for p in params:
         if p.grad is not None:
-            norms.append(grad_norms([p.grad])[0])
+            norms.append(next(held))
         elif (o := _owner(p)) is not None and o._stepped.task == last and id(p) in o._stepped.norms:
             norms.append(o._stepped.norms[id(p)])
     total = global_norm(norms)
@@ -163,17 +163,6 @@ def _release(handles: list[RemovableHandle]) -> None:
         h.remove()
     handles.clear()
     _guard_clipping(False)
-
-
-def _total_norm(
-    norms: dict[int, Tensor],
-    groups: list[dict[str, Any]],
-    norm_type: float,
-    device: torch.device | None = None,
-) -> Tensor:
-    """Global norm from per-tensor norms in parameter order, as clip_grad_norm_ forms it."""
-    ordered = [norms[id(p)] for g in groups for p in g["params"] if id(p) in norms]
-    return global_norm(ordered, norm_type, device)
 
 
 class InBackward(torch.optim.Optimizer):
@@ -442,7 +431,7 @@ class InBackward(torch.optim.Optimizer):
             norms = self._measuring
         finally:
             self._measuring = None
-        total = _total_norm(norms, self.param_groups, norm_type, loss.device)
+        total = norm_in_order(norms, self.param_groups, norm_type, loss.device)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._coef = coef
         try:

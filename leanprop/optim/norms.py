@@ -56,12 +56,18 @@ class SteppedNorms:
             self.norms[id(p)] = norm
 
     def total(self, groups: Iterable[dict[str, Any]]) -> Tensor | None:
-        """Global 2-norm over ``groups``' parameters, stacked in parameter order (None if
-        nothing was stepped)."""
-        ordered = [self.norms[id(p)] for g in groups for p in g["params"] if id(p) in self.norms]
-        if not ordered:
-            return None
-        return torch.linalg.vector_norm(torch.stack(ordered), 2.0)
+        """Global 2-norm over ``groups``' parameters (None if nothing was stepped)."""
+        return norm_in_order(self.norms, groups) if self.norms else None
+
+
+def norm_in_order(
+    norms: dict[int, Tensor], groups: Iterable[dict[str, Any]], norm_type: float = 2.0,
+    device: torch.device | None = None,
+) -> Tensor:  # fmt: skip
+    """:func:`global_norm` of ``norms`` (``id(p) -> norm``) taken in ``groups``' parameter
+    order, as ``clip_grad_norm_(params)`` over those parameters forms it."""
+    ordered = [norms[id(p)] for g in groups for p in g["params"] if id(p) in norms]
+    return global_norm(ordered, norm_type, device)
 
 
 def global_norm(
