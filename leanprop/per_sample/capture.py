@@ -651,7 +651,7 @@ class PerSample:
         if self._cycle.contributions is None:
             self._cycle.contributions = ops.Contribute(
                 _Weakly(self._contribute), _Weakly(self.own_work), _Weakly(self._is_passive),
-                _Weakly(self._norms_only), _Weakly(self._store_norms),
+                _Weakly(self._norms_only), _Weakly(self._store_norms), self._cycle.scratch,
             )  # fmt: skip
         return self._cycle.contributions
 
@@ -1162,8 +1162,9 @@ class PerSample:
                 keep = l2_only and norms_are_cheaper(f)
                 sums[k] = self._states[call.params[k]].add_factors(f, keep, opts.workspace_bytes)
             names -= sums.keys()
+        scratch, shared = self._cycle.scratch, frozenset({BatchGrad})
         reducers = {
-            k: Reducer(kinds if k in single else frozenset({BatchGrad}), call.params[k], call.n)
+            k: Reducer(kinds if k in single else shared, call.params[k], call.n, scratch)
             for k in names
         }
         if names:

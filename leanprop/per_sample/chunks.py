@@ -1,8 +1,13 @@
-"""Samples in chunks, so that a layer's scratch memory stays within a budget."""
+"""Samples in chunks, so that a layer's scratch memory stays within a budget, and one reusable
+buffer for the chunks' temporaries."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+
+import torch
+from torch import Tensor
 
 
 def sample_chunks(n: int, per_sample_bytes: int, budget_bytes: int) -> Iterator[tuple[int, int]]:
@@ -11,3 +16,27 @@ def sample_chunks(n: int, per_sample_bytes: int, budget_bytes: int) -> Iterator[
     size = max(1, budget_bytes // max(per_sample_bytes, 1))
     for start in range(0, n, size):
         yield start, min(n, start + size)
+
+
+class Scratch:
+    """One buffer per device and dtype, reused by every chunk of one backward pass for
+    temporaries that are consumed before the next chunk is computed (individual gradients
+    reduced to norms or sums). A fresh large temporary per chunk costs page faults on CPU,
+    often more than the arithmetic; the buffer grows to the largest chunk (at most the
+    workspace budget) and is dropped with this object."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A contiguous uninitialised tensor of ``shape`` with ``like``'s device and dtype,
+        valid until the next ``take``."""
+        numel, key = math.prod(shape), (like.device, like.dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            self._buffers[key] = buf = None  # (the old one is freed before the new one)
+            buf = self._buffers[key] = like.new_empty(numel)
+        return buf[:numel].view(shape)
+
+    def clear(self) -> None:
+        self._buffers.clear()

@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from .._torch_compat import current_graph_task_id, foreach_norms
 from ..errors import UnsupportedModelError
 from .batch import BatchDim
+from .chunks import Scratch
 from .factors import FactoredUses, Factors, add_into, materialize, total
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
 from .stats import quantities_of, sample_sum
@@ -155,6 +156,7 @@ class Cycle:
     grad_mode: bool = False  # the backward records autograd (create_graph)
     bn_problem: str | None = None  # BatchNorm in training mode: refused when backward opens
     discarded_forward: bool = False  # BackPACK facade: an earlier forward's records were dropped
+    scratch: Scratch = field(default_factory=Scratch)  # chunks' temporaries, one backward's
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -232,6 +234,7 @@ class Cycle:
             call.closed = True
             call.args = call.kwargs = None
         self.calls.clear()
+        self.scratch.clear()
         self.bn_problem = None
         self.source = None
         if self.grad_mode:

@@ -25,7 +25,9 @@ from torch import Tensor
 
 from ..side_losses.lm_head import LossSpec, logit_grads, rows_per_chunk
 from .batch import BatchDim, to_front
+from .chunks import Scratch, sample_chunks
 from .rules.linear import gram_is_cheaper
+from .stats import sample_sum, sq_norms
 
 
 def _rows(t: Tensor, bd: BatchDim, n: int) -> Tensor:
@@ -90,26 +92,50 @@ def closed_form(
 def closed_norms(
     name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
     positions: Sequence[int], g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
+    workspace_bytes: int, scratch: Scratch,
 ) -> dict[int, tuple[Tensor, Tensor]] | None:  # fmt: skip
-    """``{position: (||c_n||² [N], summed gradient)}`` without the individual gradients, where
-    that is cheaper (linear/matmul/addmm where ``gram_is_cheaper``: Gram matrices
-    ``[N, S, S]``), else None."""
+    """``{position: (||c_n||² [N], summed gradient)}`` without keeping the individual
+    gradients, for linear/matmul/addmm: from Gram matrices ``[N, S, S]`` where
+    ``gram_is_cheaper``, else materialised a chunk of samples at a time (at most
+    ``workspace_bytes``) in the ``scratch`` buffer. None for other ops (and for the
+    materialised form while autograd records)."""
     parts = _linear_rows(name, tensors, in_batch, positions, g, out_bd, n, n_args)
     if parts is None:
         return None
     xs, gs, w_at, b_at, bias = parts
     s, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
-    if w_at in positions and not gram_is_cheaper(s, i, o):
-        return None
     out: dict[int, tuple[Tensor, Tensor]] = {}
-    if w_at in positions:
+    if w_at in positions and gram_is_cheaper(s, i, o):
         norms = (torch.bmm(xs, xs.mT) * torch.bmm(gs, gs.mT)).sum((1, 2))
         x2, g2 = xs.reshape(-1, i), gs.reshape(-1, o)
         out[w_at] = (norms, g2.mT @ x2 if name == "linear" else x2.mT @ g2)
+    elif w_at in positions:
+        if torch.is_grad_enabled():  # create_graph: the per-sample path keeps them in the graph
+            return None
+        left, right = (gs.mT, xs) if name == "linear" else (xs.mT, gs)
+        out[w_at] = _materialised_norms(left, right, workspace_bytes, scratch)
     if b_at in positions and bias is not None:
         per = gs.sum(1)  # [N, O]
         out[b_at] = (per.square().sum(1), per.sum(0))
     return out if set(out) == set(positions) else None
+
+
+def _materialised_norms(
+    left: Tensor, right: Tensor, workspace_bytes: int, scratch: Scratch
+) -> tuple[Tensor, Tensor]:
+    """Squared norms ``[N]`` and sum ``[A, B]`` of the products ``left[n] @ right[n]``
+    (``left: [N, A, S]``, ``right: [N, S, B]``), a chunk of samples at a time."""
+    n, a, b = left.shape[0], left.shape[1], right.shape[2]
+    norms: list[Tensor] = []
+    total: Tensor | None = None
+    for start, stop in sample_chunks(n, a * b * left.element_size(), workspace_bytes):
+        part = scratch.take((stop - start, a, b), left)
+        torch.bmm(left[start:stop], right[start:stop], out=part)
+        norms.append(sq_norms(part))
+        s = sample_sum(part)
+        total = s if total is None else total.add_(s)
+    assert total is not None  # (n > 0: a captured op has samples)
+    return torch.cat(norms) if len(norms) > 1 else norms[0], total
 
 
 def _chunked_cross_entropy(

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .._torch_compat import tree_flatten, tree_unflatten
 from .batch import BatchDim, op_name, to_front
-from .chunks import sample_chunks
+from .chunks import Scratch, sample_chunks
 from .op_rules import closed_form, closed_norms
 from .stats import sample_sum
 
@@ -57,6 +57,7 @@ class Contribute:
         passive: Callable[[], bool],
         norms_only: Callable[[Tensor], bool],
         norms: Callable[[nn.Parameter, Tensor, Tensor, torch.dtype | None, Contribute], None],
+        scratch: Scratch,
     ) -> None:
         self.sink = sink  # sink(batch, compute_dtype, source): source is this object
         self.computing = computing  # marks the per-sample work (its autograd calls) as ours
@@ -64,6 +65,7 @@ class Contribute:
         # norms_only(t): t is a parameter used once, and only BatchL2Grad is asked for;
         # norms(p, ||c_n||² [N], summed gradient, compute dtype) then stores its results
         self.norms_only, self.norms = norms_only, norms
+        self.scratch = scratch  # temporaries of the per-sample work, reused by each op
         self._closed = False
         self.dropped_n: int | None = None  # samples, if a later forward dropped this one
 
@@ -232,7 +234,8 @@ class OpCapture(torch.autograd.Function):
         ):
             norms = closed_norms(
                 op_name(op.func), local, op.in_batch, captured, live[0][2],
-                op.out_batch[live[0][0]], op.n, op.n_args,
+                op.out_batch[live[0][0]], op.n, op.n_args, op.workspace_bytes,
+                op.contribute.scratch,
             ) or {}  # fmt: skip
             for i, (sq, total) in norms.items():  # BatchL2Grad alone: norms, not gradients
                 summed[i] = total

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor
 
+from .chunks import Scratch
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
 
 _BLOCK_BYTES = 2**20
@@ -139,8 +140,10 @@ class Reducer:
     without keeping them unless ``BatchGrad`` is asked for. The variance uses shifted sums
     (shift: the first sample), as accurate chunked as in one piece."""
 
-    def __init__(self, kinds: frozenset[type[Quantity]], like: Tensor, n: int) -> None:
-        self.kinds, self.like, self.n = kinds, like, n
+    def __init__(
+        self, kinds: frozenset[type[Quantity]], like: Tensor, n: int, scratch: Scratch
+    ) -> None:
+        self.kinds, self.like, self.n, self.scratch = kinds, like, n, scratch
         self.parts: list[Tensor] = []
         self.full: Tensor | None = None  # preallocated [n, *shape] when not recording
         self.l2: list[Tensor] = []
@@ -152,11 +155,14 @@ class Reducer:
         self.total: Tensor | None = None  # sum of the individual gradients
 
     def target(self, start: int, stop: int, like: Tensor) -> Tensor | None:
-        """Buffer slice ``[stop - start, *shape]`` a rule may write chunk ``start:stop`` into
-        (only for ``BatchGrad`` computed in several chunks without autograd recording)."""
-        if BatchGrad not in self.kinds or stop - start == self.n or torch.is_grad_enabled():
-            return None
-        if like.dtype != self.like.dtype:  # 16-bit chunks are converted (see add)
+        """Buffer ``[stop - start, *shape]`` a rule may write chunk ``start:stop`` into, when
+        autograd does not record: a slice of the result for ``BatchGrad`` computed in several
+        chunks, the shared scratch buffer where the chunk is only reduced (see add)."""
+        if torch.is_grad_enabled() or like.dtype != self.like.dtype:
+            return None  # (16-bit chunks are converted: see add)
+        if BatchGrad not in self.kinds:
+            return self.scratch.take((stop - start, *self.like.shape), like)
+        if stop - start == self.n:
             return None
         if self.full is None:
             self.full = like.new_empty(self.n, *self.like.shape)

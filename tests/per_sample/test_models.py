@@ -162,6 +162,41 @@ def test_batch_l2_alone_on_hf_models(name, monkeypatch):
         assert_close(p.batch_l2, ref, f"{k}.batch_l2", 1e-8, 1e-12)
 
 
+@pytest.mark.parametrize("mib", [None, 0.001], ids=["default-workspace", "tiny-workspace"])
+def test_batch_l2_alone_materialises_chunks_in_one_reused_buffer(mib, monkeypatch):
+    """BatchL2Grad alone where the Gram form is dearer (GPT-2's Conv1D on longer sequences):
+    the individual gradients are formed a chunk of samples at a time in one scratch buffer,
+    reused by every chunk and op of the backward (fresh temporaries cost page faults), and
+    the norms are exact; with a tiny workspace, in many chunks."""
+    pytest.importorskip("transformers")
+    from leanprop.per_sample.chunks import Scratch
+
+    taken = []
+    real = Scratch.take
+
+    def take(self, shape, like):
+        out = real(self, shape, like)
+        taken.append((shape, out.untyped_storage().data_ptr()))
+        return out
+
+    monkeypatch.setattr(Scratch, "take", take)
+    torch.manual_seed(0)
+    model, losses_fn, options = hf_models()["hf_gpt2"]()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    with leanprop.per_sample(model, BatchL2Grad(), **options, max_workspace_mib=mib):
+        losses = losses_fn()
+        losses.sum().backward(retain_graph=True)
+    assert taken, "no individual gradients were materialised in the scratch buffer"
+    storages = {ptr for _, ptr in taken}
+    assert len(storages) < len(taken), "the scratch buffer was not reused"
+    if mib is not None:
+        assert any(shape[0] == 1 for shape, _ in taken), "no chunk smaller than the batch"
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        ref = expected[k].flatten(1).square().sum(1)
+        assert_close(p.batch_l2, ref, f"{k}.batch_l2", 1e-8, 1e-12)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_learned_initial_state_of_an_rnn_is_refused(packed):
     """A learned h0 expanded over the batch would need per-sample gradients through the RNN's

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from leanprop import BatchL2Grad, SumGradSquared, Variance
+from leanprop.per_sample.chunks import Scratch
 from leanprop.per_sample.stats import Reducer, quantities_of
 
 KINDS = frozenset({Variance, SumGradSquared, BatchL2Grad})
@@ -18,7 +19,7 @@ def test_variance_is_accurate_where_the_mean_dwarfs_the_spread(chunks):
     torch.manual_seed(0)
     b = (1e4 + 1e-2 * torch.randn(64, 50, dtype=torch.float64)).float()
     exact = b.double().var(0, unbiased=False)
-    reducer = Reducer(KINDS, b[0], 64)
+    reducer = Reducer(KINDS, b[0], 64, Scratch())
     for part in b.chunk(chunks):
         reducer.add(part)
     got, total = reducer.result()
@@ -34,7 +35,7 @@ def test_variance_is_accurate_where_the_mean_dwarfs_the_spread(chunks):
 def test_every_statistic_matches_float64(chunks):
     torch.manual_seed(0)
     b = torch.randn(9, 4, 3, dtype=torch.float64)
-    reducer = Reducer(KINDS, b[0], 9)
+    reducer = Reducer(KINDS, b[0], 9, Scratch())
     for part in b.chunk(chunks):
         reducer.add(part)
     got, total = reducer.result()
@@ -47,7 +48,7 @@ def test_every_statistic_matches_float64(chunks):
 def test_half_precision_statistics_do_not_overflow():
     """fp16 individual gradients of a scaled loss: the statistics accumulate in float32."""
     b = torch.full((8, 5), 300.0, dtype=torch.float16)  # 300² * 8 overflows fp16
-    reducer = Reducer(KINDS, b[0].float(), 8)
+    reducer = Reducer(KINDS, b[0].float(), 8, Scratch())
     reducer.add(b)
     got, _ = reducer.result()
     for k in (SumGradSquared.attr, BatchL2Grad.attr, Variance.attr):

@@ -101,23 +101,27 @@ def linear_param_grads(
     input_grad=linear_input_grad,
     param_grads=linear_param_grads,
     can_fuse=lambda module: True,
+    accepts_out=True,
     factors=linear_factors,
 )
 def linear_batch_grads(
-    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
-) -> dict[str, Tensor]:
-    """Individual gradients ``{"weight": [N, O, I], "bias": [N, O]}`` (those in ``names``)."""
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions,
+    out: dict[str, Tensor | None] | None = None,
+) -> dict[str, Tensor]:  # fmt: skip
+    """Individual gradients ``{"weight": [N, O, I], "bias": [N, O]}`` (those in ``names``);
+    the weight's written into ``out["weight"]`` where given."""
     x = inputs[0]
-    out: dict[str, Tensor] = {}
+    target = (out or {}).get("weight")
+    grads: dict[str, Tensor] = {}
     if x.dim() == 2:
         if "weight" in names:
-            out["weight"] = g.unsqueeze(2) * x.unsqueeze(1)  # [N, O, I]
+            grads["weight"] = torch.mul(g.unsqueeze(2), x.unsqueeze(1), out=target)  # [N, O, I]
         if "bias" in names:
-            out["bias"] = g  # [N, O]
-        return out
+            grads["bias"] = g  # [N, O]
+        return grads
     xs, gs = _as_sequence(x, g)
     if "weight" in names:
-        out["weight"] = torch.bmm(gs.mT, xs)  # [N, O, I]
+        grads["weight"] = torch.bmm(gs.mT, xs, out=target)  # [N, O, I]
     if "bias" in names:
-        out["bias"] = gs.sum(1)  # [N, O]
-    return out
+        grads["bias"] = gs.sum(1)  # [N, O]
+    return grads
