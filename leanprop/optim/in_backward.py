@@ -15,7 +15,13 @@ same operations. Optimizers that need a closure or couple tensors (LBFGS) are re
 
 The facade *is* a ``torch.optim.Optimizer`` sharing the inner optimizer's ``param_groups`` and
 ``state``: LR schedulers, ``state_dict()`` / ``load_state_dict()`` (interchangeable with the
-plain optimizer's) and trainers work. ``step()`` is a no-op kept for them.
+plain optimizer's) and trainers work. ``step()`` steps what backward held (nothing, in a plain
+loop); ``step(closure)`` runs the closure once, its backward stepping as usual.
+
+Trainers (see :mod:`leanprop.optim.trainers`): under accelerate (HF ``Trainer``) and Lightning
+a backward steps only when it is the last micro-batch of a step and the trainer's clipping is
+known not to need the gradients; otherwise the gradients are held and ``step()`` steps them,
+exactly as the plain optimizer. The first step of such a loop is held to learn its clipping.
 
 A backward that raises (a hook, anomaly detection, out of memory) is abandoned: buckets it
 already stepped stay stepped, and every gradient it left unstepped is dropped (with a warning)
@@ -68,6 +74,14 @@ from .._torch_compat import (
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
 from .norms import SteppedNorms, global_norm, grad_norms, norm_in_order, scale_grads
+from .trainers import (
+    TrainerClipping,
+    accelerate_syncs,
+    called_by_grad_scaler,
+    called_from_accelerate,
+    lightning_wrapped,
+    run_on_wrapped,
+)
 
 # parameter -> weak reference to the InBackward stepping it (hooks and this map never keep an
 # optimizer alive: one dropped without remove() releases its hooks when collected)
@@ -81,9 +95,37 @@ def _owner(p: Tensor) -> InBackward | None:
 
 _NEEDS_CLOSURE = (torch.optim.LBFGS,)
 
+# what a trainer's wrapper of the optimizer (Lightning's) must run on the optimizer itself
+_WRAPPED_API = (
+    "zero_grad",
+    "state_dict",
+    "load_state_dict",
+    "add_param_group",
+    "accumulate",
+    "clipped_backward",
+    "remove",
+    "last_grad_norm",
+    "ddp_bucket_bytes",
+    "ddp_bucket_peak_bytes",
+)
 
-_TORCH_CLIP = torch.nn.utils.clip_grad_norm_  # what the guard hands ordinary calls to
-_CLIP_ORIGINAL: list[Any] = []  # what the guard replaced, while it is installed
+
+# what the guards hand ordinary calls to
+_TORCH_CLIP, _TORCH_CLIP_VALUE = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
+_CLIP_ORIGINAL: list[Any] = []  # what the guards replaced (norm, value), while installed
+
+
+def _stepped_in_last_backward(p: Tensor) -> bool:
+    """``p`` belongs to an InBackward that stepped it (and freed its gradient) in its last
+    backward."""
+    o = _owner(p)
+    return p.grad is None and o is not None and id(p) in o._stepped.norms
+
+
+def _note_clipping(params: list[Tensor], kind: str) -> None:
+    """A clipping call on held gradients: their optimizers learn what the caller does."""
+    for o in {id(o): o for p in params if (o := _owner(p)) is not None}.values():
+        o._clipping.saw(kind)
 
 
 def _guarded_clip_grad_norm_(
@@ -93,13 +135,19 @@ def _guarded_clip_grad_norm_(
     """torch's ``clip_grad_norm_``, for parameters whose gradients InBackward stepped and
     freed in backward: with ``max_norm=inf`` (reading the norm, as trainers do to log it) the
     global norm of those gradients as the last backward produced them (before any clipping,
-    as ``clip_grad_norm_`` returns it); clipping them is refused."""
+    as ``clip_grad_norm_`` returns it); clipping them is refused, except where the user chose
+    InBackward's approximate clipping (``clip_grad_norm=``), which stands in for it. On held
+    gradients it is torch's, and their optimizer learns that the caller clips."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    stepped = [p for p in params if p.grad is None and _owner(p) is not None]
+    stepped = [p for p in params if _stepped_in_last_backward(p)]
     torch_clip = _CLIP_ORIGINAL[0] if _CLIP_ORIGINAL else _TORCH_CLIP
+    finite = float(max_norm) != float("inf")
     if not stepped:
+        if finite:
+            _note_clipping(params, "norm")
         return torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    if float(max_norm) != float("inf") or float(norm_type) != 2.0:
+    approximate = all(o.clip_grad_norm is not None for p in stepped if (o := _owner(p)))
+    if (finite and not approximate) or float(norm_type) != 2.0:
         raise UnsupportedModelError(
             f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r}) got parameters "
             "of an InBackward optimizer: their gradients were already stepped and freed during "
@@ -125,16 +173,41 @@ def _guarded_clip_grad_norm_(
     return total
 
 
+def _guarded_clip_grad_value_(
+    parameters: Any, clip_value: float, foreach: bool | None = None
+) -> None:
+    """torch's ``clip_grad_value_``; refused for gradients InBackward already stepped and
+    freed (torch would silently clip nothing); on held gradients their optimizer learns that
+    the caller clips."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    if any(_stepped_in_last_backward(p) for p in params):
+        raise UnsupportedModelError(
+            f"clip_grad_value_(clip_value={clip_value!r}) got parameters of an InBackward "
+            "optimizer whose gradients were already stepped and freed during backward: there "
+            "is nothing left to clip. In your own loop, clip by norm with "
+            "opt.clipped_backward(loss, max_norm); trainers (HF, Lightning) are detected and "
+            "get their gradients held for step() from the first step on."
+        )
+    _note_clipping(params, "value")
+    torch_clip = _CLIP_ORIGINAL[1] if _CLIP_ORIGINAL else _TORCH_CLIP_VALUE
+    torch_clip(params, clip_value, foreach=foreach)
+
+
 def _guard_clipping(on: bool) -> None:
-    """Route ``torch.nn.utils.clip_grad_norm_`` through the guard while any InBackward hooks
-    parameters (calls through a reference taken before that are not seen)."""
+    """Route ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` through the guards
+    while any InBackward hooks parameters (calls through a reference taken before that are not
+    seen)."""
     import torch.nn.utils.clip_grad as clip_module
 
+    utils = torch.nn.utils
     if on and not _CLIP_ORIGINAL:
-        _CLIP_ORIGINAL.append(torch.nn.utils.clip_grad_norm_)
-        torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _guarded_clip_grad_norm_
+        _CLIP_ORIGINAL.extend((utils.clip_grad_norm_, utils.clip_grad_value_))
+        utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _guarded_clip_grad_norm_
+        utils.clip_grad_value_ = clip_module.clip_grad_value_ = _guarded_clip_grad_value_
     elif not on and _CLIP_ORIGINAL and not any(r() is not None for r in _OWNER.values()):
-        torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _CLIP_ORIGINAL.pop()
+        utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _CLIP_ORIGINAL[0]
+        utils.clip_grad_value_ = clip_module.clip_grad_value_ = _CLIP_ORIGINAL[1]
+        _CLIP_ORIGINAL.clear()
 
 
 def _positive(x: Any, allow_inf: bool = False) -> bool:
@@ -254,6 +327,15 @@ class InBackward(torch.optim.Optimizer):
         self._approx_coef: Tensor | None = None  # clip factor from last_grad_norm
         self._stepped = SteppedNorms()  # gradient norms of the last backward
         self._coef: Tensor | None = None  # clipped_backward, second pass
+        # the training loop around (see trainers.py): who drives, what it clips, what is held
+        self._lightning = False  # wrapped by Lightning: steps come inside step(closure)
+        self._accelerate = False  # wrapped by accelerate: its GradientState says what syncs
+        self._in_step = False  # step(closure) is running its closure
+        self._clipping = TrainerClipping()
+        self._decided_task = -1  # the backward _holds was decided for
+        self._holding = False  # that backward leaves its gradients for step()
+        self._awaiting_step = False  # gradients of a backward that would have stepped are held
+        self._stepped_outside_closure = False  # since the last step()
         self._handles: list[RemovableHandle] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(p) -> (group, position)
         params_all = [p for g in self.param_groups for p in g["params"]]
@@ -320,17 +402,37 @@ class InBackward(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
-    # GradScaler.step() then calls step(grad_scaler=...), which lets us refuse it clearly
-    _step_supports_amp_scaling = True
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Lightning wraps the optimizer in a subclass of its class made on the fly: the
+        wrapped InBackward learns that Lightning drives it (see trainers.py)."""
+        super().__init_subclass__(**kwargs)
+        wrapped = lightning_wrapped(cls)
+        if isinstance(wrapped, InBackward):
+            wrapped._lightning = True
+            run_on_wrapped(cls, wrapped, _WRAPPED_API)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True for torch's ``GradScaler.step`` only, which then calls ``step(grad_scaler=...)``
+        and is refused clearly (steps in backward used scaled gradients); False for everyone
+        else asking (Lightning asks it before clipping, e.g. under bf16-mixed)."""
+        return called_by_grad_scaler()
 
     # ------------------------------------------------------------------ torch.optim API
-    def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
-        """No-op while hooked (steps happen in backward); an ordinary step after :meth:`remove`.
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
+        """Steps what backward left: the gradients it held (accumulated micro-batches, a
+        trainer's first step, gradients a trainer clips), exactly as the plain optimizer's
+        ``step()`` would; nothing when backward stepped everything. After :meth:`remove`, an
+        ordinary step.
+
+        Args:
+            closure: run once, before stepping, and its result returned (as torch optimizers
+                do; Lightning runs the last micro-batch's forward and backward in it, and the
+                backward steps as usual).
 
         Raises:
-            UnsupportedModelError: gradients are waiting that backward did not step (e.g.
-                ``step()`` inside :meth:`accumulate`), so a step the caller expects would not
-                happen.
+            UnsupportedModelError: with a ``GradScaler``, or when a closure-driven loop
+                (Lightning) ran a backward that stepped outside the closure.
         """
         # torch passes grad_scaler=...; announced: it will set grad_scale/found_inf instead
         if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
@@ -341,22 +443,32 @@ class InBackward(torch.optim.Optimizer):
                 "Train with bfloat16 autocast instead (no loss scaling needed), or use the "
                 "ordinary optimizer with the scaler."
             )
-        if closure is not None:
-            raise LeanpropValueError("InBackward.step() takes no closure; steps run in backward.")
         if self._callback_queued and current_graph_task_id() == -1:
             self._drop_failed_backward()  # a backward raised: its end never came
         if not self._hooked:
-            self.inner.step()
-            return
-        waiting = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if waiting:
-            where = " inside accumulate()" if self._accumulating else ""
-            raise UnsupportedModelError(
-                f"InBackward.step(){where}: {len(waiting)} parameter(s) hold gradients that no "
-                "backward stepped. Steps happen during the backward of the last micro-batch "
-                "(outside accumulate()); step() itself does nothing. Run that backward, or "
-                "call remove() to get an ordinary optimizer."
-            )
+            return self.inner.step(closure)
+        self._accelerate |= called_from_accelerate()
+        result = None
+        if closure is not None:
+            if self._stepped_outside_closure and not self._lightning:
+                self._stepped_outside_closure = False
+                raise UnsupportedModelError(
+                    "InBackward.step(closure): a backward before this step, outside the "
+                    "closure, already stepped parameters in backward. A loop that runs the "
+                    "last micro-batch inside step(closure) (Lightning) must run the others' "
+                    "backward without stepping: wrap them in `with opt.accumulate():`."
+                )
+            self._in_step = True
+            try:
+                with torch.enable_grad():
+                    result = closure()
+            finally:
+                self._in_step = False
+        held = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self._step_params(held, in_backward=False)
+        self._clipping.end_of_step(held=bool(held))
+        self._awaiting_step = self._stepped_outside_closure = False
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are freed after their step; this clears any left by :meth:`accumulate`."""
@@ -369,6 +481,7 @@ class InBackward(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The plain optimizer's state dict (loadable by either)."""
+        self._accelerate |= called_from_accelerate()  # (its wrapper reads it when made)
         return self.inner.state_dict()
 
     # ------------------------------------------------------------------ extras
@@ -540,11 +653,48 @@ class InBackward(torch.optim.Optimizer):
         the last one's gradient norms are over."""
         self._stepped.begin(current_graph_task_id())
 
+    def _holds(self, task: int) -> bool:
+        """Whether backward ``task`` leaves its gradients for ``step()`` instead of stepping
+        them: a micro-batch before the last, or a trainer's step whose clipping is unknown
+        (its first) or exact (a finite ``clip_grad_norm_``/``clip_grad_value_`` by the
+        trainer, which needs every gradient). Decided at the backward's first gradient."""
+        if task != self._decided_task and task != self._nested_task:
+            if self._awaiting_step:
+                self._drop_failed_backward(warn=False)
+                self._awaiting_step = False
+                raise UnsupportedModelError(
+                    "InBackward: the previous backward's gradients were held for step() (a "
+                    "training loop driven by accelerate or Lightning: its first step, or one "
+                    "whose gradients it clips), but step() was not called before this backward. "
+                    "Call optimizer.step() after each backward (and zero_grad()), as with any "
+                    "optimizer; the held gradients were dropped."
+                )
+            self._decided_task = task
+            why = self._why_hold()
+            self._holding = why is not None
+            self._awaiting_step = why == "step" and not self._accumulating
+        return self._holding or self._accumulating
+
+    def _why_hold(self) -> str | None:
+        """None: step in this backward; "micro-batch": one before the last; "step": the
+        trainer's step must see the gradients (its clipping is unknown or exact)."""
+        if self._measuring is not None or self._coef is not None:
+            return None  # clipped_backward's own passes
+        syncs = accelerate_syncs() if self._accelerate else None
+        driven = self._lightning or self._accelerate
+        if (self._lightning and not self._in_step) or syncs is False:
+            return "micro-batch"
+        if not driven or self.clip_grad_norm is not None:
+            return None  # (approximate clipping: the user's choice stands in for the trainer's)
+        if not self._clipping.known or self._clipping.kind is not None:
+            return "step"
+        return None
+
     def _on_ready(self, p: Tensor) -> None:
         if p.grad is None:
             return
         self._begin_backward()
-        if self._accumulating:
+        if self._holds(current_graph_task_id()):
             return
         if current_graph_task_id() == self._nested_task:
             self._drop_failed_backward(warn=False)  # none of its gradients may stay
@@ -594,25 +744,29 @@ class InBackward(torch.optim.Optimizer):
         self._ready.clear()
         self._ready_bytes = 0
 
-    def _step_params(self, params: list[Tensor]) -> None:
+    def _step_params(self, params: list[Tensor], in_backward: bool = True) -> None:
         """One inner-optimizer step restricted to ``params``, then free their gradients.
 
-        Their norms are recorded first (``last_grad_norm``, and what
-        ``clip_grad_norm_(params, inf)`` reads), then the clipping mode scales them.
+        In backward, their norms are recorded first (``last_grad_norm``, and what
+        ``clip_grad_norm_(params, inf)`` reads), then the clipping mode scales them; held
+        gradients stepped by ``step()`` are stepped as they are (as the plain optimizer).
 
         Args:
-            params: parameters whose ``.grad`` is final (a bucket, an FSDP2 unit, or a DDP
-                bucket after its all-reduce).
+            params: parameters whose ``.grad`` is final (a bucket, an FSDP2 unit, a DDP
+                bucket after its all-reduce, or the gradients held for ``step()``).
+            in_backward: stepped during backward (not by ``step()``).
         """
         if not params:
             return
         grads = [p.grad for p in params]
-        self._stepped.record(params, grads)
-        coef = self._coef
-        if coef is None and self.clip_grad_norm is not None:
-            coef = self._approx_coef
-        if coef is not None:
-            scale_grads(grads, coef)
+        if in_backward:
+            self._stepped.record(params, grads)
+            self._stepped_outside_closure |= not self._in_step
+            coef = self._coef
+            if coef is None and self.clip_grad_norm is not None:
+                coef = self._approx_coef
+            if coef is not None:
+                scale_grads(grads, coef)
         groups = self.param_groups
         saved = [g["params"] for g in groups]
         subsets: list[list[Tensor]] = [[] for _ in groups]

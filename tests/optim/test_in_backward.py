@@ -172,12 +172,6 @@ def test_misuse_errors():
     opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(LeanpropValueError, match=r"already belong to another InBackward"):
         InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
-    with opt.accumulate():
-        model(torch.randn(4, 3)).sum().backward()
-        with pytest.raises(UnsupportedModelError, match=r"inside accumulate\(\)"):
-            opt.step()
-    with pytest.raises(LeanpropValueError, match="no closure"):
-        opt.step(lambda: 0.0)
     opt.remove()
     InBackward(model.parameters(), torch.optim.SGD, lr=0.1).remove()  # free again after remove
 
@@ -808,3 +802,114 @@ def test_options_take_any_real_number():
     )  # fmt: skip
     opt.clipped_backward(model(torch.randn(4, 3)).sum(), np.float32(1.0))
     opt.remove()
+
+
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_step_inside_accumulate_steps_the_held_gradients_as_the_plain_optimizer(clip):
+    """step() with gradients held (here by accumulate(); trainers hold them too) is the plain
+    optimizer's step on them, after any clipping of them (was: an error)."""
+    data = torch.randn(3, 2, 5, 6)
+
+    def run(ours: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = Net()
+        if ours:
+            opt = InBackward(_groups(model), torch.optim.AdamW, lr=0.01)
+        else:
+            opt = torch.optim.AdamW(_groups(model), lr=0.01)
+        for s in range(3):
+            with opt.accumulate() if ours else contextlib.nullcontext():
+                for m in range(2):
+                    model(data[s, m]).pow(2).mean().backward()
+                if clip == "norm":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                elif clip == "value":
+                    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+                opt.step()
+                opt.zero_grad()
+        if ours:
+            opt.remove()
+        return model
+
+    assert_bitwise_equal(run(True), run(False))
+
+
+def test_step_with_a_closure_runs_it_once_and_steps_in_its_backward():
+    """step(closure), as torch optimizers: the closure runs once, its result is returned, and
+    its backward steps (was: "takes no closure")."""
+    data = torch.randn(3, 5, 6)
+    calls = []
+
+    def run(ours: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = Net()
+        if ours:
+            opt = InBackward(_groups(model), torch.optim.SGD, lr=0.1, momentum=0.9)
+        else:
+            opt = torch.optim.SGD(_groups(model), lr=0.1, momentum=0.9)
+        for s in range(3):
+
+            def closure(s=s):
+                opt.zero_grad()
+                loss = model(data[s]).pow(2).mean()
+                loss.backward()
+                calls.append(ours)
+                return loss
+
+            assert torch.is_tensor(opt.step(closure))
+        if ours:
+            assert all(p.grad is None for p in model.parameters())  # stepped in backward
+            opt.remove()
+        return model
+
+    assert_bitwise_equal(run(True), run(False))
+    assert calls.count(True) == calls.count(False) == 3
+
+
+def test_clip_grad_value_of_stepped_gradients_is_refused():
+    """clip_grad_value_ on gradients already stepped and freed would clip nothing, silently."""
+    model = nn.Linear(3, 2)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(UnsupportedModelError, match=r"clip_grad_value_"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    opt.remove()
+    assert torch.nn.utils.clip_grad_value_ is not None
+    model(torch.randn(4, 3)).sum().backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)  # torch's own again
+    assert model.weight.grad.abs().max() <= 0.1
+
+
+def test_finite_clip_call_under_approximate_clipping_returns_the_norm():
+    """With InBackward's approximate clipping chosen, a trainer's clip_grad_norm_(params, c)
+    returns the pre-clip norm (the approximate rule stands in for it) instead of raising."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0)
+    model(torch.randn(4, 3)).sum().backward()
+    assert torch.equal(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), opt.last_grad_norm)
+    opt.remove()
+
+
+def test_amp_scaling_support_is_announced_to_grad_scaler_only():
+    """Lightning asks _step_supports_amp_scaling before clipping (bf16-mixed refused clipping);
+    only torch's GradScaler gets True (and then the clear refusal)."""
+    opt = InBackward(nn.Linear(3, 2).parameters(), torch.optim.SGD, lr=0.1)
+    assert getattr(opt, "_step_supports_amp_scaling", False) is False
+    opt.remove()
+
+
+def test_stale_accelerate_state_does_not_change_a_plain_loop():
+    """accelerate's shared state outlives its loops: an InBackward it never wrapped steps in
+    backward as usual even while that state says "not syncing"."""
+    state = pytest.importorskip("accelerate.state")
+    gradient_state = state.GradientState()
+    gradient_state._set_sync_gradients(False)
+    try:
+        model = nn.Linear(3, 2)
+        opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+        before = model.weight.detach().clone()
+        model(torch.randn(4, 3)).sum().backward()
+        assert model.weight.grad is None and not torch.equal(model.weight, before)
+        opt.remove()
+    finally:
+        state.GradientState._reset_state()
