@@ -189,3 +189,12 @@ def grouped_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.
 
     grouped = _group_tensors_by_device_and_dtype([tensors])
     return [list(group[0]) for group, _ in grouped.values()]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 shard); False where torch has none."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)

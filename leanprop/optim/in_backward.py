@@ -61,6 +61,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
@@ -69,6 +70,7 @@ from .._torch_compat import (
     current_graph_task_id,
     foreach_norms,
     inside_function_backward,
+    is_dtensor,
     queue_callback,
 )
 from ..errors import LeanpropValueError, UnsupportedModelError
@@ -263,7 +265,10 @@ class InBackward(torch.optim.Optimizer):
         ddp: the ``DistributedDataParallel`` module whose parameters these are: each DDP bucket
             is stepped once its all-reduce has finished, and DDP's bucket memory is released
             between uses (see :mod:`leanprop.optim.distributed`). Buckets are then DDP's
-            (its ``bucket_cap_mb``), and ``bucket_mb`` is not used.
+            (its ``bucket_cap_mb``), and ``bucket_mb`` is not used. In a process group of
+            several ranks without ``ddp=``, a backward outside a trainer is refused (DDP would
+            average the gradients after it stepped them; a trainer's ``step()`` gets them held
+            instead); ``ddp=False`` says that no DDP synchronises these parameters.
         fsdp: the model sharded with FSDP2 ``fully_shard``: each unit's parameters are stepped
             by one optimizer call as soon as the unit's gradients are reduce-scattered (without
             it, FSDP2 models still train exactly, stepped by ``bucket_mb``).
@@ -307,6 +312,8 @@ class InBackward(torch.optim.Optimizer):
                 f"InBackward() got bucket_mb={bucket_mb!r}; it must be a positive, finite "
                 "number of MiB (e.g. 25)."
             )
+        self._ddp_off = ddp is False  # the user says: no DDP synchronises these gradients
+        ddp = None if ddp is False else ddp
         if ddp is not None and fsdp is not None:
             raise LeanpropValueError(
                 "InBackward() takes ddp= (a DistributedDataParallel module) or fsdp= (a model "
@@ -653,7 +660,7 @@ class InBackward(torch.optim.Optimizer):
         the last one's gradient norms are over."""
         self._stepped.begin(current_graph_task_id())
 
-    def _holds(self, task: int) -> bool:
+    def _holds(self, task: int, p: Tensor) -> bool:
         """Whether backward ``task`` leaves its gradients for ``step()`` instead of stepping
         them: a micro-batch before the last, or a trainer's step whose clipping is unknown
         (its first) or exact (a finite ``clip_grad_norm_``/``clip_grad_value_`` by the
@@ -670,12 +677,20 @@ class InBackward(torch.optim.Optimizer):
                     "optimizer; the held gradients were dropped."
                 )
             self._decided_task = task
-            why = self._why_hold()
+            why = self._why_hold(p)
             self._holding = why is not None
             self._awaiting_step = why == "step" and not self._accumulating
         return self._holding or self._accumulating
 
-    def _why_hold(self) -> str | None:
+    def _unsynced_ranks(self, p: Tensor) -> bool:
+        """Whether ``p``'s gradient may still be averaged over ranks after backward (DDP
+        without ``ddp=``): several ranks, not ``ddp=False``, not an FSDP2 shard (whose
+        gradient is reduced before this hook)."""
+        if self._ddp_off or not (dist.is_available() and dist.is_initialized()):
+            return False
+        return dist.get_world_size() > 1 and not self._unit_of and not is_dtensor(p)
+
+    def _why_hold(self, p: Tensor) -> str | None:
         """None: step in this backward; "micro-batch": one before the last; "step": the
         trainer's step must see the gradients (its clipping is unknown or exact)."""
         if self._measuring is not None or self._coef is not None:
@@ -684,6 +699,18 @@ class InBackward(torch.optim.Optimizer):
         driven = self._lightning or self._accelerate
         if (self._lightning and not self._in_step) or syncs is False:
             return "micro-batch"
+        if self._ddp is None and self._unsynced_ranks(p):
+            if not driven:
+                raise UnsupportedModelError(
+                    "InBackward: a backward in a process group of "
+                    f"{dist.get_world_size()} ranks, without ddp=: under "
+                    "DistributedDataParallel the gradients are averaged over the ranks after "
+                    "this hook, so stepping here would use this rank's own gradient. Pass the "
+                    "DDP module: InBackward(ddp.parameters(), ..., ddp=ddp) (each bucket is "
+                    "stepped once averaged). If these parameters are not synchronised across "
+                    "ranks (each rank trains its own), pass ddp=False."
+                )
+            return "step"  # the trainer steps after DDP averaged the gradients
         if not driven or self.clip_grad_norm is not None:
             return None  # (approximate clipping: the user's choice stands in for the trainer's)
         if not self._clipping.known or self._clipping.kind is not None:
@@ -694,7 +721,7 @@ class InBackward(torch.optim.Optimizer):
         if p.grad is None:
             return
         self._begin_backward()
-        if self._holds(current_graph_task_id()):
+        if self._holds(current_graph_task_id(), p):
             return
         if current_graph_task_id() == self._nested_task:
             self._drop_failed_backward(warn=False)  # none of its gradients may stay

@@ -283,3 +283,65 @@ def test_fsdp_argument_needs_a_sharded_model():
     model = TiedNet()
     with pytest.raises(LeanpropValueError, match="fully_shard"):
         InBackward(model.parameters(), torch.optim.SGD, lr=0.1, fsdp=model)
+
+
+def _ddp_without_ddp_argument_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = DDP(TiedNet())
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(UnsupportedModelError, match=r"without ddp=.*ddp=False"):
+        model(torch.randn(4, 6)).square().mean().backward()
+    opt.remove()
+    own = TiedNet()  # not synchronised: each rank trains its own, as it says
+    opt = InBackward(own.parameters(), torch.optim.SGD, lr=0.1, ddp=False)
+    own(torch.randn(4, 6)).square().mean().backward()
+    assert all(p.grad is None for p in own.parameters())  # stepped in backward
+    opt.remove()
+
+
+def test_ddp_without_the_ddp_argument_is_refused_not_stepped_with_local_gradients():
+    """Under DDP without ddp=, the hooks stepped each rank's own gradient before DDP averaged
+    it: every rank diverged from plain DDP, silently. Now a clear error (a trainer's step()
+    gets the gradients held instead); ddp=False for parameters no DDP synchronises."""
+    distributed.run(_ddp_without_ddp_argument_worker)
+
+
+def _accelerate_ddp_worker(rank, world_size, ours, clip, out):
+    import os
+
+    accelerate = pytest.importorskip("accelerate")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))  # fmt: skip
+    torch.manual_seed(0)
+    model = TiedNet()
+    if ours:
+        opt = InBackward(model.parameters(), torch.optim.AdamW, lr=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = acc.prepare(model, opt)
+    assert isinstance(model, DDP)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        with acc.accumulate(model):
+            acc.backward(model(torch.randn(4, 6, generator=gen)).square().mean())
+            if clip:
+                acc.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    torch.save([p.detach() for p in model.parameters()], f"{out}/{int(ours)}_{rank}.pt")
+    if ours:
+        opt.optimizer.remove()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clipping", "clipping"])
+def test_accelerate_ddp_trains_bit_identically(clip, tmp_path):
+    """accelerate's prepare() wraps the model in DDP (2 CPU processes, gloo) after InBackward
+    was built: the gradients are held for the loop's step() (DDP averages them after
+    backward), bit-identical to the plain optimizer on every rank."""
+    pytest.importorskip("accelerate")
+    for ours in (False, True):
+        distributed.run(_accelerate_ddp_worker, ours, clip, str(tmp_path))
+    for rank in range(2):
+        plain, ours = (torch.load(tmp_path / f"{k}_{rank}.pt") for k in (0, 1))
+        assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
