@@ -6,7 +6,14 @@ kernels on CPU, fused kernels on CUDA):
 * ``ordinary``: ``backward(); step(); zero_grad()``.
 * ``hooks``: PyTorch's tutorial recipe, one optimizer per parameter stepped in
   ``register_post_accumulate_grad_hook``.
-* ``leanprop``: :class:`leanprop.InBackward`, buckets stepped by one foreach call each.
+* ``torch_in_backward``: torch's ``_apply_optimizer_in_backward`` (one optimizer per parameter,
+  hooked on its gradient accumulator).
+* ``leanprop``: :class:`leanprop.InBackward`, buckets stepped by one optimizer call each.
+
+Sizes: ``small_b1`` (about 3M parameters) and ``gpt2_10m`` (about 10M, InBackward's default
+25 MiB buckets) on CPU; ``gpt2m_b1`` (GPT-2 medium) on CUDA. The leanprop row also gives the
+Python cost of one bucket step beyond the plain optimizer's ``step()`` on the same tensors
+(tiny tensors, so that only the per-call cost is left).
 
 :func:`leanprop.compare` times them, measures peak memory above the parameters (optimizer state,
 gradients and activations) and checks that leanprop's parameters equal the ordinary loop's
@@ -25,10 +32,12 @@ from leanprop.measure import as_dict
 
 SIZES = {
     "small_b1": {"vocab": 2048, "d": 256, "heads": 4, "layers": 4, "seq": 32, "batch": 1},
+    "gpt2_10m": {"vocab": 8192, "d": 256, "heads": 4, "layers": 8, "seq": 64, "batch": 4},
     "gpt2m_b1": {"vocab": 50304, "d": 1024, "heads": 16, "layers": 24, "seq": 128, "batch": 1},
 }
 BUCKET_MB = {  # a few buckets per step: each costs one optimizer call (~0.2-0.8 ms of Python)
     "small_b1": 4.0,
+    "gpt2_10m": 25.0,  # the default
     "gpt2m_b1": 256.0,
 }
 STEPS = 3
@@ -66,7 +75,7 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
     torch.manual_seed(0)
     models = [
         LM(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"]).to(device)
-        for _ in range(3)
+        for _ in range(4)
     ]
     init = {k: v.clone() for k, v in models[0].state_dict().items()}
     x = torch.randint(0, cfg["vocab"], (STEPS, cfg["batch"], cfg["seq"]), device=device)
@@ -109,6 +118,27 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
                 h.remove()
         return summary(model)
 
+    def torch_in_backward() -> Tensor:
+        from torch.distributed.optim import _apply_optimizer_in_backward
+        from torch.distributed.optim.apply_optimizer_in_backward import (
+            param_to_optim_hook_handle_map,
+        )
+
+        model = models[3]
+        model.load_state_dict(init)
+        params = list(model.parameters())
+        _apply_optimizer_in_backward(torch.optim.AdamW, params, {"lr": 1e-3, **kernel})
+        try:
+            for s in range(STEPS):
+                loss(model, s).backward()
+        finally:  # (it has no removal API: its hooks and per-parameter optimizers go here)
+            for p in params:
+                for h in param_to_optim_hook_handle_map.pop(p, []):
+                    h.remove()
+                for attr in ("_in_backward_optimizers", "_optimizer_classes", "_optimizer_kwargs"):
+                    delattr(p, attr)
+        return summary(model)
+
     def in_backward() -> Tensor:
         model = models[2]
         model.load_state_dict(init)
@@ -123,24 +153,57 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
             opt.remove()
         return summary(model)
 
-    return {"ordinary": ordinary, "hooks": hooks, "leanprop": in_backward}, models
+    variants = {"ordinary": ordinary, "hooks": hooks, "torch_in_backward": torch_in_backward}
+    return variants | {"leanprop": in_backward}, models
+
+
+def bucket_overhead_us(tensors: int = 10, rounds: int = 400) -> float:
+    """Median extra time (µs) of one InBackward bucket step over the plain AdamW ``step()`` on
+    the same ``tensors`` tiny tensors (the Python of bucketing, norm bookkeeping, the group
+    swap): each is timed with fresh gradients, alternating."""
+    import time
+
+    ours_p = [nn.Parameter(torch.randn(8)) for _ in range(tensors)]
+    plain_p = [nn.Parameter(p.detach().clone()) for p in ours_p]
+    ours = leanprop.InBackward(ours_p, torch.optim.AdamW, lr=1e-3)
+    plain = torch.optim.AdamW(plain_p, lr=1e-3)
+    diffs = []
+    try:
+        for _ in range(rounds):
+            for p in (*ours_p, *plain_p):
+                p.grad = torch.ones_like(p)
+            t0 = time.perf_counter()
+            ours.step_bucket(ours_p)
+            t1 = time.perf_counter()
+            plain.step()
+            t2 = time.perf_counter()
+            diffs.append((t1 - t0) - (t2 - t1))
+    finally:
+        ours.remove()
+    return sorted(diffs)[len(diffs) // 2] * 1e6
 
 
 def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> list[dict]:
-    """One row per variant; ``batches`` is unused (sizes are by model), kept for the CLI."""
-    size = "small_b1" if device == "cpu" else "gpt2m_b1"
-    variants, models = _variants(size, device)
-    res = leanprop.compare(
-        variants, device=device, reps=reps, rtol=0.0, atol=0.0, existing=tuple(models),
-        show=False, check=False,
-    )  # fmt: skip
-    ordinary = variants["ordinary"]()
-    exact = bool(torch.equal(variants["leanprop"](), ordinary))
-    cfg = SIZES[size]
-    rows = [as_dict(r, batch=cfg["batch"], method=f"{size}: {r.name}") for r in res]
-    for r in rows:
-        r["median_s"] /= STEPS  # per training step
-        r["min_s"] /= STEPS
-        if r["method"].endswith("leanprop"):
-            r["agrees"] = exact
+    """One row per variant and size; ``batches`` is unused (sizes are by model), kept for the
+    CLI."""
+    sizes = ("small_b1", "gpt2_10m") if device == "cpu" else ("gpt2m_b1",)
+    overhead = bucket_overhead_us()
+    rows = []
+    for size in sizes:
+        variants, models = _variants(size, device)
+        res = leanprop.compare(
+            variants, device=device, reps=reps, rtol=0.0, atol=0.0, existing=tuple(models),
+            show=False, check=False,
+        )  # fmt: skip
+        ordinary = variants["ordinary"]()
+        exact = bool(torch.equal(variants["leanprop"](), ordinary))
+        cfg = SIZES[size]
+        for r in (as_dict(r, batch=cfg["batch"], method=f"{size}: {r.name}") for r in res):
+            r["median_s"] /= STEPS  # per training step
+            r["min_s"] /= STEPS
+            if r["method"].endswith("leanprop"):
+                r["agrees"] = exact
+                r["bucket_overhead_us"] = overhead
+                r["extra"] = f"bucket step: +{overhead:.0f} us over step()"
+            rows.append(r)
     return rows

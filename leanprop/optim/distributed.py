@@ -141,7 +141,7 @@ class DDPStepper:
                     old[0].resize_(0)
             self._peak = max(self._peak, self.held_bytes() + current.nbytes())
         if not self._pending:  # first bucket of this backward
-            self.opt._begin_backward()
+            self.opt.begin_backward()
             queue_callback(self._before_finalize)
         stepped = fut.then(lambda f: self._step_bucket(bucket, f.value()[0]))
         self._pending.append(stepped)
@@ -153,7 +153,7 @@ class DDPStepper:
         with self._lock:
             for p, g in zip(params, bucket.gradients(), strict=True):
                 p.grad = g
-            self.opt._step_params(params)
+            self.opt.step_bucket(params)
             storage = reduced.untyped_storage()
             for p in params:
                 self._storage[id(p)] = (storage, storage.nbytes())
@@ -177,7 +177,7 @@ class DDPStepper:
                 p.grad = None
         for storage, _ in self._storage.values():
             storage.resize_(0)
-        self.opt._end_of_backward()
+        self.opt.end_backward()
 
 
 def fsdp_units(model: torch.nn.Module, params: list[Tensor]) -> dict[int, int]:

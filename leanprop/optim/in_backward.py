@@ -78,10 +78,12 @@ from .distributed import DDPStepper, fsdp_units
 from .norms import SteppedNorms, global_norm, grad_norms, norm_in_order, scale_grads
 from .trainers import (
     TrainerClipping,
+    accelerate_caller,
     accelerate_syncs,
     called_by_grad_scaler,
-    called_from_accelerate,
-    lightning_wrapped,
+    closure_driven,
+    lightning_running,
+    lightning_wrapper,
     run_on_wrapped,
 )
 
@@ -147,7 +149,11 @@ def _guarded_clip_grad_norm_(
     if not stepped:
         if finite:
             _note_clipping(params, "norm")
-        return torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        total = torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if not finite:  # a read (torch multiplied the gradients by 1 in place)
+            for o in {id(o): o for p in params if (o := _owner(p)) is not None}.values():
+                o._clipping.refresh(params)
+        return total
     approximate = all(o.clip_grad_norm is not None for p in stepped if (o := _owner(p)))
     if (finite and not approximate) or float(norm_type) != 2.0:
         raise UnsupportedModelError(
@@ -155,7 +161,9 @@ def _guarded_clip_grad_norm_(
             "of an InBackward optimizer: their gradients were already stepped and freed during "
             "backward, so there is nothing left to clip (only reading the 2-norm, max_norm=inf, "
             "works). Use opt.clipped_backward(loss, max_norm) for exact clipping, or "
-            "InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate mode."
+            "InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate mode. A "
+            "trainer's clipping is learnt on the optimizer's first step: one that starts "
+            "clipping later (another run with the same optimizer) needs a new InBackward."
         )
     # the last backward among the optimizers involved (another one's older norms are over)
     last = max(o._stepped.task for p in stepped if (o := _owner(p)) is not None)
@@ -335,7 +343,7 @@ class InBackward(torch.optim.Optimizer):
         self._stepped = SteppedNorms()  # gradient norms of the last backward
         self._coef: Tensor | None = None  # clipped_backward, second pass
         # the training loop around (see trainers.py): who drives, what it clips, what is held
-        self._lightning = False  # wrapped by Lightning: steps come inside step(closure)
+        self._lightning_wrapper: weakref.ref | None = None  # Lightning's: steps in step(closure)
         self._accelerate = False  # wrapped by accelerate: its GradientState says what syncs
         self._in_step = False  # step(closure) is running its closure
         self._clipping = TrainerClipping()
@@ -346,6 +354,9 @@ class InBackward(torch.optim.Optimizer):
         self._handles: list[RemovableHandle] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(p) -> (group, position)
         params_all = [p for g in self.param_groups for p in g["params"]]
+        for o in {id(o): o for p in params_all if (o := _owner(p)) is not None}.values():
+            if o._lightning_done():  # Lightning's finished run still references it
+                o.remove()
         taken = [p for p in params_all if _owner(p) is not None]
         if taken:
             raise LeanpropValueError(
@@ -410,13 +421,23 @@ class InBackward(torch.optim.Optimizer):
         self.state = self.inner.state
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Lightning wraps the optimizer in a subclass of its class made on the fly: the
-        wrapped InBackward learns that Lightning drives it (see trainers.py)."""
+        """Lightning (and Fabric) wrap the optimizer in a subclass of its class made on the
+        fly: its methods are made to run on the optimizer itself, and under Lightning's
+        trainer the optimizer learns that it drives it (see trainers.py)."""
         super().__init_subclass__(**kwargs)
-        wrapped = lightning_wrapped(cls)
+        wrapper = lightning_wrapper(cls)
+        wrapped = None if wrapper is None else wrapper.__dict__.get("_optimizer")
         if isinstance(wrapped, InBackward):
-            wrapped._lightning = True
             run_on_wrapped(cls, wrapped, _WRAPPED_API)
+            if closure_driven(wrapper):
+                wrapped._lightning_wrapper = weakref.ref(wrapper)
+                wrapped._clipping = TrainerClipping()  # a new run learns it again
+
+    @property
+    def _lightning(self) -> bool:
+        """Lightning's trainer drives this optimizer now (it is fitting)."""
+        wrapper = None if self._lightning_wrapper is None else self._lightning_wrapper()
+        return wrapper is not None and lightning_running(wrapper)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -454,7 +475,7 @@ class InBackward(torch.optim.Optimizer):
             self._drop_failed_backward()  # a backward raised: its end never came
         if not self._hooked:
             return self.inner.step(closure)
-        self._accelerate |= called_from_accelerate()
+        self._accelerate |= accelerate_caller() is not None
         result = None
         if closure is not None:
             if self._stepped_outside_closure and not self._lightning:
@@ -472,8 +493,8 @@ class InBackward(torch.optim.Optimizer):
             finally:
                 self._in_step = False
         held = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self._step_params(held, in_backward=False)
-        self._clipping.end_of_step(held=bool(held))
+        self._clipping.end_of_step(held)  # (before the step frees them)
+        self.step_bucket(held, in_backward=False)
         self._awaiting_step = self._stepped_outside_closure = False
         return result
 
@@ -488,7 +509,8 @@ class InBackward(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The plain optimizer's state dict (loadable by either)."""
-        self._accelerate |= called_from_accelerate()  # (its wrapper reads it when made)
+        if accelerate_caller() == "__init__":  # Accelerator.prepare wraps it (each run)
+            self._accelerate, self._clipping = True, TrainerClipping()
         return self.inner.state_dict()
 
     # ------------------------------------------------------------------ extras
@@ -574,6 +596,18 @@ class InBackward(torch.optim.Optimizer):
                     del _OWNER[p]
         _guard_clipping(False)
 
+    def _lightning_done(self) -> bool:
+        """Lightning's trainer drove this optimizer and is no longer running it, no backward
+        is running and no gradient is held: a new run's optimizer (``configure_optimizers``
+        called again: a second ``fit``, after ``lr_find``) may take its parameters."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return (
+            self._lightning_wrapper is not None
+            and not self._lightning
+            and not self._callback_queued
+            and all(p.grad is None for p in params)
+        )
+
     @property
     def _hooked(self) -> bool:
         return bool(self._handles) or self._ddp is not None
@@ -633,7 +667,7 @@ class InBackward(torch.optim.Optimizer):
         """Step what is left when the backward ``task`` ends."""
         self._callback_queued = True
         self._queued_task = task
-        queue_callback(self._end_of_backward)
+        queue_callback(self.end_backward)
 
     def _drop_failed_backward(self, warn: bool = True) -> None:
         """Forget a backward that raised: its unstepped gradients are dropped."""
@@ -655,7 +689,10 @@ class InBackward(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-    def _begin_backward(self) -> None:
+    # ------------------------------------------------------------------ stepping interface
+    # used by the hooks here and by the steppers of optim/distributed.py (DDP's comm hook)
+
+    def begin_backward(self) -> None:
         """A backward accumulates gradients of these parameters (also inside accumulate()):
         the last one's gradient norms are over."""
         self._stepped.begin(current_graph_task_id())
@@ -695,9 +732,20 @@ class InBackward(torch.optim.Optimizer):
         trainer's step must see the gradients (its clipping is unknown or exact)."""
         if self._measuring is not None or self._coef is not None:
             return None  # clipped_backward's own passes
-        syncs = accelerate_syncs() if self._accelerate else None
-        driven = self._lightning or self._accelerate
-        if (self._lightning and not self._in_step) or syncs is False:
+        syncs = accelerate_syncs()
+        if syncs is False and not self._accelerate and not self._lightning:
+            raise UnsupportedModelError(
+                "InBackward: accelerate says this micro-batch does not synchronise gradients "
+                "(an Accelerator's accumulate()), but this optimizer was not wrapped by "
+                "Accelerator.prepare() with device placement on (the default), the moment "
+                "leanprop learns that accelerate drives it; stepping here would step a "
+                "micro-batch before the last. Prepare it with device_placement=True. If no "
+                "Accelerator drives this loop, its state is left from an earlier one: reset it "
+                "with accelerate.state.GradientState._reset_state()."
+            )
+        lightning = self._lightning
+        driven = lightning or self._accelerate
+        if (lightning and not self._in_step) or (self._accelerate and syncs is False):
             return "micro-batch"
         if self._ddp is None and self._unsynced_ranks(p):
             if not driven:
@@ -720,7 +768,7 @@ class InBackward(torch.optim.Optimizer):
     def _on_ready(self, p: Tensor) -> None:
         if p.grad is None:
             return
-        self._begin_backward()
+        self.begin_backward()
         if self._holds(current_graph_task_id(), p):
             return
         if current_graph_task_id() == self._nested_task:
@@ -744,19 +792,23 @@ class InBackward(torch.optim.Optimizer):
             waiting = self._unit_ready.setdefault(unit, [])
             waiting.append(p)
             if len(waiting) == self._unit_size[unit]:
-                self._step_params(self._unit_ready.pop(unit))
+                self.step_bucket(self._unit_ready.pop(unit))
             return
         self._ready.append(p)
         self._ready_bytes += p.grad.numel() * p.grad.element_size()
         if self._ready_bytes >= self.bucket_bytes:
             self._step_ready()
 
-    def _end_of_backward(self) -> None:
+    def end_backward(self) -> None:
+        """The backward ended: step what is left waiting, and set the next approximate clip
+        factor from this backward's norms."""
         self._callback_queued = False
         self._queued_task = -1
+        if self._awaiting_step:  # held for a trainer's step(): what it does to them is seen there
+            self._clipping.snapshot([p for g in self.param_groups for p in g["params"]])
         self._step_ready()
         for waiting in self._unit_ready.values():  # units with parameters left unused
-            self._step_params(waiting)
+            self.step_bucket(waiting)
         self._unit_ready.clear()
         if self._stepped.task != current_graph_task_id() or not self._stepped.norms:
             return  # stepped nothing (autograd.grad, accumulate()): the clip factor stays
@@ -767,11 +819,11 @@ class InBackward(torch.optim.Optimizer):
 
     def _step_ready(self) -> None:
         """Step exactly the parameters whose gradient is final, then free their gradients."""
-        self._step_params(self._ready)
+        self.step_bucket(self._ready)
         self._ready.clear()
         self._ready_bytes = 0
 
-    def _step_params(self, params: list[Tensor], in_backward: bool = True) -> None:
+    def step_bucket(self, params: list[Tensor], in_backward: bool = True) -> None:
         """One inner-optimizer step restricted to ``params``, then free their gradients.
 
         In backward, their norms are recorded first (``last_grad_norm``, and what

@@ -24,8 +24,10 @@ gradients for ``step()``, which is always exact.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from torch import Tensor
 
 
 def accelerate_syncs() -> bool | None:
@@ -38,43 +40,71 @@ def accelerate_syncs() -> bool | None:
     return bool(shared.get("sync_gradients", True))
 
 
-def called_from_accelerate(depth: int = 4) -> bool:
-    """Whether one of the few callers above the caller is accelerate's optimizer wrapper."""
-    frame = sys._getframe(2)
+def accelerate_caller(depth: int = 6) -> str | None:
+    """Whether accelerate's optimizer wrapper is among the few callers above the caller:
+    ``"__init__"`` when ``Accelerator.prepare`` is wrapping it (directly, or wrapping a wrapper
+    of it), another of its functions' names (``"step"``), else None."""
+    frame, found = sys._getframe(2), None
     for _ in range(depth):
         if frame is None:
-            return False
+            break
         if frame.f_globals.get("__name__") == "accelerate.optimizer":
-            return True
+            if frame.f_code.co_name == "__init__":
+                return "__init__"
+            found = found or frame.f_code.co_name
         frame = frame.f_back
-    return False
+    return found
 
 
-def lightning_wrapped(cls: type) -> Any:
-    """The optimizer that Lightning's ``LightningOptimizer`` is wrapping, when ``cls`` is the
-    class it makes for the wrapper (``type("Lightning" + name, (LightningOptimizer, the
-    optimizer's class), {})``, in ``LightningOptimizer.__init__``); else None."""
-    if not any(
-        c.__name__ == "LightningOptimizer" and c.__module__.split(".")[0].endswith("lightning")
-        for c in cls.__mro__
-    ):
+def lightning_wrapper(cls: type) -> Any:
+    """The wrapper instance when ``cls`` is the class Lightning makes for wrapping an
+    optimizer (``type("Lightning" + name, (LightningOptimizer, the optimizer's class), {})`` in
+    ``LightningOptimizer.__init__``, likewise Fabric's ``_FabricOptimizer``); else None. The
+    wrapped optimizer is its ``_optimizer``."""
+    names = ("LightningOptimizer", "_FabricOptimizer")
+    ours = (c for c in cls.__mro__ if c.__module__.split(".")[0].endswith("lightning"))
+    if not any(c.__name__ in names for c in ours):
         return None
     frame = sys._getframe(1)
-    for _ in range(8):  # up to LightningOptimizer.__init__ (type() itself runs in C)
+    for _ in range(8):  # up to the wrapper's __init__ (type() itself runs in C)
         if frame is None:
             return None
         wrapper = frame.f_locals.get("self")
-        if wrapper is not None and type(wrapper).__name__ == "LightningOptimizer":
-            return wrapper.__dict__.get("_optimizer")
+        if wrapper is not None and type(wrapper).__name__ in names:
+            return wrapper
         frame = frame.f_back
     return None
 
 
+def closure_driven(wrapper: Any) -> bool:
+    """Whether ``wrapper`` is Lightning's (not Fabric's): its trainer runs the backward of the
+    micro-batch that steps inside ``optimizer.step(closure)``."""
+    return type(wrapper).__name__ == "LightningOptimizer" or any(
+        c.__name__ == "LightningOptimizer" for c in type(wrapper).__mro__
+    )
+
+
+def lightning_running(wrapper: Any) -> bool:
+    """Whether a running Lightning trainer (fitting now) steps ``wrapper``'s optimizer."""
+    try:
+        module = getattr(wrapper._strategy, "lightning_module", None)
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None or str(trainer.state.status.value) != "running":
+            return False
+        return any(o is wrapper._optimizer for o in trainer.strategy.optimizers)
+    except (AttributeError, ReferenceError):  # (strategy gone, or not attached yet)
+        return False
+
+
 def run_on_wrapped(cls: type, wrapped: Any, names: tuple[str, ...]) -> None:
     """Make the wrapper class ``cls`` (one per wrapper) hand the methods and properties
-    ``names`` to the wrapped optimizer: Lightning's wrapper copies none of its state, so they
-    would otherwise run with the wrapper as ``self`` and set state the hooks never see."""
+    ``names`` to the wrapped optimizer, except those the wrapper defines itself: Lightning's
+    and Fabric's wrappers share none of its state (Fabric copies it once), so they would
+    otherwise run with the wrapper as ``self`` and set state the hooks never see."""
+    own = {k for c in cls.__mro__ if not isinstance(wrapped, c) for k in vars(c)}
     for name in names:
+        if name in own:
+            continue
         if isinstance(getattr(type(wrapped), name), property):
             setattr(cls, name, property(lambda _, name=name: getattr(wrapped, name)))
         else:
@@ -92,21 +122,39 @@ def called_by_grad_scaler() -> bool:
 
 @dataclass
 class TrainerClipping:
-    """What the caller does to the gradients between backward and ``step()``, learnt from its
-    clipping calls on a step whose gradients were held: ``known`` once a step has shown it;
-    ``kind`` None (no clipping: at most the norm is read), ``"norm"`` or ``"value"``."""
+    """What the caller does to the gradients between backward and ``step()``, learnt on steps
+    whose gradients were held: ``known`` once a step has shown it; ``kind`` None (nothing: at
+    most the norm is read), ``"norm"`` or ``"value"`` (a clipping call), ``"other"`` (the
+    gradients changed otherwise: a callback, a clip function the guard does not see)."""
 
     known: bool = False
     kind: str | None = None
-    seen: str | None = None  # the clipping asked for since the last step()
+    seen: str | None = None  # what was done since the last step()
+    versions: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(p) -> grad
 
     def saw(self, kind: str) -> None:
         """A ``clip_grad_norm_`` with a finite max_norm (``"norm"``) or ``clip_grad_value_``
         (``"value"``) on held gradients."""
         self.seen = kind
 
-    def end_of_step(self, held: bool) -> None:
+    def snapshot(self, params: list[Tensor]) -> None:
+        """The held gradients as backward left them (their tensors and versions)."""
+        self.versions = {id(p): _identity(p.grad) for p in params if p.grad is not None}
+
+    def refresh(self, params: list[Tensor]) -> None:
+        """The guard read these held gradients' norm (torch multiplies them by 1 in place)."""
+        for p in params:
+            if id(p) in self.versions and p.grad is not None:
+                self.versions[id(p)] = _identity(p.grad)
+
+    def end_of_step(self, held: list[Tensor]) -> None:
         """``step()``: a step with held gradients shows what the caller does each step."""
         if held:
-            self.known, self.kind = True, self.seen
-        self.seen = None
+            changed = any(self.versions.get(id(p)) != _identity(p.grad) for p in held)
+            self.known = True
+            self.kind = self.seen or ("other" if changed else None)
+        self.seen, self.versions = None, {}
+
+
+def _identity(g: Tensor) -> tuple[int, int]:
+    return id(g), g._version

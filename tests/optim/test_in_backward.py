@@ -898,18 +898,27 @@ def test_amp_scaling_support_is_announced_to_grad_scaler_only():
     opt.remove()
 
 
-def test_stale_accelerate_state_does_not_change_a_plain_loop():
-    """accelerate's shared state outlives its loops: an InBackward it never wrapped steps in
-    backward as usual even while that state says "not syncing"."""
+@pytest.mark.parametrize("syncs", [True, False])
+def test_accelerate_state_without_accelerate_driving_the_optimizer(syncs):
+    """accelerate's shared state outlives its loops. An InBackward that no Accelerator wrapped
+    steps in backward as usual where that state says "synchronising"; where it says "not
+    synchronising" (left mid-window, or an Accelerator that wrapped the optimizer without the
+    state_dict() call leanprop sees: device_placement=False) it is a clear error: stepping
+    would step a micro-batch before the last, silently."""
     state = pytest.importorskip("accelerate.state")
     gradient_state = state.GradientState()
-    gradient_state._set_sync_gradients(False)
+    gradient_state._set_sync_gradients(syncs)
     try:
         model = nn.Linear(3, 2)
         opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
         before = model.weight.detach().clone()
-        model(torch.randn(4, 3)).sum().backward()
-        assert model.weight.grad is None and not torch.equal(model.weight, before)
+        if syncs:
+            model(torch.randn(4, 3)).sum().backward()
+            assert model.weight.grad is None and not torch.equal(model.weight, before)
+        else:
+            with pytest.raises(UnsupportedModelError, match=r"device_placement"):
+                model(torch.randn(4, 3)).sum().backward()
+            assert torch.equal(model.weight, before)
         opt.remove()
     finally:
         state.GradientState._reset_state()

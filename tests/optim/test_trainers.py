@@ -4,6 +4,7 @@ trainer's step allows it, and holding the gradients for ``step()`` where it does
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -18,14 +19,14 @@ from leanprop.optim import InBackward, in_backward
 def _count_steps(monkeypatch) -> dict[str, int]:
     """Counts the inner steps InBackward makes in backward and in ``step()``."""
     counts = {"backward": 0, "step": 0}
-    real = InBackward._step_params
+    real = InBackward.step_bucket
 
     def counting(self, params, in_backward=True):
         if params:
             counts["backward" if in_backward else "step"] += 1
         return real(self, params, in_backward)
 
-    monkeypatch.setattr(InBackward, "_step_params", counting)
+    monkeypatch.setattr(InBackward, "step_bucket", counting)
     return counts
 
 
@@ -46,7 +47,20 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _hf_run(tmp_path, ours: bool, **kwargs):
+class _HalveGradients:
+    """An HF callback that changes the gradients before the step (no clipping call)."""
+
+    def __getattr__(self, name):  # every other event: nothing
+        return lambda *args, **kwargs: None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        for p in kwargs["model"].parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
+def _hf_run(tmp_path, ours: bool, callback: bool = False, twice: dict | None = None,
+            **kwargs):  # fmt: skip
     tf = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     tf.logging.set_verbosity_error()
@@ -66,8 +80,14 @@ def _hf_run(tmp_path, ours: bool, **kwargs):
             disable_tqdm=True, **kwargs,
         )  # fmt: skip
         data = _Tokens()
-        trainer = tf.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+        callbacks = [_HalveGradients()] if callback else None
+        trainer = tf.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None),
+                             callbacks=callbacks)  # fmt: skip
         trainer.train()
+        for k, v in (twice or {}).items():  # train again, the arguments changed
+            setattr(trainer.args, k, v)
+        if twice is not None:
+            trainer.train()
     if ours:
         opt.remove()
     return model, [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
@@ -104,7 +124,8 @@ def test_hf_trainer_trains_bit_identically(case, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- Lightning
 def _lightning_run(ours: bool, accumulate: int, clip: float | None, precision: str = "32-true",
-                   algorithm: str | None = None) -> nn.Module:  # fmt: skip
+                   algorithm: str | None = None, scale_in_hook: bool = False,
+                   fits: int = 1) -> nn.Module:  # fmt: skip
     pl = pytest.importorskip("lightning.pytorch")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -117,6 +138,11 @@ def _lightning_run(ours: bool, accumulate: int, clip: float | None, precision: s
         def training_step(self, batch, index):
             x, y = batch
             return nn.functional.mse_loss(self.net(x), y)
+
+        def on_before_optimizer_step(self, optimizer):
+            if scale_in_hook:  # a gradient change no clipping call shows
+                for p in self.parameters():
+                    p.grad.mul_(0.5)
 
         def configure_optimizers(self):
             if ours:
@@ -132,16 +158,17 @@ def _lightning_run(ours: bool, accumulate: int, clip: float | None, precision: s
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     torch.manual_seed(0)
     module = Regression()
-    trainer = pl.Trainer(
-        max_epochs=2, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
-        gradient_clip_algorithm=algorithm, precision=precision, accelerator="cpu",
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(module, data)
+        for _ in range(fits):  # each fit calls configure_optimizers again
+            trainer = pl.Trainer(
+                max_epochs=2, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+                gradient_clip_algorithm=algorithm, precision=precision, accelerator="cpu",
+                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False,
+            )  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.fit(module, data)
     finally:
         if ours:
             module.opt.remove()
@@ -158,6 +185,8 @@ LIGHTNING_CASES = {
     "bf16-mixed-clip-norm": (1, 0.5, "bf16-mixed"),
     "bf16-mixed-accumulation-clip-norm": (2, 0.5, "bf16-mixed"),
     "clip-value": (1, 0.05, "32-true", "value"),
+    "gradients-changed-in-a-hook": (1, None, "32-true", None, True),
+    "fit-twice": (2, None, "32-true", None, False, 2),
 }
 
 
@@ -166,25 +195,28 @@ def test_lightning_trains_bit_identically(case, monkeypatch):
     """Lightning automatic optimization with InBackward from configure_optimizers: bit-identical
     to the plain AdamW (was: "takes no closure"; accumulate_grad_batches stepped every
     micro-batch; gradient_clip_val raised, under bf16-mixed as well). Steps happen in
-    backward (inside Lightning's step(closure)) wherever the trainer does not clip."""
+    backward (inside Lightning's step(closure)) wherever the trainer does not clip or
+    otherwise change the gradients (a hook scaling them was skipped from the second step on,
+    silently; a second fit raised "already belong to another InBackward")."""
     plain = _lightning_run(False, *LIGHTNING_CASES[case])
     counts = _count_steps(monkeypatch)
     ours = _lightning_run(True, *LIGHTNING_CASES[case])
     _assert_same(plain, ours)
-    clips = LIGHTNING_CASES[case][1] is not None
-    assert (counts["backward"] > 0) != clips, counts
+    holds = LIGHTNING_CASES[case][1] is not None or case == "gradients-changed-in-a-hook"
+    assert (counts["backward"] > 0) != holds, counts
 
 
 def test_lightning_accumulation_without_detection_raises_not_steps_twice(monkeypatch):
     """Should Lightning's wrapper stop being recognised, accumulation must not train silently
     differently: the micro-batch stepped outside step(closure) is reported at the step."""
-    monkeypatch.setattr(in_backward, "lightning_wrapped", lambda cls: None)
+    monkeypatch.setattr(in_backward, "lightning_wrapper", lambda cls: None)
     with pytest.raises(UnsupportedModelError, match=r"outside the closure"):
         _lightning_run(True, 2, None)
 
 
 # ---------------------------------------------------------------------------- accelerate
-def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True) -> nn.Module:
+def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True, clip: bool = False,
+                    device_placement: bool = True) -> nn.Module:  # fmt: skip
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -198,12 +230,17 @@ def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True) -> nn.M
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g))
-    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulate,
+                                 device_placement=device_placement)  # fmt: skip
     model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4))
     try:
         for (x,) in loader:
             with acc.accumulate(model):
                 acc.backward(model(x).square().mean())
+                if clip and acc.sync_gradients:  # a clip the guard does not see
+                    grads = [p.grad for p in model.parameters()]
+                    norm = torch.nn.utils.get_total_norm(grads)
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.01, norm)
                 if call_step:
                     opt.step()
                     opt.zero_grad()
@@ -214,15 +251,26 @@ def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True) -> nn.M
     return model
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["", "unseen-clipping"])
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_accelerate_loop_trains_bit_identically(accumulate, monkeypatch):
+def test_accelerate_loop_trains_bit_identically(accumulate, clip, monkeypatch):
     """An accelerate loop (prepare, accumulate, backward, step): bit-identical to the plain
-    optimizer, micro-batches before the last held, the last stepped in backward."""
-    plain = _accelerate_run(False, accumulate)
+    optimizer, micro-batches before the last held, the last stepped in backward; with a
+    clipping the guard does not see (get_total_norm + clip_grads_with_norm_), held at every
+    step (it was skipped from the second step on, silently)."""
+    plain = _accelerate_run(False, accumulate, clip=clip)
     counts = _count_steps(monkeypatch)
-    ours = _accelerate_run(True, accumulate)
+    ours = _accelerate_run(True, accumulate, clip=clip)
     _assert_same(plain, ours)
-    assert counts["backward"] > 0
+    assert (counts["backward"] > 0) != clip, counts
+
+
+def test_accelerate_without_device_placement_refuses_the_first_micro_batch():
+    """Without device placement accelerate's wrapper never reads the optimizer's state_dict,
+    so leanprop cannot know it is driven before its first step(): the first micro-batches
+    were stepped in backward, silently. Now a clear error."""
+    with pytest.raises(UnsupportedModelError, match=r"device_placement"):
+        _accelerate_run(True, 3, device_placement=False)
 
 
 def test_accelerate_loop_without_step_raises():
@@ -295,3 +343,82 @@ def test_examples_run(script, needs):
     pytest.importorskip(needs)
     path = pathlib.Path(__file__).parents[2] / "examples" / script
     runpy.run_path(str(path), run_name="__main__")
+
+
+def test_lightning_optimizer_reused_after_fit_in_a_plain_loop():
+    """The optimizer a finished fit used, reused in a plain loop: steps in backward."""
+    pl = pytest.importorskip("lightning.pytorch")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+            self.opt = InBackward(self.parameters(), torch.optim.SGD, lr=0.1)
+
+        def training_step(self, batch, index):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return self.opt
+
+    module = Tiny()
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4))
+    trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=2, accelerator="cpu",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    before = module.net.weight.detach().clone()
+    module.net(torch.randn(4, 4)).square().mean().backward()
+    assert module.net.weight.grad is None and not torch.equal(before, module.net.weight)
+    module.opt.remove()
+
+
+def test_fabric_wrapper_runs_the_optimizers_own_methods():
+    """Fabric copies the optimizer's state into its wrapper once: opt.accumulate() through
+    the wrapper set a flag the hooks never saw, and every micro-batch was stepped."""
+    lightning = pytest.importorskip("lightning")
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+
+    def run(ours: bool) -> nn.Module:
+        fabric = lightning.Fabric(accelerator="cpu", devices=1)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
+        if ours:
+            opt = InBackward(model.parameters(), torch.optim.Adam, lr=1e-2)
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, opt = fabric.setup(model, opt)
+        x = torch.randn(12, 4, 6, generator=torch.Generator().manual_seed(1))
+        for i in range(12):
+            last = (i + 1) % 3 == 0
+            with opt.accumulate() if ours and not last else contextlib.nullcontext():
+                fabric.backward(model(x[i]).square().mean())
+            if last:
+                opt.step()
+                opt.zero_grad()
+        if ours:
+            opt.remove()
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _assert_same(run(False), run(True))
+
+
+def test_hf_trainer_callback_changing_gradients(tmp_path):
+    """A callback that changes the gradients before the step (no clipping call) was skipped
+    from the second step on, silently: now bit-identical to the plain optimizer."""
+    plain, plain_norms = _hf_run(tmp_path, False, max_grad_norm=0, callback=True)
+    ours, our_norms = _hf_run(tmp_path, True, max_grad_norm=0, callback=True)
+    _assert_same(plain, ours)
+    assert our_norms == plain_norms
+
+
+def test_hf_trainer_clipping_turned_on_for_a_second_run_is_refused(tmp_path):
+    """The trainer's clipping is learnt on the optimizer's first step: a second train() with
+    the same optimizer that clips now gets the guard's clear error (never unclipped)."""
+    with pytest.raises(UnsupportedModelError, match=r"needs a new InBackward"):
+        _hf_run(tmp_path, True, max_grad_norm=0, twice={"max_grad_norm": 1.0})
