@@ -123,7 +123,7 @@ def _stepped_in_last_backward(p: Tensor) -> bool:
     """``p`` belongs to an InBackward that stepped it (and freed its gradient) in its last
     backward."""
     o = _owner(p)
-    return p.grad is None and o is not None and id(p) in o._stepped.norms
+    return p.grad is None and o is not None and id(p) in o._stepped.stepped
 
 
 def _note_clipping(params: list[Tensor], kind: str) -> None:
@@ -164,6 +164,13 @@ def _guarded_clip_grad_norm_(
             "InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate mode. A "
             "trainer's clipping is learnt on the optimizer's first step: one that starts "
             "clipping later (another run with the same optimizer) needs a new InBackward."
+        )
+    unkept = [type(o).__name__ for p in stepped if (o := _owner(p)) and not o._stepped.keep]
+    if unkept:
+        raise UnsupportedModelError(
+            "clip_grad_norm_(params, inf) got parameters of an InBackward(record_norms=False): "
+            "their gradients were stepped and freed in backward without their norms being "
+            "kept. Leave record_norms on (the default) to read the gradient norm."
         )
     # the last backward among the optimizers involved (another one's older norms are over)
     last = max(o._stepped.task for p in stepped if (o := _owner(p)) is not None)
@@ -270,6 +277,9 @@ class InBackward(torch.optim.Optimizer):
             ``clip_grad_norm / (norm + 1e-6)`` (at most 1) where ``norm`` is the global gradient
             norm of the *previous* backward (the first backward is not clipped). For exact
             clipping use :meth:`clipped_backward` (one extra backward).
+        record_norms: keep each stepped gradient's norm (one extra read of every gradient,
+            about a tenth of a step on CPU): what ``last_grad_norm``, approximate clipping
+            and ``clip_grad_norm_(params, inf)`` (trainers' logging) read. Off: those raise.
         ddp: the ``DistributedDataParallel`` module whose parameters these are: each DDP bucket
             is stepped once its all-reduce has finished, and DDP's bucket memory is released
             between uses (see :mod:`leanprop.optim.distributed`). Buckets are then DDP's
@@ -290,6 +300,7 @@ class InBackward(torch.optim.Optimizer):
         *,
         bucket_mb: float = 25.0,
         clip_grad_norm: float | None = None,
+        record_norms: bool = True,
         ddp: Any = None,
         fsdp: torch.nn.Module | None = None,
         **kwargs: Any,
@@ -314,6 +325,11 @@ class InBackward(torch.optim.Optimizer):
             raise LeanpropValueError(
                 f"InBackward() got clip_grad_norm={clip_grad_norm!r}; it must be a positive, "
                 "finite number (the largest global gradient norm) or None."
+            )
+        if clip_grad_norm is not None and not record_norms:
+            raise LeanpropValueError(
+                "InBackward(clip_grad_norm=..., record_norms=False): approximate clipping "
+                "uses the recorded norms of the previous backward; leave record_norms on."
             )
         if not _positive(bucket_mb):
             raise LeanpropValueError(
@@ -340,7 +356,7 @@ class InBackward(torch.optim.Optimizer):
         self._measuring: dict[int, Tensor] | None = None  # id(p) -> grad norm, first pass
         self.clip_grad_norm = clip_grad_norm
         self._approx_coef: Tensor | None = None  # clip factor from last_grad_norm
-        self._stepped = SteppedNorms()  # gradient norms of the last backward
+        self._stepped = SteppedNorms(keep=record_norms)  # gradient norms of the last backward
         self._coef: Tensor | None = None  # clipped_backward, second pass
         # the training loop around (see trainers.py): who drives, what it clips, what is held
         self._lightning_wrapper: weakref.ref | None = None  # Lightning's: steps in step(closure)
@@ -645,7 +661,16 @@ class InBackward(torch.optim.Optimizer):
     @property
     def last_grad_norm(self) -> Tensor | None:
         """Global 2-norm of the gradients of the last backward (as it produced them, before
-        any clipping), over the parameters it stepped; None before any."""
+        any clipping), over the parameters it stepped; None before any.
+
+        Raises:
+            UnsupportedModelError: built with ``record_norms=False``.
+        """
+        if not self._stepped.keep:
+            raise UnsupportedModelError(
+                "InBackward(record_norms=False).last_grad_norm: no gradient norm is kept; "
+                "leave record_norms on (the default) to read it."
+            )
         return self._stepped.total(self.param_groups)
 
     def _before_accumulate(self, grad: Tensor) -> None:
@@ -810,7 +835,7 @@ class InBackward(torch.optim.Optimizer):
         for waiting in self._unit_ready.values():  # units with parameters left unused
             self.step_bucket(waiting)
         self._unit_ready.clear()
-        if self._stepped.task != current_graph_task_id() or not self._stepped.norms:
+        if self._stepped.task != current_graph_task_id() or not self._stepped.stepped:
             return  # stepped nothing (autograd.grad, accumulate()): the clip factor stays
         norm = self.last_grad_norm if self.clip_grad_norm is not None else None
         self._approx_coef = (

@@ -40,20 +40,25 @@ class SteppedNorms:
 
     Attributes:
         task: the autograd graph task of that backward (-1: none yet).
-        norms: ``id(p) -> 0-dim norm`` of the parameters stepped in it so far.
+        stepped: ``id(p)`` of the parameters stepped in it so far.
+        norms: ``id(p) -> 0-dim norm`` of those, if ``keep`` (one extra read of each gradient).
     """
 
+    keep: bool = True
     task: int = -1
+    stepped: set[int] = field(default_factory=set)
     norms: dict[int, Tensor] = field(default_factory=dict)
 
     def begin(self, task: int) -> None:
         """A gradient of backward ``task`` arrived: a new backward forgets the last one's."""
         if task != self.task:
-            self.task, self.norms = task, {}
+            self.task, self.stepped, self.norms = task, set(), {}
 
     def record(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-        for p, norm in zip(params, grad_norms(grads), strict=True):
-            self.norms[id(p)] = norm
+        self.stepped.update(map(id, params))
+        if self.keep:
+            for p, norm in zip(params, grad_norms(grads), strict=True):
+                self.norms[id(p)] = norm
 
     def total(self, groups: Iterable[dict[str, Any]]) -> Tensor | None:
         """Global 2-norm over ``groups``' parameters (None if nothing was stepped)."""

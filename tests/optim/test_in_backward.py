@@ -922,3 +922,31 @@ def test_accelerate_state_without_accelerate_driving_the_optimizer(syncs):
         opt.remove()
     finally:
         state.GradientState._reset_state()
+
+
+def test_record_norms_off_trains_the_same_and_refuses_norm_reads():
+    """record_norms=False skips the extra read of each gradient: the same parameters; reading
+    the norm, or clipping the freed gradients, is a clear error (never 0, never unclipped)."""
+    data = torch.randn(3, 5, 6)
+
+    def run(record: bool) -> tuple[nn.Module, InBackward]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = InBackward(_groups(model), torch.optim.AdamW, lr=0.01, record_norms=record)
+        for s in range(3):
+            model(data[s]).pow(2).mean().backward()
+        return model, opt
+
+    (kept, kept_opt), (lean, lean_opt) = run(True), run(False)
+    assert_bitwise_equal(kept, lean)
+    with pytest.raises(UnsupportedModelError, match=r"record_norms=False"):
+        _ = lean_opt.last_grad_norm
+    with pytest.raises(UnsupportedModelError, match=r"record_norms=False"):
+        torch.nn.utils.clip_grad_norm_(lean.parameters(), float("inf"))
+    with pytest.raises(UnsupportedModelError, match=r"nothing left to clip"):
+        torch.nn.utils.clip_grad_norm_(lean.parameters(), 1.0)
+    with pytest.raises(LeanpropValueError, match=r"record_norms=False"):
+        InBackward(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0,
+                   record_norms=False)  # fmt: skip
+    kept_opt.remove()
+    lean_opt.remove()
