@@ -24,6 +24,7 @@ exactly (per-tensor sums compared with zero tolerance).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -121,10 +122,12 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
         return summary(model)
 
     def torch_in_backward() -> Tensor:
-        from torch.distributed.optim import _apply_optimizer_in_backward
-        from torch.distributed.optim.apply_optimizer_in_backward import (
-            param_to_optim_hook_handle_map,
-        )
+        with warnings.catch_warnings():  # (the package's import scripts a function with jit)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torch.distributed.optim import _apply_optimizer_in_backward
+            from torch.distributed.optim.apply_optimizer_in_backward import (
+                param_to_optim_hook_handle_map,
+            )
 
         model = models[3]
         model.load_state_dict(init)

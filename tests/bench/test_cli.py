@@ -51,6 +51,7 @@ def test_in_backward_suite(capsys):
     text = capsys.readouterr().out
     assert "small_b1: ordinary" in text and "small_b1: hooks" in text
     assert "small_b1: leanprop" in text and "agrees" in text and "DISAGREES" not in text
+    assert "gpt2_10m: torch_in_backward" in text and "gpt2_10m: leanprop_no_norms" in text
 
 
 def test_distributed_suite(capsys):
