@@ -182,13 +182,11 @@ def _weight_grads(
     if key in _FASTEST:
         return run[_FASTEST[key]](out)
     best = math.inf
-    for algorithm in options:  # twice each (the first run also faults in fresh memory),
-        for _ in range(2):  # each with its copy into the caller's buffer (unfold writes there)
+    for algorithm in options:  # twice each (the first run also faults in fresh memory);
+        for _ in range(2):  # unfold writes into ``out``, the others' results are used as they are
             _sync(x)
             start = time.perf_counter()
             res = run[algorithm](out)
-            if out is not None and res.data_ptr() != out.data_ptr():
-                res = out.copy_(res.view_as(out))
             _sync(x)
             took = time.perf_counter() - start
             if took < best:
