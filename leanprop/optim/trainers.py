@@ -10,15 +10,18 @@ Trainers decide both outside the optimizer; this module reads what they expose:
   whether the current micro-batch synchronises gradients (``sync_gradients``), and the loop
   calls ``optimizer.step()`` after each micro-batch that does.
 * **Lightning**: its ``LightningOptimizer`` wraps the optimizer in a class made on the fly that
-  derives from the optimizer's class (``InBackward.__init_subclass__`` sees it); Lightning then
-  runs the backward of the micro-batch that steps inside ``optimizer.step(closure)``, and the
-  backward of the others outside it.
-* **Clipping** (:class:`TrainerClipping`): what a trainer's ``clip_grad_norm_`` /
-  ``clip_grad_value_`` calls asked for, learnt on a step whose gradients were held.
+  derives from the optimizer's class (``InBackward.__init_subclass__`` sees it); while its
+  trainer fits, Lightning runs the backward of the micro-batch that steps inside
+  ``optimizer.step(closure)``, and the backward of the others outside it. Fabric's wrapper is
+  made the same way (it only needs the optimizer's own methods run on the optimizer).
+* **Clipping** (:class:`TrainerClipping`): what the loop does to held gradients between
+  backward and ``step()``: its ``clip_grad_norm_`` / ``clip_grad_value_`` calls, and any other
+  change to them (seen from the gradients' versions).
 
-These read internals of other packages (accelerate's shared state, the frame of Lightning's
-wrapper); each reader returns "unknown" where they are not there, and InBackward then holds the
-gradients for ``step()``, which is always exact.
+These read internals of other packages (accelerate's shared state and wrapper frames,
+Lightning's wrapper frame and trainer state). Where a reader cannot tell, InBackward either
+holds the gradients for ``step()`` (always exact) or refuses with a clear error; the tests
+against the real packages (tests/optim/test_trainers.py) pin what each reads.
 """
 
 from __future__ import annotations
