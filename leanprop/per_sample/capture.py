@@ -282,8 +282,9 @@ class PerSample:
                 hooks.append(site.module.register_forward_hook(on_forward, with_kwargs=True))
             for state in self._states.values():
                 hooks.append(state.param.register_hook(_Weakly(self._on_param_grad, state)))
-            on_enter = _Weakly(self._on_model_enter)
-            hooks.append(model.register_forward_pre_hook(on_enter, with_kwargs=True))
+            on_enter = _Weakly(self._on_model_enter)  # first: it may start a new cycle, which
+            # resets what the model's own pre-hook as a site (a bare nn.Linear) would mark
+            hooks.append(model.register_forward_pre_hook(on_enter, with_kwargs=True, prepend=True))
             hooks.append(model.register_forward_hook(_Weakly(self._on_model_exit)))
             self._tracker = BatchTracker(self._states)
             self._captured = frozenset(self._op_params) | frozenset(
@@ -436,8 +437,10 @@ class PerSample:
                 # an earlier forward of another batch size never had its backward (e.g. a
                 # validation loss under grad): this forward starts anew (a late backward
                 # through the earlier one is refused where it meets a captured op)
+                dropped = self._cycle.n
                 self._cycle.drop_forward()
                 self._abort_cycle()
+                self._cycle.dropped_n = dropped  # (a backward through it finds nothing of ours)
 
     def _inputs_tracked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether every batched tensor input of the model carries the batch already."""
@@ -1061,8 +1064,17 @@ class PerSample:
         # not while computing: the fallback's own per-sample autograd calls fire it too;
         # recorded before the cycle opens too (autograd may reach a parameter first)
         if self._active and not self._computing:
+            wanted = self._kinds and not self._passive
+            cycle = self._cycle
+            if wanted and not cycle.open and not cycle.backward_done and not in_eager_backward():
+                # the first backward since the last forward reaches the parameters before (or
+                # without) any of our records (a forward outside the block, or one whose
+                # records were dropped): its end then finds their quantities missing and
+                # says so (after a backward, e.g. differentiating create_graph quantities,
+                # a gradient with no records is not the model's)
+                self._open_cycle()
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
-            if self._kinds and not self._passive:
+            if wanted:
                 self._complete_calls_of(state.param)
 
     def _complete_calls_of(self, p: nn.Parameter) -> None:

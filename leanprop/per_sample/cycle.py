@@ -157,6 +157,7 @@ class Cycle:
     bn_problem: str | None = None  # BatchNorm in training mode: refused when backward opens
     discarded_forward: bool = False  # BackPACK facade: an earlier forward's records were dropped
     scratch: Scratch = field(default_factory=Scratch)  # chunks' temporaries, one backward's
+    dropped_n: int | None = None  # samples of an earlier forward dropped before its backward
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -268,6 +269,7 @@ class Cycle:
             state.uses = 0
         self.n = None
         self.backward_done = False
+        self.dropped_n = None
 
     def verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward,
@@ -285,6 +287,15 @@ class Cycle:
         ]
         if missing and self.discarded_forward:
             raise UnsupportedModelError(_SEVERAL_FORWARDS)
+        if missing and self.dropped_n is not None:
+            raise UnsupportedModelError(
+                f"per_sample: {', '.join(missing)} got a gradient in this backward but no "
+                f"per-sample quantities: it goes through a forward of {self.dropped_n} samples "
+                "whose records were dropped, since another forward of the model, of another "
+                "batch size, ran after it and before this backward. Run each forward's "
+                "backward before the next forward (or run the other forward under "
+                "torch.no_grad())."
+            )
         if missing:
             raise UnsupportedModelError(
                 f"per_sample: {', '.join(missing)} got a gradient in this backward but no "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import warnings
 import weakref
@@ -919,3 +920,61 @@ def test_nested_contexts_with_parameters_broadcast_over_the_batch():
         ref = torch.stack([r[j] for r in rows])
         assert_close(p.grad_batch, ref, f"{k}.grad_batch", 1e-10, 1e-12)
         assert_close(p.variance, ref.var(0, unbiased=False), f"{k}.variance", 1e-10, 1e-12)
+
+
+def test_backward_through_a_forward_outside_the_block_is_refused():
+    """A forward run before the block, its backward inside: the parameters got gradients and
+    no quantities, and nothing said so."""
+    model = nn.Linear(3, 2)
+    out = model(torch.randn(4, 3))
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        with pytest.raises(leanprop.UnsupportedModelError, match=r"outside the `with` block"):
+            out.sum().backward()
+        model(torch.randn(4, 3)).sum().backward()  # usable afterwards
+    assert model.weight.grad_batch.shape == (4, 2, 3)
+
+
+@pytest.mark.parametrize("n_later", [2, 6])  # 6: the sequence length of the dropped forward
+def test_backward_through_a_dropped_forward_of_an_rnn_is_refused(n_later):
+    """An RNN (its only tracked module is a fallback root): a later forward of another batch
+    size dropped the first forward's records; a backward through the first one wrote no
+    quantities and raised nothing (the refusal covered captured ops only)."""
+    torch.manual_seed(0)
+    model = nn.LSTM(3, 4, batch_first=True)
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        first = model(torch.randn(5, 6, 3))[0]
+        model(torch.randn(n_later, 6, 3))
+        with pytest.raises(leanprop.UnsupportedModelError, match=r"forward of 5 samples"):
+            first.sum().backward()
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize(
+    "make, x",
+    [
+        (lambda: nn.Linear(3, 2), lambda: torch.randn(4, 3)),
+        (lambda: nn.Conv1d(2, 3, 3), lambda: torch.randn(4, 2, 5)),
+        (lambda: nn.LayerNorm(3), lambda: torch.randn(4, 3)),
+        (lambda: nn.Embedding(7, 3), lambda: torch.randint(0, 7, (4, 5))),
+    ],
+    ids=["linear", "conv", "layernorm", "embedding"],
+)
+def test_a_bare_layer_as_the_model_over_several_steps(make, x, check):
+    """The model is one layer with a rule: from the second step in one context on, its
+    individual gradients were doubled (check=False: silently; check=True: a sum-check error),
+    because the model's new-forward hook ran after its own layer hook and reset it."""
+    torch.manual_seed(0)
+    model = make().double()
+    with leanprop.per_sample(model, leanprop.BatchGrad(), check=check):
+        for _ in range(3):
+            batch = x()
+            batch = batch.double() if batch.is_floating_point() else batch
+            model(batch).square().sum().backward()
+            oracle = copy.deepcopy(model)  # (not tracked: its forward passes are its own)
+            for (k, p), q in zip(model.named_parameters(), oracle.parameters(), strict=True):
+                expected = []
+                for b in batch:
+                    (g,) = torch.autograd.grad(oracle(b[None]).square().sum(), q)
+                    expected.append(g)
+                torch.testing.assert_close(p.grad_batch, torch.stack(expected), msg=k)
+            model.zero_grad()
