@@ -906,7 +906,15 @@ class PerSample:
                     f"per_sample: {type(site.module).__name__} '{site.name}' got inputs of "
                     f"shapes {shapes}; expected a batch dimension at dim {bd}."
                 )
-            return self._same_n(site, tensors[0].shape[bd]), None, None
+            n = self._same_n(site, tensors[0].shape[bd])
+            if not isinstance(site.module, nn.RNNBase):
+                return n, None, None
+            # an RNN's state (hx in, h_n out) holds the batch in dimension 1, whatever its
+            # batch_first: sliced by the documented layout, it would be cut along the layers
+            in_dims = [bd if t is tensors[0] else None for t in leaves]
+            in_dims = self._rnn_state_dims(site, args, kwargs, leaves, in_dims)
+            out_dims = [bd if i == 0 else 1 for i, _ in enumerate(out_leaves)]
+            return n, in_dims, out_dims
 
         def dim_of(t: Any, what: str) -> int | None:
             info = self._tracker.info(t)

@@ -3,6 +3,7 @@ BackPACK and Opacus (skipped where they are not installed)."""
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import runpy
 
@@ -261,3 +262,45 @@ def test_two_forwards_before_one_backward_name_the_cause():
     ):
         loss.backward()
     unextend(model)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, kind: str, batch_first: bool, explicit: bool) -> None:
+        super().__init__()
+        self.kind, self.batch_first, self.explicit = kind, batch_first, explicit
+        self.rnn = getattr(nn, kind)(3, 4, num_layers=2, batch_first=batch_first)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0] if self.batch_first else x.shape[1]
+        hx = None
+        if self.explicit:  # zeros [layers, N, H]: its batch is in dimension 1
+            h0 = torch.zeros(2, n, 4, dtype=x.dtype)
+            hx = (h0, torch.zeros_like(h0)) if self.kind == "LSTM" else h0
+        o = self.rnn(x, hx)[0]
+        return self.out(o[:, -1] if self.batch_first else o[-1])
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["hx", "no-hx"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
+@pytest.mark.parametrize("kind", ["RNN", "GRU", "LSTM"])
+def test_batch_grad_of_rnns_with_an_initial_state(kind, batch_first, explicit):
+    """An RNN given its initial state hx: the facade sliced hx along its first dimension (the
+    layers) like the input and raised a raw shape error. Exact against a per-sample loop."""
+    torch.manual_seed(0)
+    model = _Recurrent(kind, batch_first, explicit).double()
+    oracle = copy.deepcopy(model)
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    x = x if batch_first else x.transpose(0, 1)
+    y = torch.randint(0, 2, (5,))
+    extend(model)
+    loss_fn = extend(nn.CrossEntropyLoss())
+    with backpack(extensions.BatchGrad()):
+        loss_fn(model(x), y).backward()
+    for (k, p), q in zip(model.named_parameters(), oracle.parameters(), strict=True):
+        expected = []
+        for i in range(5):
+            xi = x[i : i + 1] if batch_first else x[:, i : i + 1]
+            loss = nn.functional.cross_entropy(oracle(xi), y[i : i + 1]) / 5  # the mean's share
+            expected.append(torch.autograd.grad(loss, q)[0])
+        torch.testing.assert_close(p.grad_batch, torch.stack(expected), msg=k)
