@@ -274,8 +274,8 @@ def _reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence
     prefix = math.prod(in_shape[: bd.dim])
     acc = 1
     for e, size in enumerate(out_shape):
-        if acc == prefix and size % n == 0 and (size > 0 or n == 0):
-            return BatchDim(e, size // n if n else 1)
+        if acc == prefix and (size == 0 if n == 0 else size > 0 and size % n == 0):
+            return BatchDim(e, size // n if n else 1)  # (no samples: an empty dimension)
         acc *= size
         if acc > prefix:
             break

@@ -145,8 +145,24 @@ class _Weakly:
         method = self.method()
         return None if method is None else method(*self.bound, *args, **kwargs)
 
-    def __deepcopy__(self, memo: dict) -> _Weakly:
-        return self  # a deep copy of the model shares its hooks (as with plain functions)
+    def __deepcopy__(self, memo: dict) -> _Untracked:
+        # a deep copy of the model (made inside the block: a lookahead or inner-loop copy) has
+        # parameters of its own, which this context does not track: its hooks do nothing (they
+        # reported its forward and backward to this context, which wrote the copy's results
+        # onto the original's parameters)
+        return _Untracked()
+
+
+class _Untracked:
+    """The hook a deep copy of a tracked module or parameter gets: nothing."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __deepcopy__(self, memo: dict) -> _Untracked:
+        return self
 
 
 class PerSample:
@@ -206,6 +222,7 @@ class PerSample:
         self._batch_dims = dict(batch_dims or {})
         self._tracker = BatchTracker(())
         self._root_running = False  # between the model's forward pre-hook and forward hook
+        self._params_reached = False  # the outermost backward running reached our parameters
         self._backward_depth = 0  # backward passes called through the op interception
         self._passive = 0  # inside a backward that is not for the parameters (backward_scope)
         self._cycle_seen = False  # a cycle was open when the outermost backward_scope began
@@ -743,10 +760,21 @@ class PerSample:
     def _on_fallback_enter(self, site: Site, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self._computing:
             site.calls_before = [s.calls for s in site.inner]
+            self._note_direct_call(site)
 
     def _on_rule_enter(self, site: Site, module: nn.Module, args: tuple[Any, ...]) -> None:
         site.running = not self._computing
         site.fused = False
+        if site.running:
+            self._note_direct_call(site)
+
+    def _note_direct_call(self, site: Site) -> None:
+        """A module of the model called on its own (the model's forward not running): what
+        it records is not followed from the model's inputs, and a weight it shares with
+        another module (a tied embedding and head) may be split wrongly, so this forward's
+        quantities are checked even with ``check=False``."""
+        if not self._root_running and torch.is_grad_enabled() and site.module is not self.model:
+            self._cycle.direct_call = site.name
 
     def begin_fused(self, args: tuple[Any, ...]) -> Call | None:
         """Called by the op interceptor: record a call of a running fusable site whose own
@@ -1046,6 +1074,7 @@ class PerSample:
         outermost = not self._backward_depth
         if outermost:
             self._cycle_seen = self._cycle.open
+            self._params_reached = False
         self._backward_depth += 1
         self._passive += passive
         try:
@@ -1065,13 +1094,14 @@ class PerSample:
             self._cycle.backward_done = self._cycle.backward_done or not self._cycle.open
         elif self._cycle.open:
             self._finish()
-        elif accumulates and not self._cycle_seen:
+        elif accumulates and not self._cycle_seen and self._params_reached:
             self._cycle.clear_attrs()  # no quantities for this backward: none of an earlier one
 
     def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
         # not while computing: the fallback's own per-sample autograd calls fire it too;
         # recorded before the cycle opens too (autograd may reach a parameter first)
         if self._active and not self._computing:
+            self._params_reached = True
             wanted = self._kinds and not self._passive
             cycle = self._cycle
             if wanted and not cycle.open and not cycle.backward_done and not in_eager_backward():
@@ -1271,7 +1301,8 @@ class PerSample:
         """End of the backward pass: complete partial calls, write and check the results."""
         n = self._cycle.n
         try:
-            self.last_sums = self._cycle.finish(self._kinds, self._check, self._process)
+            check = self._check or self._cycle.direct_call is not None
+            self.last_sums = self._cycle.finish(self._kinds, check, self._process)
             self.last_n = n
         finally:
             self._computing_here = False

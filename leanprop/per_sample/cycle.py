@@ -158,6 +158,7 @@ class Cycle:
     discarded_forward: bool = False  # BackPACK facade: an earlier forward's records were dropped
     scratch: Scratch = field(default_factory=Scratch)  # chunks' temporaries, one backward's
     dropped_n: int | None = None  # samples of an earlier forward dropped before its backward
+    direct_call: str | None = None  # a module of the model called on its own in this forward
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -270,6 +271,7 @@ class Cycle:
         self.n = None
         self.backward_done = False
         self.dropped_n = None
+        self.direct_call = None
 
     def verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward,
@@ -287,6 +289,17 @@ class Cycle:
         ]
         if missing and self.discarded_forward:
             raise UnsupportedModelError(_SEVERAL_FORWARDS)
+        direct = (
+            f" ('{self.direct_call}' was called on its own, not through the model's forward: "
+            "call the model, or open the context on the module you call)"
+            if self.direct_call is not None
+            else ""
+        )
+        if missing and self.direct_call is not None:
+            raise UnsupportedModelError(
+                f"per_sample: {', '.join(missing)} got a gradient in this backward but no "
+                f"per-sample quantities{direct}."
+            )
         if missing and self.dropped_n is not None:
             raise UnsupportedModelError(
                 f"per_sample: {', '.join(missing)} got a gradient in this backward but no "
@@ -324,6 +337,11 @@ class Cycle:
         ]
         if bad and self.discarded_forward:
             raise UnsupportedModelError(_SEVERAL_FORWARDS)
+        if bad and self.direct_call is not None:
+            raise UnsupportedModelError(
+                "per_sample: the individual gradients do not add up to the batch gradient for "
+                f"{', '.join(bad)}{direct}."
+            )
         if bad:
             raise UnsupportedModelError(
                 "per_sample: the individual gradients do not add up to the batch gradient for "

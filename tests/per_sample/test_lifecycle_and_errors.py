@@ -978,3 +978,52 @@ def test_a_bare_layer_as_the_model_over_several_steps(make, x, check):
                     expected.append(g)
                 torch.testing.assert_close(p.grad_batch, torch.stack(expected), msg=k)
             model.zero_grad()
+
+
+def test_a_deep_copy_made_inside_the_block_is_not_tracked():
+    """A lookahead/inner-loop copy made inside the block shared the context's hooks: its
+    forward and backward overwrote the original's quantities, even with the sum check on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        model(x).square().sum().backward()
+        before = {k: p.grad_batch.clone() for k, p in model.named_parameters()}
+        inner = copy.deepcopy(model)
+        inner(torch.randn(3, 3, dtype=torch.float64)).square().sum().backward()
+        assert not hasattr(inner[0].weight, "grad_batch")
+    for k, p in model.named_parameters():
+        assert torch.equal(p.grad_batch, before[k]), k
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_submodule_called_on_its_own_with_a_tied_weight_is_refused(check):
+    """The context on a parent, a child with an embedding tied to its head called directly:
+    the tied weight got only the head's share (check=False: silently). Quantities of a
+    forward that calls modules on their own are now always checked."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e, self.o = nn.Embedding(7, 3), nn.Linear(3, 7, bias=False)
+            self.o.weight = self.e.weight
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.o(torch.tanh(self.e(t)))
+
+    torch.manual_seed(0)
+    parent = nn.ModuleDict({"lm": Tied(), "other": nn.Linear(2, 2)})
+    context = leanprop.per_sample(parent, leanprop.BatchGrad(), check=check)
+    with context, pytest.raises(leanprop.UnsupportedModelError, match=r"called on its own"):
+        parent["lm"](torch.randint(0, 7, (4, 5))).square().sum().backward()
+
+
+def test_an_empty_batch_through_a_reshape():
+    """N=0 (a Poisson-sampled batch can be empty): a reshape of a batched tensor raised
+    ZeroDivisionError in the batch tracker."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Flatten(0, -1), nn.Unflatten(0, (-1, 4)),
+                          nn.Linear(4, 2))  # fmt: skip
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        for n in (5, 0):
+            model(torch.randn(n, 3)).flatten(1).square().sum().backward()
+            assert model[0].weight.grad_batch.shape == (n, 4, 3)
