@@ -83,6 +83,7 @@ from .trainers import (
     called_by_grad_scaler,
     closure_driven,
     lightning_running,
+    lightning_sees_gradients,
     lightning_wrapper,
     run_on_wrapped,
 )
@@ -788,6 +789,9 @@ class InBackward(torch.optim.Optimizer):
             return None  # (approximate clipping: the user's choice stands in for the trainer's)
         if not self._clipping.known or self._clipping.kind is not None:
             return "step"
+        wrapper = None if self._lightning_wrapper is None else self._lightning_wrapper()
+        if lightning and wrapper is not None and lightning_sees_gradients(wrapper):
+            return "step"  # its on_before_optimizer_step hook sees the gradients
         return None
 
     def _on_ready(self, p: Tensor) -> None:

@@ -99,6 +99,22 @@ def lightning_running(wrapper: Any) -> bool:
         return False
 
 
+def lightning_sees_gradients(wrapper: Any) -> bool:
+    """Whether the LightningModule or a callback of the trainer that owns ``wrapper``
+    overrides ``on_before_optimizer_step``, the hook that sees the gradients before the step
+    (logging their norms, changing them): they must be there then."""
+    try:
+        module = wrapper._strategy.lightning_module
+        trainer = module._trainer
+        from lightning.pytorch import Callback, LightningModule
+    except (AttributeError, ReferenceError, ImportError):
+        return False
+    hook = "on_before_optimizer_step"
+    overridden = getattr(type(module), hook) is not getattr(LightningModule, hook)
+    base = getattr(Callback, hook)
+    return overridden or any(getattr(type(c), hook) is not base for c in trainer.callbacks)
+
+
 def run_on_wrapped(cls: type, wrapped: Any, names: tuple[str, ...]) -> None:
     """Make the wrapper class ``cls`` (one per wrapper) hand the methods and properties
     ``names`` to the wrapped optimizer, except those the wrapper defines itself: Lightning's

@@ -124,7 +124,7 @@ def test_hf_trainer_trains_bit_identically(case, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- Lightning
 def _lightning_run(ours: bool, accumulate: int, clip: float | None, precision: str = "32-true",
-                   algorithm: str | None = None, scale_in_hook: bool = False,
+                   algorithm: str | None = None, hook: str | None = None,
                    fits: int = 1) -> nn.Module:  # fmt: skip
     pl = pytest.importorskip("lightning.pytorch")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -139,11 +139,6 @@ def _lightning_run(ours: bool, accumulate: int, clip: float | None, precision: s
             x, y = batch
             return nn.functional.mse_loss(self.net(x), y)
 
-        def on_before_optimizer_step(self, optimizer):
-            if scale_in_hook:  # a gradient change no clipping call shows
-                for p in self.parameters():
-                    p.grad.mul_(0.5)
-
         def configure_optimizers(self):
             if ours:
                 opt = InBackward(self.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -156,8 +151,20 @@ def _lightning_run(ours: bool, accumulate: int, clip: float | None, precision: s
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(72, 8, generator=g), 3 * torch.randn(72, 1, generator=g)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+    class Hooked(Regression):
+        def on_before_optimizer_step(self, optimizer):
+            if hook == "scale":  # a gradient change no clipping call shows
+                for p in self.parameters():
+                    p.grad.mul_(0.5)
+            else:  # Lightning's recipe for logging the gradient norms
+                from lightning.pytorch.utilities import grad_norm
+
+                self.norms_seen.append(len(grad_norm(self.net, norm_type=2)))
+
     torch.manual_seed(0)
-    module = Regression()
+    module = Regression() if hook is None else Hooked()
+    module.norms_seen = []
     try:
         for _ in range(fits):  # each fit calls configure_optimizers again
             trainer = pl.Trainer(
@@ -185,8 +192,9 @@ LIGHTNING_CASES = {
     "bf16-mixed-clip-norm": (1, 0.5, "bf16-mixed"),
     "bf16-mixed-accumulation-clip-norm": (2, 0.5, "bf16-mixed"),
     "clip-value": (1, 0.05, "32-true", "value"),
-    "gradients-changed-in-a-hook": (1, None, "32-true", None, True),
-    "fit-twice": (2, None, "32-true", None, False, 2),
+    "gradients-changed-in-a-hook": (1, None, "32-true", None, "scale"),
+    "gradient-norms-logged-in-a-hook": (1, None, "32-true", None, "log"),
+    "fit-twice": (2, None, "32-true", None, None, 2),
 }
 
 
@@ -196,14 +204,16 @@ def test_lightning_trains_bit_identically(case, monkeypatch):
     to the plain AdamW (was: "takes no closure"; accumulate_grad_batches stepped every
     micro-batch; gradient_clip_val raised, under bf16-mixed as well). Steps happen in
     backward (inside Lightning's step(closure)) wherever the trainer does not clip or
-    otherwise change the gradients (a hook scaling them was skipped from the second step on,
-    silently; a second fit raised "already belong to another InBackward")."""
+    otherwise see the gradients (a hook scaling them was skipped from the second step on,
+    silently, and one logging their norms found none; a second fit raised "already belong to
+    another InBackward")."""
     plain = _lightning_run(False, *LIGHTNING_CASES[case])
     counts = _count_steps(monkeypatch)
     ours = _lightning_run(True, *LIGHTNING_CASES[case])
     _assert_same(plain, ours)
-    holds = LIGHTNING_CASES[case][1] is not None or case == "gradients-changed-in-a-hook"
+    holds = LIGHTNING_CASES[case][1] is not None or "hook" in case
     assert (counts["backward"] > 0) != holds, counts
+    assert ours.norms_seen == plain.norms_seen  # (grad_norm found no gradient: empty dicts)
 
 
 def test_lightning_accumulation_without_detection_raises_not_steps_twice(monkeypatch):
