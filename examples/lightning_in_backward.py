@@ -7,8 +7,9 @@ Run:
 A small regression model is trained twice by ``lightning.Trainer`` with gradient accumulation,
 bf16 mixed precision and an LR schedule: once with ``torch.optim.AdamW``, once with
 ``InBackward(..., torch.optim.AdamW)``. The final parameters are bit-identical. Lightning runs
-the last micro-batch's forward and backward inside ``optimizer.step(closure)``: that backward
-steps each bucket of gradients as soon as it is final, the micro-batches before it only
+the last micro-batch's forward and backward inside ``optimizer.step(closure)``: from the second
+step on, that backward steps each bucket of gradients as soon as it is final (the first step
+is held, to learn what the trainer does before its step), the micro-batches before it only
 accumulate. With ``gradient_clip_val`` set, the trainer clips exactly, so the gradients are
 held for its clip and ``step()``, as with the plain optimizer.
 """

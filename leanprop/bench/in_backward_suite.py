@@ -12,7 +12,7 @@ kernels on CPU, fused kernels on CUDA):
   (``leanprop_no_norms``: with ``record_norms=False``, without the extra read of each
   gradient that keeps its norm for ``clip_grad_norm_(params, inf)`` / ``last_grad_norm``).
 
-Sizes: ``small_b1`` (about 3M parameters) and ``gpt2_10m`` (about 10M, InBackward's default
+Sizes: ``small_b1`` (about 4.2M parameters) and ``gpt2_10m`` (about 10M, InBackward's default
 25 MiB buckets) on CPU; ``gpt2m_b1`` (GPT-2 medium) on CUDA. The leanprop row also gives the
 Python cost of one bucket step beyond the plain optimizer's ``step()`` on the same tensors
 (tiny tensors, so that only the per-call cost is left).

@@ -120,6 +120,11 @@ _TORCH_CLIP, _TORCH_CLIP_VALUE = torch.nn.utils.clip_grad_norm_, torch.nn.utils.
 _CLIP_ORIGINAL: list[Any] = []  # what the guards replaced (norm, value), while installed
 
 
+def _owners(params: Iterable[Tensor]) -> list[InBackward]:
+    """The InBackward optimizers stepping ``params``, each once."""
+    return list({id(o): o for p in params if (o := _owner(p)) is not None}.values())
+
+
 def _stepped_in_last_backward(p: Tensor) -> bool:
     """``p`` belongs to an InBackward that stepped it (and freed its gradient) in its last
     backward."""
@@ -129,7 +134,7 @@ def _stepped_in_last_backward(p: Tensor) -> bool:
 
 def _note_clipping(params: list[Tensor], kind: str) -> None:
     """A clipping call on held gradients: their optimizers learn what the caller does."""
-    for o in {id(o): o for p in params if (o := _owner(p)) is not None}.values():
+    for o in _owners(params):
         o._clipping.saw(kind)
 
 
@@ -152,7 +157,7 @@ def _guarded_clip_grad_norm_(
             _note_clipping(params, "norm")
         total = torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
         if not finite:  # a read (torch multiplied the gradients by 1 in place)
-            for o in {id(o): o for p in params if (o := _owner(p)) is not None}.values():
+            for o in _owners(params):
                 o._clipping.refresh(params)
         return total
     approximate = all(o.clip_grad_norm is not None for p in stepped if (o := _owner(p)))
@@ -277,9 +282,10 @@ class InBackward(torch.optim.Optimizer):
         clip_grad_norm: cheap approximate global-norm clipping: each gradient is scaled by
             ``clip_grad_norm / (norm + 1e-6)`` (at most 1) where ``norm`` is the global gradient
             norm of the *previous* backward (the first backward is not clipped). For exact
-            clipping use :meth:`clipped_backward` (one extra backward).
+            clipping use :meth:`clipped_backward` (one extra backward). Gradients held for
+            ``step()`` (micro-batches, trainers) are all there: they are clipped exactly.
         record_norms: keep each stepped gradient's norm (one extra read of every gradient,
-            about a tenth of a step on CPU): what ``last_grad_norm``, approximate clipping
+            a few percent of a step on CPU): what ``last_grad_norm``, approximate clipping
             and ``clip_grad_norm_(params, inf)`` (trainers' logging) read. Off: those raise.
         ddp: the ``DistributedDataParallel`` module whose parameters these are: each DDP bucket
             is stepped once its all-reduce has finished, and DDP's bucket memory is released
@@ -371,7 +377,7 @@ class InBackward(torch.optim.Optimizer):
         self._handles: list[RemovableHandle] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(p) -> (group, position)
         params_all = [p for g in self.param_groups for p in g["params"]]
-        for o in {id(o): o for p in params_all if (o := _owner(p)) is not None}.values():
+        for o in _owners(params_all):
             if o._lightning_done():  # Lightning's finished run still references it
                 o.remove()
         taken = [p for p in params_all if _owner(p) is not None]
@@ -510,14 +516,31 @@ class InBackward(torch.optim.Optimizer):
             finally:
                 self._in_step = False
         held = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self._clipping.end_of_step(held)  # (before the step frees them)
-        self.step_bucket(held, in_backward=False)
-        self._awaiting_step = self._stepped_outside_closure = False
+        try:
+            self._clipping.end_of_step(held)  # (before the step frees them)
+            if held and self.clip_grad_norm is not None:
+                self._clip_held(held)
+            self.step_bucket(held, in_backward=False)
+        finally:
+            self._awaiting_step = self._stepped_outside_closure = False
         return result
 
+    def _clip_held(self, held: list[Tensor]) -> None:
+        """The user's clipping (``clip_grad_norm=``) of gradients held for ``step()``: all of
+        them are there, so exactly, as ``clip_grad_norm_(params, clip_grad_norm)``; their norm
+        is recorded (``last_grad_norm``) and sets the next approximate factor."""
+        self._stepped.begin(-2)  # (a step outside backward: its own record)
+        self._stepped.record(held, [p.grad for p in held])
+        total = self.last_grad_norm
+        coef = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
+        scale_grads([p.grad for p in held], coef)
+        self._approx_coef = coef
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients are freed after their step; this clears any left by :meth:`accumulate`."""
+        """Gradients are freed after their step; this clears any left by :meth:`accumulate`
+        or held for ``step()`` (a loop that skips this step)."""
         self.inner.zero_grad(set_to_none=set_to_none)
+        self._awaiting_step = False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved from this facade or from the plain optimizer."""

@@ -774,6 +774,8 @@ class PerSample:
         another module (a tied embedding and head) may be split wrongly, so this forward's
         quantities are checked even with ``check=False``."""
         if not self._root_running and torch.is_grad_enabled() and site.module is not self.model:
+            if self._cycle.backward_done:  # the first call of a new forward: start it here, so
+                self._abort_cycle()  # that a model call taking its output does not drop it
             self._cycle.direct_call = site.name
 
     def begin_fused(self, args: tuple[Any, ...]) -> Call | None:
@@ -1104,12 +1106,16 @@ class PerSample:
             self._params_reached = True
             wanted = self._kinds and not self._passive
             cycle = self._cycle
-            if wanted and not cycle.open and not cycle.backward_done and not in_eager_backward():
-                # the first backward since the last forward reaches the parameters before (or
-                # without) any of our records (a forward outside the block, or one whose
-                # records were dropped): its end then finds their quantities missing and
-                # says so (after a backward, e.g. differentiating create_graph quantities,
-                # a gradient with no records is not the model's)
+            unrecorded = cycle.n is None or cycle.dropped_n is not None
+            if (
+                wanted and unrecorded and not cycle.open and not cycle.backward_done
+                and not in_eager_backward()
+            ):  # fmt: skip
+                # the first backward since the last forward reaches the parameters, and that
+                # forward recorded nothing (it ran outside the block), or its records were
+                # dropped: its end then finds their quantities missing and says so (a
+                # gradient with no records after a backward, e.g. differentiating
+                # create_graph quantities, or of a penalty on the weights is not the model's)
                 self._open_cycle()
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
             if wanted:
@@ -1214,7 +1220,7 @@ class PerSample:
             names -= sums.keys()
         scratch, shared = self._cycle.scratch, frozenset({BatchGrad})
         reducers = {
-            k: Reducer(kinds if k in single else shared, call.params[k], call.n, scratch)
+            k: Reducer(kinds if k in single else shared, call.params[k], call.n, scratch, k)
             for k in names
         }
         if names:

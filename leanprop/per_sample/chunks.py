@@ -26,12 +26,13 @@ class Scratch:
     workspace budget) and is dropped with this object."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._buffers: dict[tuple[torch.device, torch.dtype, str], Tensor] = {}
 
-    def take(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    def take(self, shape: tuple[int, ...], like: Tensor, slot: str = "") -> Tensor:
         """A contiguous uninitialised tensor of ``shape`` with ``like``'s device and dtype,
-        valid until the next ``take``."""
-        numel, key = math.prod(shape), (like.device, like.dtype)
+        valid until the next ``take`` of the same ``slot`` (one per tensor a chunk needs at
+        once, e.g. a layer's weight and bias)."""
+        numel, key = math.prod(shape), (like.device, like.dtype, slot)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
             self._buffers[key] = buf = None  # (the old one is freed before the new one)

@@ -27,13 +27,13 @@ from ..side_losses.lm_head import LossSpec, logit_grads, rows_per_chunk
 from .batch import BatchDim, to_front
 from .chunks import Scratch, sample_chunks
 from .rules.linear import gram_is_cheaper
-from .stats import sample_sum, sq_norms
+from .stats import sample_sum, sq_norms, widen
 
 
 def _rows(t: Tensor, bd: BatchDim, n: int) -> Tensor:
     """``[N, S, last]``: sample n's rows of ``t`` (batch in a leading dimension)."""
     front = to_front(t, bd, n)
-    return front.reshape(n, -1, t.shape[-1])
+    return front.reshape(n, front[:1].numel() // t.shape[-1] if n else 0, t.shape[-1])
 
 
 def _linear_rows(
@@ -132,10 +132,11 @@ def _materialised_norms(
         part = scratch.take((stop - start, a, b), left)
         torch.bmm(left[start:stop], right[start:stop], out=part)
         norms.append(sq_norms(part))
-        s = sample_sum(part)
+        s = sample_sum(widen(part))  # (16-bit chunks add up in float32)
         total = s if total is None else total.add_(s)
-    assert total is not None  # (n > 0: a captured op has samples)
-    return torch.cat(norms) if len(norms) > 1 else norms[0], total
+    if total is None:  # no samples
+        return left.new_zeros(0), left.new_zeros(a, b)
+    return torch.cat(norms) if len(norms) > 1 else norms[0], total.to(left.dtype)
 
 
 def _chunked_cross_entropy(

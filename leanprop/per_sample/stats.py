@@ -141,9 +141,11 @@ class Reducer:
     (shift: the first sample), as accurate chunked as in one piece."""
 
     def __init__(
-        self, kinds: frozenset[type[Quantity]], like: Tensor, n: int, scratch: Scratch
-    ) -> None:
-        self.kinds, self.like, self.n, self.scratch = kinds, like, n, scratch
+        self, kinds: frozenset[type[Quantity]], like: Tensor, n: int, scratch: Scratch,
+        slot: str = "",
+    ) -> None:  # fmt: skip
+        self.kinds, self.like, self.n = kinds, like, n
+        self.scratch, self.slot = scratch, slot  # (slot: this reducer's own scratch buffer)
         self.parts: list[Tensor] = []
         self.full: Tensor | None = None  # preallocated [n, *shape] when not recording
         self.l2: list[Tensor] = []
@@ -161,7 +163,7 @@ class Reducer:
         if torch.is_grad_enabled() or like.dtype != self.like.dtype:
             return None  # (16-bit chunks are converted: see add)
         if BatchGrad not in self.kinds:
-            return self.scratch.take((stop - start, *self.like.shape), like)
+            return self.scratch.take((stop - start, *self.like.shape), like, self.slot)
         if stop - start == self.n:
             return None
         if self.full is None:

@@ -950,3 +950,31 @@ def test_record_norms_off_trains_the_same_and_refuses_norm_reads():
                    record_norms=False)  # fmt: skip
     kept_opt.remove()
     lean_opt.remove()
+
+
+def test_approximate_clipping_clips_held_gradients_exactly():
+    """Gradients held for step() (accumulate(); trainers) skipped the user's clip_grad_norm=
+    (an update 40x too large here): all of them are there, so they are clipped exactly, as
+    clip_grad_norm_ before the plain optimizer's step."""
+    data = torch.randn(3, 2, 5, 6)
+
+    def run(ours: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = Net()
+        if ours:
+            opt = InBackward(_groups(model), torch.optim.SGD, lr=0.5, clip_grad_norm=1e-2)
+        else:
+            opt = torch.optim.SGD(_groups(model), lr=0.5)
+        for s in range(3):
+            with opt.accumulate() if ours else contextlib.nullcontext():
+                for m in range(2):
+                    model(data[s, m]).pow(2).mean().backward()
+            if not ours:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+            opt.step()
+            opt.zero_grad()
+        if ours:
+            opt.remove()
+        return model
+
+    assert_bitwise_equal(run(True), run(False))

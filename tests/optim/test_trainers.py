@@ -432,3 +432,25 @@ def test_hf_trainer_clipping_turned_on_for_a_second_run_is_refused(tmp_path):
     the same optimizer that clips now gets the guard's clear error (never unclipped)."""
     with pytest.raises(UnsupportedModelError, match=r"needs a new InBackward"):
         _hf_run(tmp_path, True, max_grad_norm=0, twice={"max_grad_norm": 1.0})
+
+
+def test_accelerate_loop_that_skips_a_step_with_zero_grad():
+    """A trainer-driven loop that drops a held step with zero_grad() (e.g. a skipped batch)
+    got "step() was not called" at its next backward."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        model = nn.Linear(3, 2)
+        opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+        acc = accelerate.Accelerator(cpu=True)
+        model, opt = acc.prepare(model, opt)
+        acc.backward(model(torch.randn(4, 3)).sum())  # the first step: held
+        opt.zero_grad()  # skipped
+        acc.backward(model(torch.randn(4, 3)).sum())
+        opt.step()
+        opt.optimizer.remove()
+    finally:
+        GradientState._reset_state()

@@ -1027,3 +1027,57 @@ def test_an_empty_batch_through_a_reshape():
         for n in (5, 0):
             model(torch.randn(n, 3)).flatten(1).square().sum().backward()
             assert model[0].weight.grad_batch.shape == (n, 4, 3)
+
+
+def test_a_direct_call_after_a_step_is_still_checked():
+    """A module called on its own after an ordinary step, its output fed to the model: the
+    model's new-forward hook dropped the call's records and the "checked" mark (silently
+    wrong with check=False)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e, self.o = nn.Embedding(7, 3), nn.Linear(3, 7, bias=False)
+            self.o.weight = self.e.weight
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.o(torch.tanh(h))
+
+    torch.manual_seed(0)
+    model = Tied().double()
+    with leanprop.per_sample(model, leanprop.BatchGrad(), check=False):
+        model(torch.randn(4, 5, 3, dtype=torch.float64)).square().sum().backward()
+        model.zero_grad()
+        with pytest.raises(leanprop.UnsupportedModelError):
+            model(model.e(torch.randint(0, 7, (4, 5)))).square().sum().backward()
+
+
+def test_a_penalty_on_the_weights_before_the_loss_backward():
+    """A backward of a weight penalty before the loss's backward (both after one forward):
+    the penalty's gradient reached the parameters first and was refused as a forward outside
+    the block."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        out = model(torch.randn(5, 3))
+        sum(p.square().sum() for p in model.parameters()).mul(1e-3).backward()
+        out.square().sum().backward()
+    assert model[0].weight.grad_batch.shape == (5, 4, 3)
+
+
+@pytest.mark.parametrize("quantity", [leanprop.BatchGrad(), leanprop.BatchL2Grad()])
+def test_an_empty_batch_through_an_op_level_linear_on_sequences(quantity):
+    """N=0 through F.linear on [N, T, D] (GPT-2's Conv1D path): a reshape of zero samples."""
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.w)
+
+    model = Functional()
+    with leanprop.per_sample(model, quantity):
+        model(torch.randn(0, 5, 3)).square().sum().backward()
+    assert getattr(model.w, quantity.attr).shape[0] == 0

@@ -174,9 +174,11 @@ def test_batch_l2_alone_materialises_chunks_in_one_reused_buffer(mib, monkeypatc
     taken = []
     real = Scratch.take
 
-    def take(self, shape, like):
-        out = real(self, shape, like)
-        taken.append((shape, out.untyped_storage().data_ptr()))
+    def take(self, shape, like, slot=""):
+        before = dict(self._buffers)  # (held: a freed buffer's address is not reused here)
+        out = real(self, shape, like, slot)
+        grew = any(before.get(k) is not v for k, v in self._buffers.items())
+        taken.append((shape, grew))
         return out
 
     monkeypatch.setattr(Scratch, "take", take)
@@ -187,8 +189,8 @@ def test_batch_l2_alone_materialises_chunks_in_one_reused_buffer(mib, monkeypatc
         losses = losses_fn()
         losses.sum().backward(retain_graph=True)
     assert taken, "no individual gradients were materialised in the scratch buffer"
-    storages = {ptr for _, ptr in taken}
-    assert len(storages) < len(taken), "the scratch buffer was not reused"
+    grown = sum(grew for _, grew in taken)
+    assert grown < len(taken) / 2, f"the scratch buffer was allocated {grown} of {len(taken)} times"
     if mib is not None:
         assert any(shape[0] == 1 for shape, _ in taken), "no chunk smaller than the batch"
     expected = individual_gradients_of_losses(losses, params)
@@ -283,3 +285,28 @@ def test_a_detached_initial_state_is_a_constant(how):
         return m, lambda: m(x), {}
 
     check(build)
+
+
+def test_batch_l2_alone_in_bf16_chunks_sums_the_gradient_in_float32():
+    """BatchL2Grad alone of an op-level linear under bf16 autocast, a chunk at a time: the
+    gradient (which becomes .grad, and which the sum check cannot question) was summed over
+    the chunks in bf16 (0.8 % off autograd's against 0.1 % in one piece)."""
+
+    class Functional(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 16, dtype=torch.float32) / 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.w)
+
+    torch.manual_seed(0)
+    model, x = Functional().float(), torch.randn(64, 40, 16, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.autograd.grad(model(x).float().square().sum(), model.w)[0]
+    with leanprop.per_sample(model, BatchL2Grad(), max_workspace_mib=0.0005, check=False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().square().sum().backward()
+    err = float((model.w.grad - ref).norm() / ref.norm())
+    assert err < 3e-3, err

@@ -54,3 +54,14 @@ def test_half_precision_statistics_do_not_overflow():
     for k in (SumGradSquared.attr, BatchL2Grad.attr, Variance.attr):
         assert got[k].dtype == torch.float32 and torch.isfinite(got[k]).all(), k
     assert float(got[SumGradSquared.attr][0]) == pytest.approx(8 * 300.0**2)
+
+
+def test_reducers_of_one_call_get_separate_scratch_buffers():
+    """A layer's weight and bias reduced in one chunk: a rule may write both targets, so
+    their scratch buffers must not alias."""
+    scratch = Scratch()
+    w, b, g = torch.zeros(4, 3), torch.zeros(4), torch.zeros(5, 4)
+    reducers = {k: Reducer(KINDS, like, 5, scratch, k) for k, like in (("w", w), ("b", b))}
+    with torch.no_grad():
+        targets = {k: r.target(0, 5, g) for k, r in reducers.items()}
+    assert targets["w"].data_ptr() != targets["b"].data_ptr()
