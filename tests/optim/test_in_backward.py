@@ -804,24 +804,27 @@ def test_options_take_any_real_number():
     opt.remove()
 
 
-@pytest.mark.parametrize("clip", [None, "norm", "value"])
+@pytest.mark.parametrize("clip", [None, "norm", "value", "approximate"])
 def test_step_inside_accumulate_steps_the_held_gradients_as_the_plain_optimizer(clip):
     """step() with gradients held (here by accumulate(); trainers hold them too) is the plain
-    optimizer's step on them, after any clipping of them (was: an error)."""
+    optimizer's step on them, after any clipping of them (was: an error). InBackward's own
+    approximate clipping (clip_grad_norm=) clips held gradients exactly, as clip_grad_norm_
+    (it skipped them: an update 40x too large in one case)."""
     data = torch.randn(3, 2, 5, 6)
 
     def run(ours: bool) -> nn.Module:
         torch.manual_seed(0)
         model = Net()
+        approximate = {"clip_grad_norm": 0.05} if clip == "approximate" else {}
         if ours:
-            opt = InBackward(_groups(model), torch.optim.AdamW, lr=0.01)
+            opt = InBackward(_groups(model), torch.optim.AdamW, lr=0.01, **approximate)
         else:
             opt = torch.optim.AdamW(_groups(model), lr=0.01)
         for s in range(3):
             with opt.accumulate() if ours else contextlib.nullcontext():
                 for m in range(2):
                     model(data[s, m]).pow(2).mean().backward()
-                if clip == "norm":
+                if clip == "norm" or (clip == "approximate" and not ours):
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
                 elif clip == "value":
                     torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
@@ -950,31 +953,3 @@ def test_record_norms_off_trains_the_same_and_refuses_norm_reads():
                    record_norms=False)  # fmt: skip
     kept_opt.remove()
     lean_opt.remove()
-
-
-def test_approximate_clipping_clips_held_gradients_exactly():
-    """Gradients held for step() (accumulate(); trainers) skipped the user's clip_grad_norm=
-    (an update 40x too large here): all of them are there, so they are clipped exactly, as
-    clip_grad_norm_ before the plain optimizer's step."""
-    data = torch.randn(3, 2, 5, 6)
-
-    def run(ours: bool) -> nn.Module:
-        torch.manual_seed(0)
-        model = Net()
-        if ours:
-            opt = InBackward(_groups(model), torch.optim.SGD, lr=0.5, clip_grad_norm=1e-2)
-        else:
-            opt = torch.optim.SGD(_groups(model), lr=0.5)
-        for s in range(3):
-            with opt.accumulate() if ours else contextlib.nullcontext():
-                for m in range(2):
-                    model(data[s, m]).pow(2).mean().backward()
-            if not ours:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
-            opt.step()
-            opt.zero_grad()
-        if ours:
-            opt.remove()
-        return model
-
-    assert_bitwise_equal(run(True), run(False))

@@ -225,6 +225,14 @@ def test_lightning_accumulation_without_detection_raises_not_steps_twice(monkeyp
 
 
 # ---------------------------------------------------------------------------- accelerate
+def _small_adam(ours: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
+    if ours:
+        return model, InBackward(model.parameters(), torch.optim.Adam, lr=1e-2)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
 def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True, clip: bool = False,
                     device_placement: bool = True) -> nn.Module:  # fmt: skip
     accelerate = pytest.importorskip("accelerate")
@@ -232,12 +240,7 @@ def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True, clip: b
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
-    if ours:
-        opt = InBackward(model.parameters(), torch.optim.Adam, lr=1e-2)
-    else:
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = _small_adam(ours)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g))
     acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulate,
@@ -394,13 +397,7 @@ def test_fabric_wrapper_runs_the_optimizers_own_methods():
 
     def run(ours: bool) -> nn.Module:
         fabric = lightning.Fabric(accelerator="cpu", devices=1)
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
-        if ours:
-            opt = InBackward(model.parameters(), torch.optim.Adam, lr=1e-2)
-        else:
-            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        model, opt = fabric.setup(model, opt)
+        model, opt = fabric.setup(*_small_adam(ours))
         x = torch.randn(12, 4, 6, generator=torch.Generator().manual_seed(1))
         for i in range(12):
             last = (i + 1) % 3 == 0
