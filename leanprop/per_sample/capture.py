@@ -759,14 +759,14 @@ class PerSample:
 
     def _on_fallback_enter(self, site: Site, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self._computing:
+            self._note_direct_call(site)  # (first: it may start a new cycle)
             site.calls_before = [s.calls for s in site.inner]
-            self._note_direct_call(site)
 
     def _on_rule_enter(self, site: Site, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._computing:
+            self._note_direct_call(site)  # (first: it may start a new cycle)
         site.running = not self._computing
         site.fused = False
-        if site.running:
-            self._note_direct_call(site)
 
     def _note_direct_call(self, site: Site) -> None:
         """A module of the model called on its own (the model's forward not running): what

@@ -1081,3 +1081,23 @@ def test_an_empty_batch_through_an_op_level_linear_on_sequences(quantity):
     with leanprop.per_sample(model, quantity):
         model(torch.randn(0, 5, 3)).square().sum().backward()
     assert getattr(model.w, quantity.attr).shape[0] == 0
+
+
+def test_modules_called_on_their_own_over_several_steps():
+    """Two modules of the model called on their own, several steps in one block: exact (the
+    first call of a new forward starts it, before the module marks itself as running)."""
+    torch.manual_seed(0)
+    parent = nn.ModuleDict({"a": nn.Linear(3, 4), "b": nn.Linear(4, 2)}).double()
+    oracle = copy.deepcopy(parent)
+    with leanprop.per_sample(parent, leanprop.BatchGrad(), check=False):
+        for _ in range(3):
+            x = torch.randn(5, 3, dtype=torch.float64)
+            parent["b"](torch.tanh(parent["a"](x))).square().sum().backward()
+
+            def loss(xi: torch.Tensor) -> torch.Tensor:
+                return oracle["b"](torch.tanh(oracle["a"](xi[None]))).square().sum()
+
+            for (k, p), q in zip(parent.named_parameters(), oracle.parameters(), strict=True):
+                expected = [torch.autograd.grad(loss(xi), q)[0] for xi in x]
+                torch.testing.assert_close(p.grad_batch, torch.stack(expected), msg=k)
+            parent.zero_grad()
