@@ -75,7 +75,14 @@ from .._torch_compat import (
 )
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
-from .norms import SteppedNorms, global_norm, grad_norms, norm_in_order, scale_grads
+from .norms import (
+    SteppedNorms,
+    clip_factor,
+    global_norm,
+    grad_norms,
+    norm_in_order,
+    scale_grads,
+)
 from .trainers import (
     TrainerClipping,
     accelerate_caller,
@@ -532,7 +539,7 @@ class InBackward(torch.optim.Optimizer):
         self._stepped.begin(-2)  # (a step outside backward: its own record)
         self._stepped.record(held, [p.grad for p in held])
         total = self.last_grad_norm
-        coef = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
+        coef = clip_factor(self.clip_grad_norm, total)
         scale_grads([p.grad for p in held], coef)
         self._approx_coef = coef
 
@@ -614,7 +621,7 @@ class InBackward(torch.optim.Optimizer):
         finally:
             self._measuring = None
         total = norm_in_order(norms, self.param_groups, norm_type, loss.device)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_factor(max_norm, total)
         self._coef = coef
         try:
             loss.backward()
@@ -865,9 +872,7 @@ class InBackward(torch.optim.Optimizer):
         if self._stepped.task != current_graph_task_id() or not self._stepped.stepped:
             return  # stepped nothing (autograd.grad, accumulate()): the clip factor stays
         norm = self.last_grad_norm if self.clip_grad_norm is not None else None
-        self._approx_coef = (
-            None if norm is None else torch.clamp(self.clip_grad_norm / (norm + 1e-6), max=1.0)
-        )
+        self._approx_coef = None if norm is None else clip_factor(self.clip_grad_norm, norm)
 
     def _step_ready(self) -> None:
         """Step exactly the parameters whose gradient is final, then free their gradients."""

@@ -33,6 +33,12 @@ def scale_grads(grads: Sequence[Tensor], factor: Tensor) -> None:
             g.mul_(factor)
 
 
+def clip_factor(max_norm: float, total: Tensor) -> Tensor:
+    """The factor ``clip_grad_norm_`` scales gradients of global norm ``total`` by:
+    ``max_norm / (total + 1e-6)``, at most 1."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 @dataclass
 class SteppedNorms:
     """Each parameter's gradient norm, as backward produced it (before any clipping), in the
