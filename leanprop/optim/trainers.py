@@ -82,20 +82,28 @@ def lightning_wrapper(cls: type) -> Any:
 def closure_driven(wrapper: Any) -> bool:
     """Whether ``wrapper`` is Lightning's (not Fabric's): its trainer runs the backward of the
     micro-batch that steps inside ``optimizer.step(closure)``."""
-    return type(wrapper).__name__ == "LightningOptimizer" or any(
-        c.__name__ == "LightningOptimizer" for c in type(wrapper).__mro__
-    )
+    return any(c.__name__ == "LightningOptimizer" for c in type(wrapper).__mro__)
+
+
+def _module_and_trainer(wrapper: Any) -> tuple[Any, Any] | None:
+    """The LightningModule and the trainer that own ``wrapper`` (None once gone or before
+    they are attached)."""
+    try:
+        module = getattr(wrapper._strategy, "lightning_module", None)
+    except (AttributeError, ReferenceError):  # (the strategy is gone, or not set yet)
+        return None
+    trainer = getattr(module, "_trainer", None)
+    return None if trainer is None else (module, trainer)
 
 
 def lightning_running(wrapper: Any) -> bool:
     """Whether a running Lightning trainer (fitting now) steps ``wrapper``'s optimizer."""
+    owners = _module_and_trainer(wrapper)
     try:
-        module = getattr(wrapper._strategy, "lightning_module", None)
-        trainer = getattr(module, "_trainer", None)
-        if trainer is None or str(trainer.state.status.value) != "running":
+        if owners is None or str(owners[1].state.status.value) != "running":
             return False
-        return any(o is wrapper._optimizer for o in trainer.strategy.optimizers)
-    except (AttributeError, ReferenceError):  # (strategy gone, or not attached yet)
+        return any(o is wrapper._optimizer for o in owners[1].strategy.optimizers)
+    except AttributeError:  # (a trainer without that state: not one we know)
         return False
 
 
@@ -103,12 +111,12 @@ def lightning_sees_gradients(wrapper: Any) -> bool:
     """Whether the LightningModule or a callback of the trainer that owns ``wrapper``
     overrides ``on_before_optimizer_step``, the hook that sees the gradients before the step
     (logging their norms, changing them): they must be there then."""
-    try:
-        module = wrapper._strategy.lightning_module
-        trainer = module._trainer
-        from lightning.pytorch import Callback, LightningModule
-    except (AttributeError, ReferenceError, ImportError):
+    owners = _module_and_trainer(wrapper)
+    if owners is None:
         return False
+    from lightning.pytorch import Callback, LightningModule
+
+    module, trainer = owners
     hook = "on_before_optimizer_step"
     overridden = getattr(type(module), hook) is not getattr(LightningModule, hook)
     base = getattr(Callback, hook)
