@@ -11,6 +11,7 @@ import torch
 
 # private modules torch itself builds on (stable since torch 2.0), re-exported from here only
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401
+from torch.optim import optimizer as _optimizer_module
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten  # noqa: F401
 
@@ -198,3 +199,14 @@ def is_dtensor(t: torch.Tensor) -> bool:
     except ImportError:
         return False
     return isinstance(t, DTensor)
+
+
+def optimizer_step_hooked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step pre- or post-hooks are registered on ``optimizer`` or on all optimizers
+    (``step()`` runs them; a direct kernel call would not)."""
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _optimizer_module._global_optimizer_pre_hooks
+        or _optimizer_module._global_optimizer_post_hooks
+    )

@@ -75,6 +75,7 @@ from .._torch_compat import (
 )
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .distributed import DDPStepper, fsdp_units
+from .kernels import DirectKernels
 from .norms import (
     SteppedNorms,
     clip_factor,
@@ -358,6 +359,7 @@ class InBackward(torch.optim.Optimizer):
                 "sharded with fully_shard), not both."
             )
         self.inner = optimizer_class(params, **kwargs)
+        self._kernels = DirectKernels(self.inner)  # bucket steps without Optimizer.step()
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self._share()
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -449,6 +451,7 @@ class InBackward(torch.optim.Optimizer):
         """The facade and the inner optimizer use the same groups and state objects."""
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+        self._kernels.clear()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Lightning (and Fabric) wrap the optimizer in a subclass of its class made on the
@@ -905,8 +908,13 @@ class InBackward(torch.optim.Optimizer):
                 scale_grads(grads, coef)
         groups = self.param_groups
         saved = [g["params"] for g in groups]
-        subsets: list[list[Tensor]] = [[] for _ in groups]
         where = self._positions(saved, params)
+        with torch.no_grad():
+            if self._kernels.step(params, where):
+                for p in params:
+                    p.grad = None
+                return
+        subsets: list[list[Tensor]] = [[] for _ in groups]
         for p in sorted(params, key=lambda p: where[id(p)]):  # each group's own order
             subsets[where[id(p)][0]].append(p)
         try:

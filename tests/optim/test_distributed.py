@@ -132,13 +132,14 @@ def _in_backward_fsdp_worker(rank, world_size, clip):
     plain = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = InBackward(model.parameters(), torch.optim.AdamW, lr=0.01, fsdp=model)
     calls = []
-    inner_step = opt.inner.step
+    step_bucket = opt.step_bucket
 
-    def counted_step(*args, **kwargs):
-        calls.append(sum(len(g["params"]) for g in opt.param_groups))
-        return inner_step(*args, **kwargs)
+    def counted_step(params, *args, **kwargs):
+        if params:  # (the end of backward steps what is left: nothing here)
+            calls.append(len(params))
+        return step_bucket(params, *args, **kwargs)
 
-    opt.inner.step = counted_step
+    opt.step_bucket = counted_step
     gen = torch.Generator().manual_seed(100 + rank)
     for step in range(3):
         x = torch.randn(4, 6, generator=gen)
