@@ -9,12 +9,19 @@ from .errors import (
 from .measure import MismatchError, Timing, compare, time_fn, track_memory
 from .optim import InBackward
 from .per_sample import (
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
     BatchGrad,
     BatchL2Grad,
+    DiagGGNExact,
+    DiagGGNMC,
     Quantity,
+    SqrtGGNExact,
+    SqrtGGNMC,
     SumGradSquared,
     Variance,
     all_reduce_quantities,
+    ggn,
     per_sample,
     register_rule,
 )
@@ -32,6 +39,14 @@ __all__ = [
     "all_reduce_quantities",
     "per_sample",
     "register_rule",
+    # curvature (generalized Gauss-Newton)
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
+    "DiagGGNExact",
+    "DiagGGNMC",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
+    "ggn",
     # optimizer step in backward
     "InBackward",
     # eager side losses

@@ -9,8 +9,9 @@ parameters split by group and their state dicts, and calls the functional kernel
 arguments: same kernel family (the group's ``foreach``/``fused``), bit-identical results.
 
 Whatever it does not know to be the same goes through the optimizer's own ``step()`` instead:
-another optimizer class, options it does not pass (a newer torch's), step hooks, a parameter
-whose state is not created yet (the first step creates it), sparse gradients, a tensor ``lr``,
+each bucket's first step (it creates the state and checks devices and dtypes for fused
+kernels), another optimizer class, options it does not pass (a newer torch's), step hooks, a
+parameter whose state is not created yet, sparse gradients, a tensor ``lr``,
 ``differentiable`` or ``capturable`` groups, an AMP ``grad_scale``.
 """
 
@@ -129,11 +130,13 @@ class DirectKernels:
         self.optimizer = optimizer
         self.kernel = _kernel_for(optimizer)
         self._plans: dict[tuple[int, ...], list[_GroupCall]] = {}
+        self._seen: set[tuple[int, ...]] = set()  # buckets step() has stepped once
         self._built_for: tuple[object, ...] = ()
 
     def clear(self) -> None:
         """Forget the prebuilt buckets (the groups or the state were replaced)."""
         self._plans.clear()
+        self._seen.clear()
 
     def step(self, params: list[Tensor], where: dict[int, tuple[int, int]]) -> bool:
         """Step ``params`` (each with its ``.grad``) by direct kernel calls.
@@ -157,13 +160,18 @@ class DirectKernels:
         built_for = (where, opt.param_groups, opt.state)
         if len(self._built_for) != 3 or any(map(op.is_not, self._built_for, built_for)):
             self._plans.clear()  # groups or state replaced since (load_state_dict, ...)
+            self._seen.clear()
             self._built_for = built_for
         key = tuple(map(id, params))
+        if key not in self._seen:  # its first step is step()'s: state, checks of fused kernels
+            self._seen.add(key)
+            return False
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(params, where)
             if len(self._plans) >= 256:  # backward order keeps changing: keep the recent
                 self._plans.clear()
+                self._seen = {key}
             self._plans[key] = plan
         try:
             calls = [self._arguments(kernel, c) for c in plan]

@@ -20,22 +20,40 @@ One backward, followed through this folder:
   fallback for modules hooked as a whole (RNNs).
 * ``stats.py``: statistics over samples (cache-blocked, centred variance); ``quantities.py``:
   what can be requested; ``distributed.py``: :func:`all_reduce_quantities` over ranks.
+* ``curvature/``: the generalized Gauss-Newton matrix (:func:`ggn`): one backward per column
+  of the loss Hessian's factor through the same recorded forward.
 """
 
 from .api import per_sample
 from .capture import PerSample
+from .curvature import (
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    DiagGGNExact,
+    DiagGGNMC,
+    SqrtGGNExact,
+    SqrtGGNMC,
+    ggn,
+)
 from .distributed import all_reduce_quantities
 from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
 from .registry import register_rule
 
 __all__ = [
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
     "BatchGrad",
     "BatchL2Grad",
+    "DiagGGNExact",
+    "DiagGGNMC",
     "PerSample",
     "Quantity",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
     "SumGradSquared",
     "Variance",
     "all_reduce_quantities",
+    "ggn",
     "per_sample",
     "register_rule",
 ]

@@ -274,6 +274,19 @@ class PerSample:
         self._kinds, self.conv_algorithm = kinds, conv_algorithm
         self.reset_on_forward = True
 
+    @contextmanager
+    def computing(self, kinds: frozenset[type[Quantity]]) -> Iterator[None]:
+        """Compute ``kinds`` in the backward passes run inside the block (curvature's extra
+        passes through one forward), then what was asked before. The inputs of modules hooked
+        as a whole are kept for each next backward through the same forward, the first after
+        the block included."""
+        saved = self._kinds
+        self._kinds, self._cycle.keep_calls = kinds, True
+        try:
+            yield
+        finally:
+            self._kinds, self._cycle.keep_calls = saved, False
+
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> PerSample:
         if self._active:
@@ -873,6 +886,7 @@ class PerSample:
                 self._cycle.tensor_handles.append(
                     t.register_hook(_Weakly(self._on_output_grad, call, i))
                 )
+        call.hooked = call.pending
         if call.pending and params:
             for p in params.values():
                 self._states[p].uses += 1
@@ -1163,8 +1177,11 @@ class PerSample:
             self._abort_cycle()  # the backward is aborted: the next one starts clean
             raise
         finally:
-            call.args = call.kwargs = None
-            call.grads = []
+            if self._cycle.keep_calls:  # for the next backward through this forward
+                call.grads = [None] * len(call.grads)
+            else:
+                call.args = call.kwargs = None
+                call.grads = []
 
     def _budget(self, device: torch.device) -> int:
         """Scratch bytes per layer: as given, else 16 MiB on CPU (small chunks stay in cache

@@ -62,6 +62,7 @@ class Call:
     grads: list[Tensor | None]
     pending: int
     closed: bool = False
+    hooked: int = 0  # output gradients it waits for in each backward (module-level calls)
     in_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # rule sites: the batch in
     out_bd: BatchDim = field(default_factory=lambda: BatchDim(0))  # the input and the output
     in_dims: list[int | None] | None = None  # fallback roots: batch dim of each input leaf
@@ -159,6 +160,7 @@ class Cycle:
     scratch: Scratch = field(default_factory=Scratch)  # chunks' temporaries, one backward's
     dropped_n: int | None = None  # samples of an earlier forward dropped before its backward
     direct_call: str | None = None  # a module of the model called on its own in this forward
+    keep_calls: bool = False  # module-level calls stay for another backward (curvature passes)
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -232,10 +234,15 @@ class Cycle:
         """Forget this backward's results. Another backward through the same forward (a
         retained graph) computes its own, except after ``create_graph=True`` (its quantities
         are in the graph: differentiating them must not start another cycle)."""
+        kept = []
         for call in self.calls:  # module-level calls: their inputs are gone (see the hook)
-            call.closed = True
-            call.args = call.kwargs = None
-        self.calls.clear()
+            if self.keep_calls and call.args is not None:  # ready for the next backward
+                call.closed, call.pending = False, call.hooked
+                kept.append(call)
+            else:
+                call.closed = True
+                call.args = call.kwargs = None
+        self.calls[:] = kept
         self.scratch.clear()
         self.bn_problem = None
         self.source = None

@@ -85,7 +85,8 @@ def validate_quantities(quantities: tuple[object, ...]) -> frozenset[type[Quanti
         if type(q) not in ALL_QUANTITIES:
             raise LeanpropValueError(
                 f"per_sample() got an unknown quantity {q!r} of type {type(q).__name__}; "
-                f"allowed: {allowed}."
+                f"allowed: {allowed} (curvature quantities such as DiagGGNExact() are computed "
+                "by leanprop.ggn(ctx, output, loss_fn, target, ...) inside the block)."
             )
         kinds.add(type(q))
     return frozenset(kinds)

@@ -80,10 +80,8 @@ def test_direct_kernel_steps_are_bit_identical(opt_class, kwargs, bucket_mb):
     calls = _count_inner_steps(opt)
     _train(ours, opt)
     _equal(ours, ref)
-    # the first step creates the state through step(); then no step() runs at all
+    # each bucket's first step is step()'s (state, fused checks); then no step() runs at all
     first = 1 if bucket_mb == 25.0 else len(list(ours.parameters()))
-    if opt_class is torch.optim.SGD and not kwargs.get("momentum"):
-        first = 0  # (no state)
     assert len(calls) == first, calls
     opt.remove()
 

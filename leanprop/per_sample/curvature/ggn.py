@@ -1,0 +1,178 @@
+"""The generalized Gauss-Newton matrix through the per-sample engine.
+
+One forward recorded by a :func:`leanprop.per_sample` context; the loss's Hessian factor
+``V`` ``[M, N, *S]`` (``loss_hessian.py``); then one backward pass through the retained graph
+per column ``V[m]``, each computing per-sample quantities with the context's rules: backward
+pass m gives each sample's ``J_n^T V[m, n]``, so the GGN's square root, its diagonal
+(``sum_{m,n}`` of squares) and each sample's share follow. Any layer the context supports is
+covered (closed-form rules, op-level capture, the torch.func fallback), sequences and weight
+sharing included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import LeanpropValueError, UnsupportedModelError
+from ..capture import PerSample
+from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared
+from .loss_hessian import check_loss, sqrt_hessian
+from .quantities import ALL_CURVATURE, CurvatureQuantity
+
+
+def _validate(quantities: Sequence[object]) -> dict[int | None, list[CurvatureQuantity]]:
+    allowed = ", ".join(f"{q.__name__}()" for q in ALL_CURVATURE)
+    if not quantities:
+        raise LeanpropValueError(f"ggn() got no quantity; pass at least one of: {allowed}.")
+    by_mc: dict[int | None, list[CurvatureQuantity]] = {}
+    for q in quantities:
+        if isinstance(q, type):
+            raise LeanpropValueError(
+                f"ggn() got the class {q.__name__}; pass an instance: {q.__name__}()."
+            )
+        if type(q) not in ALL_CURVATURE:
+            raise LeanpropValueError(
+                f"ggn() got {q!r} of type {type(q).__name__}; allowed: {allowed} (first-order "
+                "quantities go to per_sample(...) and come with loss.backward())."
+            )
+        by_mc.setdefault(q.mc, []).append(q)
+    if len([mc for mc in by_mc if mc is not None]) > 1:
+        raise LeanpropValueError(
+            "ggn(): the Monte-Carlo quantities asked for different mc_samples "
+            f"({sorted(mc for mc in by_mc if mc is not None)}); they share one draw of "
+            "targets: ask for the same mc_samples, or call ggn() once per value."
+        )
+    return by_mc
+
+
+def ggn(
+    context: PerSample,
+    output: Tensor,
+    loss_fn: nn.Module,
+    target: Tensor,
+    *quantities: CurvatureQuantity,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Compute GGN quantities of ``loss_fn(output, target)`` for the context's parameters.
+
+    Call it inside the ``per_sample`` block, after the forward that produced ``output`` and
+    before (or instead of) ``loss.backward()``: it runs one backward pass per factor column
+    through the retained graph (C for cross-entropy, the output size for MSE and BCE,
+    ``mc_samples`` for MC). Each parameter that the output depends on gets the quantities as
+    attributes (``diag_ggn_exact``, ...; see :mod:`leanprop.per_sample.curvature.quantities`).
+    ``.grad`` and the context's first-order results are left as they were.
+
+    Example:
+        >>> import torch, leanprop
+        >>> nn = torch.nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> x, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+        >>> loss_fn = torch.nn.CrossEntropyLoss()
+        >>> with leanprop.per_sample(model, leanprop.BatchGrad()) as ctx:
+        ...     out = model(x)
+        ...     leanprop.ggn(ctx, out, loss_fn, y, leanprop.DiagGGNExact())
+        ...     loss_fn(out, y).backward()
+        >>> model[0].weight.diag_ggn_exact.shape
+        torch.Size([4, 3])
+
+    Args:
+        context: the entered ``per_sample`` context that recorded the forward.
+        output: the model output ``[N, ...]`` the loss takes.
+        loss_fn: ``nn.CrossEntropyLoss``, ``nn.MSELoss`` or ``nn.BCEWithLogitsLoss``
+            (reduction ``"mean"`` or ``"sum"``; see ``loss_hessian.py``).
+        target: the loss's targets.
+        *quantities: ``DiagGGNExact()``, ``DiagGGNMC(mc_samples)``, ``BatchDiagGGNExact()``,
+            ``BatchDiagGGNMC(mc_samples)``, ``SqrtGGNExact()``, ``SqrtGGNMC(mc_samples)``.
+        generator: random numbers of the Monte-Carlo targets.
+
+    Raises:
+        LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
+            that is not entered.
+    """
+    by_mc = _validate(quantities)
+    if not isinstance(context, PerSample) or not context.active:
+        raise LeanpropValueError(
+            "ggn() needs the entered per_sample context that recorded the forward: "
+            "`with leanprop.per_sample(model, ...) as ctx: out = model(x); leanprop.ggn(ctx, "
+            "out, loss_fn, y, ...)`."
+        )
+    check_loss(loss_fn, output, target)
+    params = [p for p in context.model.parameters() if p.requires_grad]
+    saved_grads = [p.grad for p in params]
+    names = [q.attr for q in ALL_QUANTITIES]
+    saved_attrs = [{a: getattr(p, a) for a in names if hasattr(p, a)} for p in params]
+    results: list[dict[str, Tensor]] = [{} for _ in params]
+    try:
+        for p in params:
+            p.grad = None
+        for mc, qs in by_mc.items():
+            factor = sqrt_hessian(loss_fn, output, target, mc, generator)
+            _passes(context, output, factor, params, qs, results)
+    finally:
+        for p, grad, attrs in zip(params, saved_grads, saved_attrs, strict=True):
+            p.grad = grad
+            for a in names:
+                if a in attrs:
+                    setattr(p, a, attrs[a])
+                elif hasattr(p, a):
+                    delattr(p, a)
+    for p, res in zip(params, results, strict=True):
+        for attr, value in res.items():
+            setattr(p, attr, value)
+
+
+def _passes(
+    context: PerSample,
+    output: Tensor,
+    factor: Tensor,
+    params: list[nn.Parameter],
+    quantities: list[CurvatureQuantity],
+    results: list[dict[str, Tensor]],
+) -> None:
+    """One backward per column of ``factor`` ``[M, N, *S]``; squares and roots accumulated."""
+    need_batch = any(q.per_sample or q.root for q in quantities)
+    kinds = frozenset({BatchGrad} if need_batch else {SumGradSquared})
+    diag: list[Tensor | None] = [None] * len(params)
+    batch_diag: list[Tensor | None] = [None] * len(params)
+    roots: list[list[Tensor]] = [[] for _ in params]
+    with context.computing(kinds):
+        for m, column in enumerate(factor):
+            try:
+                torch.autograd.backward(output, column, retain_graph=True)
+            except UnsupportedModelError as e:
+                raise UnsupportedModelError(
+                    f"leanprop.ggn runs one backward pass per column of the loss Hessian's "
+                    f"factor ({factor.shape[0]} here) through the one forward; pass {m + 1} "
+                    f"failed: {e} (modules hooked as a whole, such as RNNs, keep their inputs "
+                    "for the backward passes up to the first one after the forward: call ggn "
+                    "before loss.backward())"
+                ) from e
+            for i, p in enumerate(params):
+                p.grad = None
+                if need_batch:
+                    gb = getattr(p, BatchGrad.attr, None)
+                    if gb is None:
+                        continue
+                    sq = gb.square()
+                    roots[i].append(gb)
+                    batch_diag[i] = sq if batch_diag[i] is None else batch_diag[i] + sq
+                    summed = sq.sum(0)
+                else:
+                    summed = getattr(p, SumGradSquared.attr, None)
+                    if summed is None:
+                        continue
+                diag[i] = summed if diag[i] is None else diag[i] + summed
+    for i in range(len(params)):
+        if diag[i] is None:
+            continue  # the output does not depend on it
+        for q in quantities:
+            if q.root:
+                value = torch.stack(roots[i])
+            elif q.per_sample:
+                value = batch_diag[i]
+            else:
+                value = diag[i]
+            results[i][q.attr] = value

@@ -1,0 +1,102 @@
+"""Curvature quantities: the generalized Gauss-Newton matrix ``G = sum_n J_n^T H_n J_n``
+(``J_n`` the Jacobian of sample n's output with respect to the parameters, ``H_n`` the
+loss's Hessian with respect to it; see ``loss_hessian.py``), as BackPACK defines them, with
+its attribute names. "MC" variants replace ``H_n`` by a Monte-Carlo estimate from
+``mc_samples`` targets drawn from the model's prediction (an unbiased estimate of G).
+
+Shapes, for a parameter ``p``: diagonals ``p.shape``; per-sample diagonals ``[N, *p.shape]``
+(summing to the diagonal); square roots ``[M, N, *p.shape]`` with
+``G = sum_{m,n} vec(V[m, n]) vec(V[m, n])^T`` (M = the loss's factor columns: C classes for
+cross-entropy, the output size for MSE and BCE, ``mc_samples`` for MC).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...errors import LeanpropValueError
+
+
+@dataclass(frozen=True)
+class CurvatureQuantity:
+    """Base of the curvature quantities; use one of the subclasses."""
+
+    attr: ClassVar[str] = ""
+    per_sample: ClassVar[bool] = False  # [N, ...] per sample (else summed over samples)
+    root: ClassVar[bool] = False  # the factor itself [M, N, ...] (else squares)
+
+    @property
+    def mc(self) -> int | None:
+        """Monte-Carlo samples, None for the exact quantity."""
+        return None
+
+
+@dataclass(frozen=True)
+class _MC(CurvatureQuantity):
+    mc_samples: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mc_samples, bool) or not isinstance(self.mc_samples, int):
+            raise LeanpropValueError(
+                f"{type(self).__name__}(mc_samples={self.mc_samples!r}): pass a positive int."
+            )
+        if self.mc_samples < 1:
+            raise LeanpropValueError(
+                f"{type(self).__name__}(mc_samples={self.mc_samples}): it must be at least 1."
+            )
+
+    @property
+    def mc(self) -> int | None:
+        return self.mc_samples
+
+
+@dataclass(frozen=True)
+class DiagGGNExact(CurvatureQuantity):
+    """Diagonal of the GGN, ``p.shape``."""
+
+    attr: ClassVar[str] = "diag_ggn_exact"
+
+
+@dataclass(frozen=True)
+class DiagGGNMC(_MC):
+    """Monte-Carlo estimate of the GGN's diagonal, ``p.shape``."""
+
+    attr: ClassVar[str] = "diag_ggn_mc"
+
+
+@dataclass(frozen=True)
+class BatchDiagGGNExact(CurvatureQuantity):
+    """Each sample's share of the GGN's diagonal, ``[N, *p.shape]``."""
+
+    attr: ClassVar[str] = "diag_ggn_exact_batch"
+    per_sample: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class BatchDiagGGNMC(_MC):
+    """Each sample's share of the MC estimate of the GGN's diagonal, ``[N, *p.shape]``."""
+
+    attr: ClassVar[str] = "diag_ggn_mc_batch"
+    per_sample: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class SqrtGGNExact(CurvatureQuantity):
+    """Square root of the GGN, ``[M, N, *p.shape]``."""
+
+    attr: ClassVar[str] = "sqrt_ggn_exact"
+    root: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class SqrtGGNMC(_MC):
+    """Monte-Carlo square root of the GGN, ``[mc_samples, N, *p.shape]``."""
+
+    attr: ClassVar[str] = "sqrt_ggn_mc"
+    root: ClassVar[bool] = True
+
+
+ALL_CURVATURE: tuple[type[CurvatureQuantity], ...] = (
+    DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC,
+)  # fmt: skip

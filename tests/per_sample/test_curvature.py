@@ -1,0 +1,254 @@
+"""GGN quantities against the float64 oracle ``G = J^T H J`` (full Jacobians and loss Hessians
+by autograd) on the case registry, and the loss-Hessian factors against autograd Hessians."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+import leanprop
+from leanprop import LeanpropValueError, UnsupportedModelError
+from leanprop.per_sample.curvature.loss_hessian import sqrt_hessian
+from tests.cases import CASES, build
+
+EXACT = (leanprop.DiagGGNExact(), leanprop.BatchDiagGGNExact(), leanprop.SqrtGGNExact())
+
+
+def _losses(case) -> list[nn.Module]:
+    """The loss modules that fit the case's output and targets."""
+    with torch.no_grad():
+        out = case.model(case.x)
+    if not case.y.is_floating_point():
+        return [nn.CrossEntropyLoss(reduction=r) for r in ("mean", "sum")] if out.dim() == 2 else []
+    return [nn.MSELoss(reduction="mean"), nn.MSELoss(reduction="sum"), nn.BCEWithLogitsLoss()]
+
+
+def _target(loss_fn, y):
+    return torch.sigmoid(y) if isinstance(loss_fn, nn.BCEWithLogitsLoss) else y
+
+
+def _oracle(model, x, loss_fn, y):
+    """Per parameter: the GGN block ``J^T H J`` ``[P, P]`` and each sample's diagonal
+    ``[N, P]``."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    out = functional_call(model, params, (x,))
+    n = out.shape[0]
+    jac = jacrev(lambda ps: functional_call(model, ps, (x,)))(params)
+    hess = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), out.detach())
+    k = out[0].numel()
+    h = hess.reshape(n, k, n, k)
+    result = {}
+    for name, p in params.items():
+        j = jac[name].reshape(n, k, p.numel())
+        full = torch.einsum("akp,akbl,blq->pq", j, h, j)
+        per = torch.einsum(
+            "nkp,nkl,nlp->np", j, torch.diagonal(h, dim1=0, dim2=2).permute(2, 0, 1), j
+        )
+        result[name] = (full, per)
+    return result
+
+
+def _cases():
+    for name in CASES:
+        for i, loss_fn in enumerate(_losses(build(name))):
+            yield pytest.param(name, i, id=f"{name}-{type(loss_fn).__name__}-{loss_fn.reduction}")
+
+
+# (the oracle's jacrev of attention: torch warns that vmap has no batching rule for it)
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize(("name", "which"), list(_cases()))
+def test_exact_ggn_quantities_against_oracle(name, which):
+    case = build(name)
+    loss_fn = _losses(case)[which]
+    y = _target(loss_fn, case.y)
+    model = case.model
+    with leanprop.per_sample(model, leanprop.BatchGrad()) as ctx:
+        out = model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, y, *EXACT)
+        loss_fn(out, y).backward()
+        grad_batch = {
+            k: p.grad_batch.clone() for k, p in model.named_parameters() if p.requires_grad
+        }
+    ref = _oracle(model, case.x, loss_fn, y)
+    for k, p in model.named_parameters():
+        if not p.requires_grad:
+            assert not hasattr(p, "diag_ggn_exact")
+            continue
+        full, per = ref[k]
+        torch.testing.assert_close(
+            p.diag_ggn_exact.flatten(), full.diagonal(), rtol=1e-10, atol=1e-12, msg=k
+        )
+        torch.testing.assert_close(
+            p.diag_ggn_exact_batch.flatten(1), per, rtol=1e-10, atol=1e-12, msg=k
+        )
+        root = p.sqrt_ggn_exact.flatten(2).flatten(0, 1)  # [M*N, P]
+        torch.testing.assert_close(root.t() @ root, full, rtol=1e-10, atol=1e-12, msg=k)
+        assert p.sqrt_ggn_exact.shape[1:] == (case.x.shape[0], *p.shape)
+        # the first-order results and .grad are the loss's own
+        assert p.grad_batch.shape == grad_batch[k].shape
+        torch.testing.assert_close(p.grad, p.grad_batch.sum(0), rtol=1e-10, atol=1e-12)
+
+
+def test_grad_and_first_order_results_are_left_as_they_were():
+    """After ``loss.backward()`` (graph retained), ``ggn`` leaves ``.grad`` and the context's
+    quantities as the loss's backward made them."""
+    case = build("mlp")
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(case.model, leanprop.BatchGrad(), leanprop.Variance()) as ctx:
+        out = case.model(case.x)
+        loss_fn(out, case.y).backward(retain_graph=True)
+        before = {k: (p.grad.clone(), p.grad_batch.clone(), p.variance.clone())
+                  for k, p in case.model.named_parameters()}  # fmt: skip
+        leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.DiagGGNExact())
+    for k, p in case.model.named_parameters():
+        assert torch.equal(p.grad, before[k][0])
+        assert torch.equal(p.grad_batch, before[k][1])
+        assert torch.equal(p.variance, before[k][2])
+        assert not hasattr(p, "sum_grad_squared")
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        nn.CrossEntropyLoss(),
+        nn.CrossEntropyLoss(reduction="sum", label_smoothing=0.2),
+        nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64)),
+        nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64),
+                            label_smoothing=0.1, ignore_index=2),
+        nn.MSELoss(),
+        nn.MSELoss(reduction="sum"),
+        nn.BCEWithLogitsLoss(),
+        nn.BCEWithLogitsLoss(reduction="sum"),
+    ],
+    ids=lambda f: repr(f),
+)  # fmt: skip
+def test_factor_reproduces_the_loss_hessian(loss_fn):
+    torch.manual_seed(0)
+    n, c = 5, 4
+    out = torch.randn(n, c, dtype=torch.float64, requires_grad=True)
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
+        y = torch.tensor([0, 2, 3, 1, 2])  # (index 2 is ignored where ignore_index=2)
+    else:
+        y = torch.rand(n, c, dtype=torch.float64)
+    v = sqrt_hessian(loss_fn, out, y)  # [M, N, C]
+    hess = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), out.detach())
+    got = torch.einsum("mnk,mnl->nkl", v, v)
+    for i in range(n):
+        torch.testing.assert_close(got[i], hess[i, :, i, :], rtol=1e-12, atol=1e-14)
+    off = hess.clone()
+    for i in range(n):
+        off[i, :, i, :] = 0
+    assert off.abs().max() == 0  # block diagonal: the factor covers all of it
+
+
+@pytest.mark.parametrize(
+    "loss_fn", [nn.CrossEntropyLoss(), nn.MSELoss(reduction="sum"), nn.BCEWithLogitsLoss()],
+    ids=lambda f: type(f).__name__,
+)  # fmt: skip
+def test_monte_carlo_factor_is_unbiased(loss_fn):
+    """The MC factor's ``sum_m v v^T`` estimates the Hessian: with 200 000 draws its mean is
+    within a few standard errors."""
+    torch.manual_seed(0)
+    n, c, m = 3, 4, 200_000
+    out = torch.randn(n, c, dtype=torch.float64)
+    y = torch.tensor([0, 2, 3]) if isinstance(loss_fn, nn.CrossEntropyLoss) else torch.rand(n, c)
+    y = y.double() if y.is_floating_point() else y
+    v = sqrt_hessian(loss_fn, out, y, mc_samples=m, generator=torch.Generator().manual_seed(1))
+    assert v.shape == (m, n, c)
+    est = torch.einsum("mnk,mnl->nkl", v, v)
+    outer = torch.einsum("mnk,mnl->mnkl", v, v) * m  # each draw's estimate
+    se = outer.std(0) / m**0.5
+    hess = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), out)
+    exact = torch.stack([hess[i, :, i, :] for i in range(n)])
+    assert ((est - exact).abs() <= 5 * se + 1e-12).all()
+
+
+def test_monte_carlo_quantities_share_one_draw_and_follow_the_generator():
+    case = build("mlp")
+    loss_fn = nn.CrossEntropyLoss()
+    results = []
+    for _ in range(2):
+        with leanprop.per_sample(case.model, leanprop.BatchGrad()) as ctx:
+            out = case.model(case.x)
+            leanprop.ggn(
+                ctx, out, loss_fn, case.y, leanprop.DiagGGNMC(3), leanprop.SqrtGGNMC(3),
+                leanprop.BatchDiagGGNMC(3), generator=torch.Generator().manual_seed(5),
+            )  # fmt: skip
+        w = case.model[0].weight
+        assert w.sqrt_ggn_mc.shape == (3, 6, *w.shape)
+        torch.testing.assert_close(w.diag_ggn_mc, w.sqrt_ggn_mc.square().sum((0, 1)))
+        torch.testing.assert_close(w.diag_ggn_mc_batch, w.sqrt_ggn_mc.square().sum(0))
+        results.append(w.diag_ggn_mc.clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_monte_carlo_ggn_converges_to_the_exact_one():
+    case = build("mlp")
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(case.model, leanprop.BatchGrad()) as ctx:
+        out = case.model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.DiagGGNExact(), leanprop.DiagGGNMC(4000),
+                     generator=torch.Generator().manual_seed(0))  # fmt: skip
+    for p in case.model.parameters():
+        torch.testing.assert_close(p.diag_ggn_mc, p.diag_ggn_exact, rtol=0.1, atol=1e-3)
+
+
+def test_bad_input_is_explained():
+    case = build("mlp")
+    model = case.model
+    with leanprop.per_sample(model, leanprop.BatchGrad()) as ctx:
+        out = model(case.x)
+        y = case.y
+        with pytest.raises(LeanpropValueError, match="no quantity"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y)
+        with pytest.raises(LeanpropValueError, match="instance"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact)
+        with pytest.raises(LeanpropValueError, match="first-order"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.BatchGrad())
+        with pytest.raises(LeanpropValueError, match="NLLLoss"):
+            leanprop.ggn(ctx, out, nn.NLLLoss(), y, leanprop.DiagGGNExact())
+        with pytest.raises(LeanpropValueError, match="reduction"):
+            leanprop.ggn(
+                ctx, out, nn.CrossEntropyLoss(reduction="none"), y, leanprop.DiagGGNExact()
+            )
+        with pytest.raises(LeanpropValueError, match="class-index"):
+            leanprop.ggn(
+                ctx, out, nn.CrossEntropyLoss(), out.softmax(1).detach(), leanprop.DiagGGNExact()
+            )
+        with pytest.raises(LeanpropValueError, match="pos_weight"):
+            leanprop.ggn(ctx, out, nn.BCEWithLogitsLoss(pos_weight=torch.ones(3)), out.detach(),
+                         leanprop.DiagGGNExact())  # fmt: skip
+        with pytest.raises(LeanpropValueError, match="shape"):
+            leanprop.ggn(ctx, out, nn.MSELoss(), out.detach()[:, :1], leanprop.DiagGGNExact())
+        with pytest.raises(LeanpropValueError, match="require grad"):
+            leanprop.ggn(ctx, out.detach(), nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
+        with pytest.raises(LeanpropValueError, match="same mc_samples"):
+            leanprop.ggn(
+                ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagGGNMC(1), leanprop.SqrtGGNMC(2)
+            )
+        for bad in (0, 1.5, True):
+            with pytest.raises(LeanpropValueError, match="mc_samples"):
+                leanprop.DiagGGNMC(bad)
+    with pytest.raises(LeanpropValueError, match="entered per_sample context"):
+        leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
+    with pytest.raises(LeanpropValueError, match="ggn"):
+        leanprop.per_sample(model, leanprop.DiagGGNExact())
+
+
+def test_ggn_after_the_backward_of_a_module_hooked_as_a_whole_is_refused_clearly():
+    """An RNN (torch.func fallback) keeps its inputs for the backward passes up to the first
+    after the forward: ggn before loss.backward() works (the oracle test), after it says so
+    and leaves nothing behind."""
+    case = build("recurrent")
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(case.model, leanprop.BatchGrad()) as ctx:
+        out = case.model(case.x)
+        loss_fn(out, case.y).backward(retain_graph=True)
+        grads = [p.grad.clone() for p in case.model.parameters()]
+        with pytest.raises(UnsupportedModelError, match=r"before loss\.backward"):
+            leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.DiagGGNExact())
+        for p, g in zip(case.model.parameters(), grads, strict=True):
+            assert torch.equal(p.grad, g) and not hasattr(p, "diag_ggn_exact")
+            assert hasattr(p, "grad_batch")
