@@ -11,6 +11,7 @@ from .optim import InBackward
 from .per_sample import (
     BatchDiagGGNExact,
     BatchDiagGGNMC,
+    BatchDotGrad,
     BatchGrad,
     BatchL2Grad,
     DiagGGNExact,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # per-sample quantities
+    "BatchDotGrad",
     "BatchGrad",
     "BatchL2Grad",
     "Quantity",

@@ -104,9 +104,45 @@ def individual_gradients_of_losses(
 
 def quantities_from_individual(grads: Tensor) -> dict[str, Tensor]:
     """Reference quantities from individual gradients ``[N, *shape]`` (BackPACK definitions)."""
+    n = grads.shape[0]
     return {
         "grad_batch": grads,
-        "batch_l2": grads.reshape(grads.shape[0], math.prod(grads.shape[1:])).pow(2).sum(1),
+        "batch_l2": grads.reshape(n, math.prod(grads.shape[1:])).pow(2).sum(1),
+        "batch_dot": torch.stack(
+            [torch.stack([(grads[i] * grads[j]).sum() for j in range(n)]) for i in range(n)]
+        )
+        if n
+        else grads.new_zeros(0, 0),
         "sum_grad_squared": grads.pow(2).sum(0),
         "variance": grads.var(0, unbiased=False) if grads.shape[0] else grads.sum(0) * float("nan"),
     }
+
+
+def ggn_blocks(
+    model: nn.Module, x: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], y: Tensor
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """The generalized Gauss-Newton matrix ``G = J^T H J`` by brute force (full Jacobians of
+    the output with respect to each parameter, the loss's full Hessian with respect to the
+    output), for checking curvature quantities on small problems.
+
+    Returns:
+        ``name -> (G_pp [P, P], per-sample diagonals [N, P])`` for each trainable parameter
+        (P its number of elements): the parameter's diagonal block of G, and each sample's
+        share of its diagonal ``diag(J_n^T H_nn J_n)``.
+    """
+    from torch.func import functional_call, jacrev
+
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    out = functional_call(model, params, (x,))
+    n, k = out.shape[0], out[0].numel()
+    jac = jacrev(lambda ps: functional_call(model, ps, (x,)))(params)
+    hess = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), out.detach())
+    h = hess.reshape(n, k, n, k)
+    h_nn = torch.diagonal(h, dim1=0, dim2=2).permute(2, 0, 1)  # [N, K, K]
+    blocks = {}
+    for name, p in params.items():
+        j = jac[name].reshape(n, k, p.numel())
+        full = torch.einsum("akp,akbl,blq->pq", j, h, j)
+        per = torch.einsum("nkp,nkl,nlp->np", j, h_nn, j)
+        blocks[name] = (full, per)
+    return blocks

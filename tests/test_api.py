@@ -3,6 +3,7 @@
 import leanprop
 
 EXPECTED = {
+    "BatchDotGrad",
     "BatchGrad",
     "BatchL2Grad",
     "Quantity",

@@ -36,12 +36,13 @@ from .curvature import (
     ggn,
 )
 from .distributed import all_reduce_quantities
-from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
+from .quantities import BatchDotGrad, BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
 from .registry import register_rule
 
 __all__ = [
     "BatchDiagGGNExact",
     "BatchDiagGGNMC",
+    "BatchDotGrad",
     "BatchGrad",
     "BatchL2Grad",
     "DiagGGNExact",

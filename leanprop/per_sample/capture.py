@@ -54,6 +54,7 @@ from .quantities import (
     BatchGrad,
     BatchL2Grad,
     Quantity,
+    computed_kinds,
     validate_quantities,
 )
 from .registry import Rule, RuleOptions, rule_for
@@ -185,7 +186,7 @@ class PerSample:
                 f"per_sample() needs an nn.Module as first argument, got {type(model).__name__}; "
                 "call per_sample(model, BatchGrad(), ...)."
             )
-        self._kinds = validate_quantities(quantities)
+        self._ask(validate_quantities(quantities))
         if conv_algorithm not in CONV_ALGORITHMS:
             raise LeanpropValueError(
                 f"per_sample() got conv_algorithm={conv_algorithm!r}; allowed: "
@@ -259,8 +260,11 @@ class PerSample:
 
     @property
     def kinds(self) -> frozenset[type[Quantity]]:
-        """The quantities computed in backward."""
-        return self._kinds
+        """The quantities asked for (written to the parameters after each backward)."""
+        return self._asked
+
+    def _ask(self, kinds: frozenset[type[Quantity]]) -> None:
+        self._asked, self._kinds = kinds, computed_kinds(kinds)  # (_kinds: what is computed)
 
     @property
     def active(self) -> bool:
@@ -271,21 +275,25 @@ class PerSample:
         """Change what backward computes (used by the BackPACK facade, whose forward runs
         before the quantities are known). Empty ``kinds``: idle, forward is still recorded and
         backward computes nothing extra; each forward of the model then starts a new cycle."""
-        self._kinds, self.conv_algorithm = kinds, conv_algorithm
+        self._ask(kinds)
+        self.conv_algorithm = conv_algorithm
         self.reset_on_forward = True
 
     @contextmanager
-    def computing(self, kinds: frozenset[type[Quantity]]) -> Iterator[None]:
-        """Compute ``kinds`` in the backward passes run inside the block (curvature's extra
+    def computing(self, kinds: frozenset[type[Quantity]] | None = None) -> Iterator[None]:
+        """Compute ``kinds`` (None: those asked for) in the backward passes run inside the
+        block (curvature's extra passes, or BackPACK's ``retain_graph=True``: several backward
         passes through one forward), then what was asked before. The inputs of modules hooked
         as a whole are kept for each next backward through the same forward, the first after
         the block included."""
-        saved = self._kinds
-        self._kinds, self._cycle.keep_calls = kinds, True
+        saved = self._asked
+        self._ask(saved if kinds is None else kinds)
+        self._cycle.keep_calls = True
         try:
             yield
         finally:
-            self._kinds, self._cycle.keep_calls = saved, False
+            self._ask(saved)
+            self._cycle.keep_calls = False
 
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> PerSample:
@@ -1325,7 +1333,7 @@ class PerSample:
         n = self._cycle.n
         try:
             check = self._check or self._cycle.direct_call is not None
-            self.last_sums = self._cycle.finish(self._kinds, check, self._process)
+            self.last_sums = self._cycle.finish(self._asked, check, self._process)
             self.last_n = n
         finally:
             self._computing_here = False

@@ -25,14 +25,14 @@ from ..errors import UnsupportedModelError
 from .batch import BatchDim
 from .chunks import Scratch
 from .factors import FactoredUses, Factors, add_into, materialize, total
-from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
+from .quantities import ALL_QUANTITIES, BatchGrad, BatchL2Grad, Quantity, Variance
 from .stats import quantities_of, sample_sum
 
 if TYPE_CHECKING:
     from . import ops
     from .capture import Site
 
-ALL_ATTRS = tuple(q.attr for q in (BatchGrad, BatchL2Grad, SumGradSquared, Variance))
+ALL_ATTRS = tuple(q.attr for q in ALL_QUANTITIES)
 # relative error allowed between the sum of the individual gradients and autograd's gradient,
 # by the lowest precision involved (16-bit: 5e-2)
 _SUM_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-3}
@@ -202,9 +202,10 @@ class Cycle:
         complete: Callable[[Call], object],
     ) -> dict[nn.Parameter, Tensor]:
         """End of a backward: ``complete`` each call whose outputs got only some gradients
-        (the others count as zero), form the quantities, check them (``check``), write them to
-        the parameters. Returns each parameter's sum of individual gradients if ``Variance``
-        is among ``kinds`` (for ``all_reduce_quantities``), else ``{}``."""
+        (the others count as zero), form the quantities, check them (``check``), write those
+        asked for (``kinds``) to the parameters. Returns each parameter's sum of individual
+        gradients if ``Variance`` is among ``kinds`` (for ``all_reduce_quantities``), else
+        ``{}``."""
         try:
             with torch.set_grad_enabled(self.grad_mode):
                 for call in self.calls:
@@ -219,9 +220,11 @@ class Cycle:
                         state.total = state.factored.total
                 if check:  # before anything is written: no unchecked results are left
                     self.verify()
+                asked = {k.attr for k in kinds}  # (BatchDotGrad's individual gradients: not)
                 for state in self.states.values():
                     for attr, value in state.results.items():
-                        setattr(state.param, attr, value)
+                        if attr in asked:
+                            setattr(state.param, attr, value)
                 if Variance not in kinds:
                     return {}
                 return {

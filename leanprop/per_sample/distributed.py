@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .capture import PerSample
-from .quantities import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from .quantities import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 
 
 def all_reduce_quantities(ctx: PerSample, group: dist.ProcessGroup | None = None) -> None:
@@ -73,6 +73,8 @@ def all_reduce_quantities(ctx: PerSample, group: dist.ProcessGroup | None = None
                 p.grad_batch = p.grad_batch / world
             if BatchL2Grad in kinds:
                 p.batch_l2 = p.batch_l2 / world**2
+            if BatchDotGrad in kinds:  # (between this rank's samples)
+                p.batch_dot = p.batch_dot / world**2
         if SumGradSquared in kinds:
             flat = _all_reduce_flat([p.sum_grad_squared for p in params], group)
             for p, total in zip(params, flat, strict=True):

@@ -26,6 +26,11 @@ class Quantity:
 
     attr: ClassVar[str] = ""
 
+    @property
+    def savefield(self) -> str:
+        """The attribute the results are stored under (BackPACK's name for it)."""
+        return self.attr
+
 
 @dataclass(frozen=True)
 class BatchGrad(Quantity):
@@ -62,7 +67,23 @@ class Variance(Quantity):
     attr: ClassVar[str] = "variance"
 
 
-ALL_QUANTITIES: tuple[type[Quantity], ...] = (BatchGrad, BatchL2Grad, SumGradSquared, Variance)
+@dataclass(frozen=True)
+class BatchDotGrad(Quantity):
+    """Dot products of the individual gradients ``[N, N]``: ``p.batch_dot[i, j] = <c_i, c_j>``
+    (its diagonal is ``batch_l2``). Formed from the individual gradients (computed, and
+    dropped after unless ``BatchGrad`` is asked for too)."""
+
+    attr: ClassVar[str] = "batch_dot"
+
+
+ALL_QUANTITIES: tuple[type[Quantity], ...] = (
+    BatchGrad, BatchL2Grad, SumGradSquared, Variance, BatchDotGrad,
+)  # fmt: skip
+
+
+def computed_kinds(kinds: frozenset[type[Quantity]]) -> frozenset[type[Quantity]]:
+    """What backward computes for ``kinds``: ``BatchDotGrad`` is formed from ``BatchGrad``."""
+    return kinds | {BatchGrad} if BatchDotGrad in kinds else kinds
 
 
 def validate_quantities(quantities: tuple[object, ...]) -> frozenset[type[Quantity]]:

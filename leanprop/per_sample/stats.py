@@ -15,7 +15,14 @@ import torch
 from torch import Tensor
 
 from .chunks import Scratch
-from .quantities import BatchGrad, BatchL2Grad, Quantity, SumGradSquared, Variance
+from .quantities import (
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    Quantity,
+    SumGradSquared,
+    Variance,
+)
 
 _BLOCK_BYTES = 2**20
 
@@ -118,6 +125,9 @@ def quantities_of(b: Tensor, kinds: frozenset[type[Quantity]]) -> dict[str, Tens
         out[BatchGrad.attr] = b
     if BatchL2Grad in kinds:
         out[BatchL2Grad.attr] = sq_norms(b)  # [N]
+    if BatchDotGrad in kinds:
+        flat = b.flatten(1)
+        out[BatchDotGrad.attr] = flat @ flat.t()  # [N, N]
     if SumGradSquared in kinds:
         out[SumGradSquared.attr] = sum_sq(b)
     if Variance in kinds:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev
 
 import leanprop
 from leanprop import LeanpropValueError, UnsupportedModelError
 from leanprop.per_sample.curvature.loss_hessian import sqrt_hessian
+from leanprop.testing import ggn_blocks
 from tests.cases import CASES, build
 
 EXACT = (leanprop.DiagGGNExact(), leanprop.BatchDiagGGNExact(), leanprop.SqrtGGNExact())
@@ -27,27 +27,6 @@ def _losses(case) -> list[nn.Module]:
 
 def _target(loss_fn, y):
     return torch.sigmoid(y) if isinstance(loss_fn, nn.BCEWithLogitsLoss) else y
-
-
-def _oracle(model, x, loss_fn, y):
-    """Per parameter: the GGN block ``J^T H J`` ``[P, P]`` and each sample's diagonal
-    ``[N, P]``."""
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    out = functional_call(model, params, (x,))
-    n = out.shape[0]
-    jac = jacrev(lambda ps: functional_call(model, ps, (x,)))(params)
-    hess = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), out.detach())
-    k = out[0].numel()
-    h = hess.reshape(n, k, n, k)
-    result = {}
-    for name, p in params.items():
-        j = jac[name].reshape(n, k, p.numel())
-        full = torch.einsum("akp,akbl,blq->pq", j, h, j)
-        per = torch.einsum(
-            "nkp,nkl,nlp->np", j, torch.diagonal(h, dim1=0, dim2=2).permute(2, 0, 1), j
-        )
-        result[name] = (full, per)
-    return result
 
 
 def _cases():
@@ -71,7 +50,7 @@ def test_exact_ggn_quantities_against_oracle(name, which):
         grad_batch = {
             k: p.grad_batch.clone() for k, p in model.named_parameters() if p.requires_grad
         }
-    ref = _oracle(model, case.x, loss_fn, y)
+    ref = ggn_blocks(model, case.x, loss_fn, y)
     for k, p in model.named_parameters():
         if not p.requires_grad:
             assert not hasattr(p, "diag_ggn_exact")

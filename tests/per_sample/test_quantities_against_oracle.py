@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import leanprop
-from leanprop import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from leanprop import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from leanprop.testing import individual_gradients, quantities_from_individual
 
 from ..cases import CASES, build
 from ..helpers import assert_close
 
-ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), BatchDotGrad())
 CONV_CASES = [name for name in CASES if build(name).convs]
 
 
@@ -37,6 +37,9 @@ def check_against_oracle(case, reduction, quantities=ALL, **kwargs):
         ref = quantities_from_individual(expected[name])
         for q in quantities:
             assert_close(getattr(p, q.attr), ref[q.attr], f"{name}.{q.attr}", 1e-9, 1e-12)
+        asked = {q.attr for q in quantities}
+        for q in ALL:  # nothing else is written (BatchDotGrad's individual gradients)
+            assert hasattr(p, q.attr) == (q.attr in asked), f"{name}.{q.attr}"
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -9,10 +9,21 @@
         loss.backward()
     model[0].weight.grad_batch, model[0].weight.variance
 
+    with backpack(extensions.DiagGGNExact()):  # curvature: the loss module must be extended
+        loss.backward()
+    model[0].weight.diag_ggn_exact
+
 Differences from BackPACK, all in the user's favour: any module graph works (a module called
 twice gets the summed individual gradients BackPACK gets wrong; modules without a rule go
 through leanprop's torch.func fallback), ``Variance`` is computed from centred values, and a
 model that mixes samples (BatchNorm in training mode) raises instead of returning numbers.
+
+Curvature (DiagGGNExact/MC, BatchDiagGGNExact/MC, SqrtGGNExact/MC) needs the loss module
+extended (``nn.CrossEntropyLoss``, ``nn.MSELoss``, ``nn.BCEWithLogitsLoss``): when a backward
+inside a ``backpack(...)`` block asking for it reaches the loss, it first runs one backward per
+column of the loss Hessian's factor through the model (:func:`leanprop.ggn`), then the
+backward goes on with the first-order quantities. Any layer the per-sample engine supports is
+covered, with BackPACK's attribute names and mean/sum conventions.
 
 ``extend`` installs hooks that stay until :func:`unextend` or until the model is garbage
 collected (as in BackPACK, whose ``extend`` has no undo); the forward pass records what the
@@ -24,13 +35,20 @@ gradients twice, which a permanent facade cannot do).
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
+from ..._torch_compat import current_graph_task_id, queue_callback
+from ...errors import UnsupportedModelError
 from ...per_sample.capture import PerSample
+from ...per_sample.curvature.ggn import compute_ggn, validate_curvature
+from ...per_sample.curvature.loss_hessian import SUPPORTED as CURVATURE_LOSSES
+from ...per_sample.curvature.quantities import CurvatureQuantity
 from ...per_sample.quantities import BatchGrad, Quantity, validate_quantities
 from . import extensions
 
@@ -40,6 +58,10 @@ __all__ = ["backpack", "extend", "extensions", "unextend", "weight_jac_t_save_me
 _EXTENDED: weakref.WeakSet[PerSample] = weakref.WeakSet()
 _HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # capture -> its hook
 _SAVE_MEMORY: list[bool | None] = [None]  # innermost weight_jac_t_save_memory setting
+_LOSS_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loss module -> hook
+# curvature asked for by each open backpack(...) block, innermost last (by Monte-Carlo count)
+_CURVATURE: list[dict[int | None, list[CurvatureQuantity]]] = []
+_CURVATURE_RUNNING: list[bool] = []  # non-empty while its backward passes run
 
 
 def _covered(module: nn.Module) -> bool:
@@ -64,12 +86,18 @@ class _Holder:
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
     """Prepare ``module`` (and its sub-modules) for ``backpack(...)``; returns it unchanged.
 
-    Modules without trainable parameters (loss functions) need nothing and are returned as is.
-    ``debug`` and ``use_converter`` are accepted for compatibility; leanprop needs no graph
-    conversion.
+    Loss modules whose Hessian the curvature quantities use (``nn.CrossEntropyLoss``,
+    ``nn.MSELoss``, ``nn.BCEWithLogitsLoss``) get a forward hook that records their input and
+    target; other modules without trainable parameters need nothing and are returned as is.
+    ``debug`` and ``use_converter`` are accepted for compatibility: leanprop needs no graph
+    conversion (it follows any module graph, branches and weight sharing included).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"extend() takes an nn.Module, got {type(module).__name__}.")
+    if type(module) in CURVATURE_LOSSES:
+        if module not in _LOSS_HOOKS:
+            _LOSS_HOOKS[module] = module.register_forward_hook(_on_loss)
+        return module
     if not any(p.requires_grad for p in module.parameters()) or _covered(module):
         return module
     # no op swap: a TorchFunctionMode cannot stay on torch's mode stack for the model's life
@@ -84,6 +112,9 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
 
 def unextend(module: nn.Module) -> nn.Module:
     """Remove what :func:`extend` installed on ``module``."""
+    handle = _LOSS_HOOKS.pop(module, None)
+    if handle is not None:
+        handle.remove()
     for capture in [c for c in list(_EXTENDED) if c.model is module]:
         _EXTENDED.discard(capture)
         _HOLDERS.pop(capture).remove()
@@ -95,23 +126,110 @@ def _algorithm() -> str:
     return {True: "grouped", False: "unfold", None: "auto"}[_SAVE_MEMORY[-1]]
 
 
-@contextmanager
-def backpack(*exts: Quantity, extension_hook: object = None, debug: bool = False) -> Iterator[None]:
-    """Compute ``exts`` during the backward passes run inside the block, for every extended
-    model (results on the parameters, as BackPACK's)."""
-    if extension_hook is not None:
-        raise NotImplementedError(
-            "backpack(extension_hook=...) is not supported by leanprop's facade; compute what "
-            "the hook needs from the parameters' attributes after backward instead."
+def _on_loss(module: nn.Module, args: tuple[Any, ...], loss: Any) -> None:
+    """An extended loss ran: when a backward reaches its output, curvature asked for by the
+    ``backpack(...)`` block around that backward is computed first."""
+    if len(args) < 2 or not isinstance(loss, Tensor) or loss.grad_fn is None:
+        return
+    prehook = functools.partial(_curvature_first, weakref.ref(module), args[0], args[1])
+    loss.grad_fn.register_prehook(prehook)
+
+
+def _curvature_first(
+    loss_fn: weakref.ref, output: Tensor, target: Tensor, grad_outputs: tuple[Tensor | None, ...]
+) -> None:
+    """Backward reached an extended loss's output: run the curvature passes through the
+    model output it took (before backward goes on, while the graph is whole)."""
+    by_mc = _CURVATURE[-1] if _CURVATURE else {}
+    module = loss_fn()
+    if not by_mc or module is None:
+        return
+    (g,) = grad_outputs
+    if g is None or g.numel() != 1 or g.item() != 1.0:
+        raise UnsupportedModelError(
+            "backpack(): the curvature quantities are those of the extended loss module's "
+            "output; this backward reached it with gradient "
+            f"{None if g is None else g.flatten()[:1].tolist()} (the loss was scaled or used "
+            "in another expression). Call backward on the loss module's output itself."
         )
-    kinds = validate_quantities(exts)
+    contexts = [c for c in list(_EXTENDED) if c.active]
+    _CURVATURE_RUNNING.append(True)
+    try:
+        compute_ggn(contexts, output, module, target, by_mc, None)
+    finally:
+        _CURVATURE_RUNNING.pop()
+
+
+@contextmanager
+def _extension_hook(
+    captures: list[PerSample], hook: Callable[[nn.Module], object]
+) -> Iterator[None]:
+    """Call ``hook(module)`` for each module of the extended models (last layer first) when
+    each backward in the block has ended (after the quantities are written)."""
+    seen: set[int] = set()
+
+    def run() -> None:
+        for c in captures:
+            for m in reversed(list(c.model.modules())):
+                hook(m)
+
+    def on_grad(p: Tensor) -> None:
+        task = current_graph_task_id()
+        if task not in seen and not _CURVATURE_RUNNING:
+            seen.add(task)
+            queue_callback(run)  # (after the quantities: queued when backward first came)
+
+    params = [p for c in captures for p in c.model.parameters() if p.requires_grad]
+    handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def backpack(
+    *exts: Quantity | CurvatureQuantity,
+    extension_hook: Callable[[nn.Module], object] | None = None,
+    debug: bool = False,
+    retain_graph: bool = False,
+) -> Iterator[None]:
+    """Compute ``exts`` during the backward passes run inside the block, for every extended
+    model (results on the parameters, as BackPACK's).
+
+    Args:
+        *exts: first-order extensions (BatchGrad, BatchL2Grad, BatchDotGrad, SumGradSquared,
+            Variance) and curvature ones (DiagGGNExact/MC, BatchDiagGGNExact/MC,
+            SqrtGGNExact/MC; they need the loss module extended).
+        extension_hook: called with each module of the extended models (last layer first)
+            after each backward in the block, once the quantities are written (BackPACK calls
+            it as each module's backward ends: the results are the same, the memory is not
+            freed earlier).
+        debug: accepted for compatibility.
+        retain_graph: keep what the modules recorded in forward for further backward passes
+            through the same graph (``loss.backward(retain_graph=True)``), each with results
+            of its own.
+    """
+    curvature = [e for e in exts if isinstance(e, CurvatureQuantity)]
+    first = tuple(e for e in exts if not isinstance(e, CurvatureQuantity))
+    kinds = validate_quantities(first) if first or not curvature else frozenset()
+    by_mc = validate_curvature(curvature) if curvature else {}
     captures = list(_EXTENDED)
     before = [(c.kinds, c.conv_algorithm) for c in captures]
     for c in captures:
         c.set_quantities(kinds, _algorithm())
+    _CURVATURE.append(by_mc)
     try:
-        yield
+        with ExitStack() as stack:
+            if retain_graph:
+                for c in captures:
+                    stack.enter_context(c.computing())
+            if extension_hook is not None:
+                stack.enter_context(_extension_hook(captures, extension_hook))
+            yield
     finally:
+        _CURVATURE.pop()
         for c, (k, algo) in zip(captures, before, strict=True):
             c.set_quantities(k, algo)
 

@@ -12,6 +12,7 @@ sharing included.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,11 @@ from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
 
 
-def _validate(quantities: Sequence[object]) -> dict[int | None, list[CurvatureQuantity]]:
+def validate_curvature(
+    quantities: Sequence[object],
+) -> dict[int | None, list[CurvatureQuantity]]:
+    """The curvature quantities by Monte-Carlo sample count (None: exact); clear errors for
+    anything else."""
     allowed = ", ".join(f"{q.__name__}()" for q in ALL_CURVATURE)
     if not quantities:
         raise LeanpropValueError(f"ggn() got no quantity; pass at least one of: {allowed}.")
@@ -92,15 +97,29 @@ def ggn(
         LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
             that is not entered.
     """
-    by_mc = _validate(quantities)
+    by_mc = validate_curvature(quantities)
     if not isinstance(context, PerSample) or not context.active:
         raise LeanpropValueError(
             "ggn() needs the entered per_sample context that recorded the forward: "
             "`with leanprop.per_sample(model, ...) as ctx: out = model(x); leanprop.ggn(ctx, "
             "out, loss_fn, y, ...)`."
         )
+    compute_ggn([context], output, loss_fn, target, by_mc, generator)
+
+
+def compute_ggn(
+    contexts: Sequence[PerSample],
+    output: Tensor,
+    loss_fn: nn.Module,
+    target: Tensor,
+    by_mc: dict[int | None, list[CurvatureQuantity]],
+    generator: torch.Generator | None,
+) -> None:
+    """:func:`ggn` for the parameters of several entered contexts whose forwards ``output``
+    depends on (the BackPACK facade: one per extended model); ``by_mc``: the quantities by
+    Monte-Carlo sample count (None: exact)."""
     check_loss(loss_fn, output, target)
-    params = [p for p in context.model.parameters() if p.requires_grad]
+    params = [p for c in contexts for p in c.model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
     names = [q.attr for q in ALL_QUANTITIES]
     saved_attrs = [{a: getattr(p, a) for a in names if hasattr(p, a)} for p in params]
@@ -110,7 +129,7 @@ def ggn(
             p.grad = None
         for mc, qs in by_mc.items():
             factor = sqrt_hessian(loss_fn, output, target, mc, generator)
-            _passes(context, output, factor, params, qs, results)
+            _passes(contexts, output, factor, params, qs, results)
     finally:
         for p, grad, attrs in zip(params, saved_grads, saved_attrs, strict=True):
             p.grad = grad
@@ -125,7 +144,7 @@ def ggn(
 
 
 def _passes(
-    context: PerSample,
+    contexts: Sequence[PerSample],
     output: Tensor,
     factor: Tensor,
     params: list[nn.Parameter],
@@ -138,7 +157,9 @@ def _passes(
     diag: list[Tensor | None] = [None] * len(params)
     batch_diag: list[Tensor | None] = [None] * len(params)
     roots: list[list[Tensor]] = [[] for _ in params]
-    with context.computing(kinds):
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c.computing(kinds))
         for m, column in enumerate(factor):
             try:
                 torch.autograd.backward(output, column, retain_graph=True)

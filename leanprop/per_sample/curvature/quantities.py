@@ -31,6 +31,11 @@ class CurvatureQuantity:
         """Monte-Carlo samples, None for the exact quantity."""
         return None
 
+    @property
+    def savefield(self) -> str:
+        """The attribute the results are stored under (BackPACK's name for it)."""
+        return self.attr
+
 
 @dataclass(frozen=True)
 class _MC(CurvatureQuantity):

@@ -1,0 +1,188 @@
+"""The BackPACK facade's curvature, BatchDotGrad, ``retain_graph``, ``extension_hook`` and
+``savefield``: against the brute-force oracles, and against BackPACK itself where installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from leanprop import LeanpropValueError, UnsupportedModelError
+from leanprop.compat import backpack as facade
+from leanprop.compat.backpack import backpack, extend, extensions
+from leanprop.testing import ggn_blocks, individual_gradients, quantities_from_individual
+
+from ..cases import build
+from ..helpers import assert_close
+
+EXACT = (extensions.DiagGGNExact(), extensions.BatchDiagGGNExact(), extensions.SqrtGGNExact())
+
+
+def _loss_module(case):
+    return nn.CrossEntropyLoss() if not case.y.is_floating_point() else nn.MSELoss(reduction="sum")
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("name", ["mlp", "residual", "shared", "conv2d", "attention", "recurrent",
+                                  "sequence", "batchnorm_eval"])  # fmt: skip
+def test_curvature_and_first_order_match_the_oracles(name):
+    """The loss is computed outside the block (BackPACK's usual pattern); curvature and the
+    first-order quantities come from the one ``loss.backward()``."""
+    case = build(name)
+    model, loss_fn = extend(case.model), extend(_loss_module(case))
+    try:
+        loss = loss_fn(model(case.x), case.y)
+        with backpack(extensions.BatchGrad(), extensions.BatchDotGrad(), *EXACT):
+            loss.backward()
+        ref = ggn_blocks(model, case.x, loss_fn, case.y)
+        reduction = "sum" if isinstance(loss_fn, nn.MSELoss) else "mean"
+        expected = individual_gradients(model, case.loss, case.x, case.y, reduction)
+        for k, p in model.named_parameters():
+            full, per = ref[k]
+            assert_close(p.diag_ggn_exact.flatten(), full.diagonal(), f"{k}.diag", 1e-10, 1e-12)
+            assert_close(p.diag_ggn_exact_batch.flatten(1), per, f"{k}.batch_diag", 1e-10, 1e-12)
+            root = p.sqrt_ggn_exact.flatten(2).flatten(0, 1)
+            assert_close(root.t() @ root, full, f"{k}.sqrt", 1e-10, 1e-12)
+            first = quantities_from_individual(expected[k])
+            for attr in ("grad_batch", "batch_dot"):
+                assert_close(getattr(p, attr), first[attr], f"{k}.{attr}", 1e-9, 1e-12)
+    finally:
+        facade.unextend(model)
+        facade.unextend(loss_fn)
+
+
+def test_curvature_needs_the_extended_loss_output():
+    case = build("mlp")
+    model, loss_fn = extend(case.model), extend(nn.CrossEntropyLoss())
+    try:
+        loss = 2 * loss_fn(model(case.x), case.y)
+        with (
+            pytest.raises(UnsupportedModelError, match="loss module's output"),
+            backpack(extensions.DiagGGNExact()),
+        ):
+            loss.backward()
+        # a loss not extended: no curvature (as BackPACK: nothing computed)
+        loss = nn.CrossEntropyLoss()(model(case.x), case.y)
+        with backpack(extensions.DiagGGNExact()):
+            loss.backward()
+        assert not hasattr(model[0].weight, "diag_ggn_exact")
+        facade.unextend(loss_fn)
+        loss = loss_fn(model(case.x), case.y)
+        with backpack(extensions.DiagGGNExact()):
+            loss.backward()
+        assert not hasattr(model[0].weight, "diag_ggn_exact")  # its hook was removed
+    finally:
+        facade.unextend(model)
+
+
+def test_retain_graph_gives_each_backward_its_own_results():
+    """BackPACK's batched-Jacobian pattern: one backward per output through one forward, each
+    with the individual gradients of that output, also through modules hooked as a whole."""
+    case = build("recurrent")
+    model = extend(case.model)
+    try:
+        out = model(case.x)
+        rows = []
+        for k in range(out.shape[1]):
+            with backpack(extensions.BatchGrad(), retain_graph=True):
+                out[:, k].sum().backward(retain_graph=True)
+            rows.append({n: p.grad_batch.clone() for n, p in model.named_parameters()})
+            model.zero_grad()
+        for k, row in enumerate(rows):
+            expected = individual_gradients(
+                model, lambda o, y, r, k=k: o[:, k].sum(), case.x, case.y, "sum"
+            )
+            for n, g in row.items():
+                assert_close(g, expected[n], f"output {k}: {n}", 1e-9, 1e-12)
+        # without retain_graph, a second backward is refused clearly
+        out = model(case.x)
+        with backpack(extensions.BatchGrad()):
+            out[:, 0].sum().backward(retain_graph=True)
+        with (
+            pytest.raises(UnsupportedModelError, match="second backward"),
+            backpack(extensions.BatchGrad()),
+        ):
+            out[:, 1].sum().backward()
+    finally:
+        facade.unextend(model)
+
+
+def test_extension_hook_sees_each_module_after_its_quantities():
+    case = build("mlp")
+    model = extend(case.model)
+    seen = []
+
+    def hook(module):
+        if isinstance(module, nn.Linear):
+            seen.append((module, module.weight.grad_batch.shape))
+
+    try:
+        loss = nn.functional.cross_entropy(model(case.x), case.y)
+        with backpack(extensions.BatchGrad(), extension_hook=hook):
+            loss.backward()
+        assert [m for m, _ in seen] == [model[2], model[0]]  # last layer first
+        assert seen[0][1] == (6, *model[2].weight.shape)
+    finally:
+        facade.unextend(model)
+
+
+def test_savefield_and_bad_extensions():
+    assert extensions.DiagGGNMC(2).savefield == "diag_ggn_mc"
+    assert extensions.BatchDotGrad().savefield == "batch_dot"
+    with (
+        pytest.raises(LeanpropValueError, match="same mc_samples"),
+        backpack(extensions.DiagGGNMC(1), extensions.SqrtGGNMC(3)),
+    ):
+        pass
+
+
+# ---------------------------------------------------------------- against BackPACK
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.filterwarnings("ignore:Extension saving to")
+@pytest.mark.parametrize("loss", ["ce", "mse", "bce"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_against_backpack(name, loss):
+    bp = pytest.importorskip("backpack")
+    torch.manual_seed(0)
+    k = 1 if loss == "bce" else 3  # (BackPACK's BCEWithLogitsLoss: one output per sample)
+    if name == "mlp":
+        model, x = nn.Sequential(nn.Linear(6, 5), nn.Sigmoid(), nn.Linear(5, k)), torch.randn(7, 6)
+    else:
+        model = nn.Sequential(
+            nn.Conv2d(2, 4, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(4 * 4 * 4, k),
+        )
+        x = torch.randn(5, 2, 8, 8)
+    model, x = model.double(), x.double()
+    loss_fn = {"ce": nn.CrossEntropyLoss(), "mse": nn.MSELoss(), "bce": nn.BCEWithLogitsLoss()}[
+        loss
+    ]
+    y = torch.randint(0, 3, (x.shape[0],)) if loss == "ce" else torch.rand(x.shape[0], k).double()
+    exts = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact")  # (1.7.1 has no BatchDotGrad)
+    ours = extend(model)
+    ours_loss = extend(loss_fn)
+    try:
+        with backpack(*(getattr(extensions, e)() for e in exts)):
+            ours_loss(ours(x), y).backward()
+        mine = {k: {e: getattr(p, getattr(extensions, e)().attr) for e in exts}
+                for k, p in model.named_parameters()}  # fmt: skip
+    finally:
+        facade.unextend(model)
+        facade.unextend(ours_loss)
+        model.zero_grad()
+    theirs_model, theirs_loss = bp.extend(model), bp.extend(type(loss_fn)())
+    with bp.backpack(*(getattr(bp.extensions, e)() for e in exts)):
+        theirs_loss(theirs_model(x), y).backward()
+    for k, p in model.named_parameters():
+        for e in exts:
+            attr = getattr(extensions, e)().attr
+            theirs = getattr(p, attr)
+            if e == "SqrtGGNExact":  # the same factor up to its columns' order and signs
+                a, b = (t.flatten(2).flatten(0, 1) for t in (mine[k][e], theirs))
+                assert_close(a.t() @ a, b.t() @ b, f"{k}.{e}", 1e-10, 1e-12)
+            else:
+                assert_close(mine[k][e], theirs, f"{k}.{e}", 1e-10, 1e-12)
