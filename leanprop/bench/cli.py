@@ -18,6 +18,7 @@ import torch
 
 from ..measure import format_table
 from . import (
+    curvature_suite,
     distributed_suite,
     in_backward_suite,
     per_sample_suite,
@@ -62,6 +63,12 @@ SUITES: dict[str, Suite] = {
         "plain, leanprop, torch.func, Opacus",
         real_models_suite.run,
         {"small": (8,), "large": (32,)},
+    ),
+    "curvature": Suite(
+        "the GGN diagonal (DiagGGNExact) on the reference CNN and an MLP: plain, leanprop, "
+        "BackPACK",
+        curvature_suite.run,
+        {"small": (32,), "large": (32, 128)},
     ),
     "side-losses": Suite(
         "penalties on intermediate activations: combined, checkpoint, backward-at-once, leanprop",

@@ -43,8 +43,9 @@ def per_sample(
             op (closed forms for linear/matmul/addmm and elementwise uses, else a batched
             vector-Jacobian product of the op); RNNs go through a ``torch.func`` fallback.
             Frozen parameters (``requires_grad=False``) are skipped.
-        *quantities: instances of ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``,
-            ``Variance``.
+        *quantities: instances of ``BatchGrad``, ``BatchL2Grad``, ``BatchDotGrad``,
+            ``SumGradSquared``, ``Variance``. None: the forward is recorded for
+            :func:`leanprop.ggn` (curvature) and backward computes nothing extra.
         conv_algorithm: individual weight gradients of convolutions: ``"unfold"`` (im2col),
             ``"grouped"`` (Rochette et al. 2019, no im2col buffer), ``"weight_backward"`` (the
             backend's weight-gradient kernel on one convolution grouped by sample, no im2col

@@ -48,12 +48,13 @@ from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_in, to_front
 from .chunks import sample_chunks
 from .cycle import Call, Cycle, ParamState
-from .factors import norms_are_cheaper
+from .factors import norms_are_cheaper, sum_of_squares
 from .fused import Intercept
 from .quantities import (
     BatchGrad,
     BatchL2Grad,
     Quantity,
+    SumGradSquared,
     computed_kinds,
     validate_quantities,
 )
@@ -186,7 +187,8 @@ class PerSample:
                 f"per_sample() needs an nn.Module as first argument, got {type(model).__name__}; "
                 "call per_sample(model, BatchGrad(), ...)."
             )
-        self._ask(validate_quantities(quantities))
+        # none: the forward is recorded for leanprop.ggn, backward computes nothing extra
+        self._ask(validate_quantities(quantities) if quantities else frozenset())
         if conv_algorithm not in CONV_ALGORITHMS:
             raise LeanpropValueError(
                 f"per_sample() got conv_algorithm={conv_algorithm!r}; allowed: "
@@ -1233,6 +1235,8 @@ class PerSample:
             closed = site.rule.batch_l2(site.module, args, g, single, opts)
             for k, v in closed.items():
                 self._states[call.params[k]].results[BatchL2Grad.attr] = widen(v)
+        if single and kinds == frozenset({SumGradSquared}) and site.rule is not None:
+            closed = self._closed_sum_of_squares(call, single)  # (the GGN's diagonal passes)
         names = (single - closed.keys()) | multi
         if multi and site.rule is not None and site.rule.factors is not None:
             # a shared weight: its use as factors (norms without individual gradients, or
@@ -1255,6 +1259,22 @@ class PerSample:
         for k, r in reducers.items():
             sums[k] = self._store(call.params[k], k in multi, r.result())
         return sums
+
+    def _closed_sum_of_squares(self, call: Call, names: frozenset[str]) -> dict[str, Tensor]:
+        """``SumGradSquared`` of the parameters ``names`` of a rule call whose individual
+        gradients are single outer products (a linear layer on ``[N, I]``): from the squared
+        factors; ``{name: result}`` for those done."""
+        if call.site.rule.factors is None:
+            return {}
+        front_args, g = self._fronted(call)
+        args = tuple(_like(a, g) for a in front_args)
+        done = {}
+        for k, f in call.site.rule.factors(call.site.module, args, g, names).items():
+            value = sum_of_squares(f)
+            if value is not None:
+                self._states[call.params[k]].results[SumGradSquared.attr] = value
+                done[k] = value
+        return done
 
     def _store(self, p: nn.Parameter, multi: bool, result: tuple[dict, Tensor | None]) -> Tensor:
         """Keep one call's results for ``p``; returns the call's summed gradient."""

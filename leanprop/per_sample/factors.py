@@ -116,6 +116,19 @@ def total(f: Factors) -> Tensor:
     return rows.new_zeros(f.num, rows.shape[1]).index_add_(0, f.ids.flatten(), rows)
 
 
+def sum_of_squares(f: Factors) -> Tensor | None:
+    """``sum_n W_n²`` (elementwise; 16-bit factors in float32) where each ``W_n`` is one outer
+    product (one row per sample, ``S == 1``): one product of the squared factors, no
+    ``[N, *W.shape]`` tensor. None for ``S > 1`` (the squares of sums need ``W_n``)."""
+    if _rows_of(f) != 1:
+        return None
+    f = _widened(f)
+    if isinstance(f, Outer):
+        return f.left[:, 0].square().mT @ f.right[:, 0].square()  # [O, I]
+    rows = f.rows[:, 0].square()
+    return rows.new_zeros(f.num, rows.shape[1]).index_add_(0, f.ids[:, 0], rows)
+
+
 def materialize(f: Factors) -> Tensor:
     """The individual gradients ``[N, *W.shape]``."""
     if isinstance(f, Outer):

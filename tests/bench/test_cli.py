@@ -54,6 +54,21 @@ def test_in_backward_suite(capsys):
     assert "gpt2_10m: torch_in_backward" in text and "gpt2_10m: leanprop_no_norms" in text
 
 
+def test_curvature_suite(capsys):
+    pytest.importorskip("backpack")
+    assert cli.main(["bench", "curvature", "--batch", "4", "--reps", "1"]) == 0
+    text = capsys.readouterr().out
+    for method in (
+        "mlp: plain",
+        "mlp: leanprop",
+        "mlp: backpack",
+        "cnn: leanprop",
+        "cnn: backpack",
+    ):
+        assert method in text
+    assert text.count("agrees") == 2 and "DISAGREES" not in text
+
+
 def test_distributed_suite(capsys):
     assert cli.main(["bench", "distributed", "--reps", "2"]) == 0
     text = capsys.readouterr().out

@@ -129,8 +129,13 @@ def test_unknown_quantity_and_class_instead_of_instance():
         leanprop.per_sample(model, "grad")
     with pytest.raises(LeanpropValueError, match=r"pass an instance: BatchGrad\(\)"):
         leanprop.per_sample(model, BatchGrad)
-    with pytest.raises(LeanpropValueError, match=r"got no quantity"):
-        leanprop.per_sample(model)
+    # no quantity: the forward is recorded for ggn, backward computes nothing extra
+    with leanprop.per_sample(model) as ctx:
+        out = model(torch.randn(3, 2))
+        leanprop.ggn(ctx, out, nn.MSELoss(), torch.zeros(3, 2), leanprop.DiagGGNExact())
+        out.square().sum().backward()
+    assert model.weight.diag_ggn_exact.shape == (2, 2)
+    assert not any(hasattr(model.weight, a) for a in ("grad_batch", "sum_grad_squared"))
 
 
 def test_bad_options():

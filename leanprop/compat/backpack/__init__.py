@@ -164,23 +164,32 @@ def _curvature_first(
 def _extension_hook(
     captures: list[PerSample], hook: Callable[[nn.Module], object]
 ) -> Iterator[None]:
-    """Call ``hook(module)`` for each module of the extended models (last layer first) when
-    each backward in the block has ended (after the quantities are written)."""
-    seen: set[int] = set()
+    """Call ``hook(module)`` for each module of the extended models that each backward in the
+    block reached (last layer first), when that backward has ended (after the quantities are
+    written)."""
+    reached: dict[int, list[PerSample]] = {}  # backward (graph task) -> models it reached
 
-    def run() -> None:
-        for c in captures:
+    def run(task: int) -> None:
+        for c in reached.pop(task, []):
             for m in reversed(list(c.model.modules())):
                 hook(m)
 
-    def on_grad(p: Tensor) -> None:
+    def on_grad(capture: PerSample, p: Tensor) -> None:
+        if _CURVATURE_RUNNING:
+            return
         task = current_graph_task_id()
-        if task not in seen and not _CURVATURE_RUNNING:
-            seen.add(task)
-            queue_callback(run)  # (after the quantities: queued when backward first came)
+        if task not in reached:
+            reached[task] = []
+            queue_callback(functools.partial(run, task))  # (after the engine's own end)
+        if capture not in reached[task]:
+            reached[task].append(capture)
 
-    params = [p for c in captures for p in c.model.parameters() if p.requires_grad]
-    handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
+    handles = [
+        p.register_post_accumulate_grad_hook(functools.partial(on_grad, c))
+        for c in captures
+        for p in c.model.parameters()
+        if p.requires_grad
+    ]
     try:
         yield
     finally:
