@@ -1,0 +1,5 @@
+"""BackPACK's module path ``custom_module.reduce_tuple``."""
+
+from . import ReduceTuple
+
+__all__ = ["ReduceTuple"]

@@ -1,0 +1,161 @@
+"""The facade's ``hessianfree`` helpers and ``custom_module`` building blocks: against autograd
+oracles, and BackPACK's own helpers where installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from leanprop import LeanpropValueError
+from leanprop.compat import backpack as facade
+from leanprop.compat.backpack import backpack, extend, extensions
+from leanprop.compat.backpack.custom_module.branching import ActiveIdentity, Parallel, SumModule
+from leanprop.compat.backpack.custom_module.pad import Pad
+from leanprop.compat.backpack.custom_module.permute import Permute
+from leanprop.compat.backpack.custom_module.reduce_tuple import ReduceTuple
+from leanprop.compat.backpack.custom_module.scale_module import ScaleModule
+from leanprop.compat.backpack.custom_module.slicing import Slicing
+from leanprop.compat.backpack.hessianfree.ggnvp import ggn_vector_product
+from leanprop.compat.backpack.hessianfree.hvp import hessian_vector_product
+from leanprop.compat.backpack.hessianfree.lop import L_op
+from leanprop.compat.backpack.hessianfree.rop import R_op
+from leanprop.testing import ggn_blocks, individual_gradients, quantities_from_individual
+
+from ..helpers import assert_close
+
+
+def _problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    return model, x, y, nn.CrossEntropyLoss()
+
+
+def _flat(ts):
+    return torch.cat([t.flatten() for t in ts])
+
+
+def test_hessian_free_products_against_autograd():
+    model, x, y, loss_fn = _problem()
+    params = list(model.parameters())
+    v = [torch.randn_like(p) for p in params]
+    out = model(x)
+    loss = loss_fn(out, y)
+
+    names = [k for k, _ in model.named_parameters()]
+
+    def loss_of(*ps):
+        weights = dict(zip(names, ps, strict=True))
+        return loss_fn(torch.func.functional_call(model, weights, (x,)), y)
+
+    _, hv = torch.autograd.functional.hvp(loss_of, tuple(p.detach() for p in params), tuple(v))
+    assert_close(_flat(hessian_vector_product(loss, params, v)), _flat(hv), "Hv", 1e-10, 1e-12)
+    u = torch.randn_like(out)
+    (jt_u,) = [torch.autograd.grad(out, params, u, retain_graph=True)]
+    assert_close(_flat(L_op(out, params, u)), _flat(jt_u), "J^T u", 1e-12, 1e-14)
+    (jv,) = R_op(out, params, v)
+    # <J v, u> = <v, J^T u>
+    assert_close((jv * u).sum(), (_flat(v) * _flat(jt_u)).sum(), "J v", 1e-10, 1e-12)
+    gv = ggn_vector_product(loss, out, model, v)
+    assert [g.shape for g in gv] == [p.shape for p in params]
+    full = _full_ggn(model, x, loss_fn, y)  # (G v crosses the parameters' blocks)
+    assert_close(_flat(gv), full @ _flat(v), "G v", 1e-10, 1e-12)
+
+
+def _full_ggn(model, x, loss_fn, y):
+    """G over all parameters at once (the oracle for products that cross blocks)."""
+    from torch.func import functional_call, jacrev
+
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    out = functional_call(model, params, (x,))
+    jac = jacrev(lambda ps: functional_call(model, ps, (x,)))(params)
+    j = torch.cat([jac[k].reshape(out.numel(), -1) for k in params], 1)
+    h = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), out).reshape(out.numel(), -1)
+    return j.t() @ h @ j
+
+
+def test_hessian_free_products_equal_backpacks():
+    hf = pytest.importorskip("backpack.hessianfree.ggnvp")
+    hvp = pytest.importorskip("backpack.hessianfree.hvp")
+    model, x, y, loss_fn = _problem()
+    params = list(model.parameters())
+    v = [torch.randn_like(p) for p in params]
+    out = model(x)
+    loss = loss_fn(out, y)
+    ours, theirs = (
+        ggn_vector_product(loss, out, model, v),
+        hf.ggn_vector_product(loss, out, model, v),
+    )
+    assert_close(_flat(ours), _flat(theirs), "ggnvp", 1e-12, 1e-14)
+    ours, theirs = (
+        hessian_vector_product(loss, params, v),
+        hvp.hessian_vector_product(loss, params, v),
+    )
+    assert_close(_flat(ours), _flat(theirs), "hvp", 1e-12, 1e-14)
+
+
+class _Blocks(nn.Module):
+    """Every building block in one model: parallel branches summed, a scaled branch, padding,
+    a permutation, slicing, and an LSTM's output taken from its tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.par = Parallel(
+            nn.Linear(4, 6), nn.Sequential(nn.Linear(4, 6), ScaleModule(0.5)), ActiveIdentity2()
+        )
+        self.pad = Pad((1, 1))
+        self.perm = Permute(0, 2, 1)
+        self.lstm = nn.LSTM(8, 3, batch_first=True)
+        self.take = ReduceTuple(0)
+        self.cut = Slicing((slice(None), -1))
+
+    def forward(self, x):  # x [N, T, 4]
+        h = self.pad(self.par(x))  # [N, T, 8]
+        h = self.perm(self.perm(h))  # back and forth
+        return self.cut(self.take(self.lstm(h)))  # [N, 3]
+
+
+class ActiveIdentity2(nn.Module):
+    """A third branch of the right width: the first 6 features through ActiveIdentity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.id, self.lin = ActiveIdentity(), nn.Linear(4, 6)
+
+    def forward(self, x):
+        return self.id(self.lin(x))
+
+
+def test_custom_modules_work_with_every_quantity():
+    torch.manual_seed(0)
+    model = _Blocks().double()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss_fn = nn.CrossEntropyLoss()
+    model, lf = extend(model), extend(loss_fn)
+    try:
+        loss = lf(model(x), y)
+        with backpack(extensions.BatchGrad(), extensions.Variance(), extensions.DiagGGNExact()):
+            loss.backward()
+        expected = individual_gradients(
+            model, lambda o, t, r: nn.functional.cross_entropy(o, t, reduction=r), x, y, "mean"
+        )
+        blocks = ggn_blocks(model, x, loss_fn, y)
+        for k, p in model.named_parameters():
+            ref = quantities_from_individual(expected[k])
+            assert_close(p.grad_batch, ref["grad_batch"], k, 1e-9, 1e-12)
+            assert_close(p.variance, ref["variance"], k, 1e-9, 1e-12)
+            assert_close(p.diag_ggn_exact.flatten(), blocks[k][0].diagonal(), k, 1e-9, 1e-12)
+    finally:
+        facade.unextend(model)
+        facade.unextend(lf)
+
+
+def test_custom_module_errors():
+    with pytest.raises(LeanpropValueError, match="float"):
+        ScaleModule(2)
+    with pytest.raises(LeanpropValueError, match="one shape"):
+        SumModule()(torch.zeros(2), torch.zeros(3))
+    with pytest.raises(LeanpropValueError, match="two dimensions"):
+        Permute(0, 2, 1, init_transpose=True)
+    assert Permute(1, 2, init_transpose=True)(torch.zeros(2, 3, 4)).shape == (2, 4, 3)
