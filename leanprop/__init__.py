@@ -9,6 +9,8 @@ from .errors import (
 from .measure import MismatchError, Timing, compare, time_fn, track_memory
 from .optim import InBackward
 from .per_sample import (
+    KFAC,
+    KFLR,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
     BatchDotGrad,
@@ -46,6 +48,8 @@ __all__ = [
     "BatchDiagGGNMC",
     "DiagGGNExact",
     "DiagGGNMC",
+    "KFAC",
+    "KFLR",
     "SqrtGGNExact",
     "SqrtGGNMC",
     "ggn",

@@ -16,6 +16,8 @@ EXPECTED = {
     "BatchDiagGGNMC",
     "DiagGGNExact",
     "DiagGGNMC",
+    "KFAC",
+    "KFLR",
     "SqrtGGNExact",
     "SqrtGGNMC",
     "ggn",

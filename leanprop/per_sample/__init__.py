@@ -27,6 +27,8 @@ One backward, followed through this folder:
 from .api import per_sample
 from .capture import PerSample
 from .curvature import (
+    KFAC,
+    KFLR,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
     DiagGGNExact,
@@ -47,6 +49,8 @@ __all__ = [
     "BatchL2Grad",
     "DiagGGNExact",
     "DiagGGNMC",
+    "KFAC",
+    "KFLR",
     "PerSample",
     "Quantity",
     "SqrtGGNExact",

@@ -23,7 +23,7 @@ One forward and backward through it (all state lives on the context and its
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -64,6 +64,8 @@ from .rules.packed_rnn import packed_rnn_batch_grads, sample_count, sorted_order
 from .stats import Reducer, quantities_from_batch, widen
 
 ConvAlgorithm = Literal["auto", "unfold", "grouped", "weight_backward"]
+# observer(module, inputs with the batch first, output gradient with the batch first)
+Observer = Callable[[nn.Module, tuple[Any, ...], Tensor], None]
 CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped", "weight_backward")
 DEFAULT_WORKSPACE_MIB = {"cpu": 16.0}
 
@@ -246,6 +248,7 @@ class PerSample:
         # asked for, each parameter's sum of individual gradients (its local mean times N)
         self.last_n: int | None = None
         self.last_sums: dict[nn.Parameter, Tensor] = {}
+        self._observers: list[Observer] = []  # see observing()
 
     @property
     def model(self) -> nn.Module:
@@ -296,6 +299,17 @@ class PerSample:
         finally:
             self._ask(saved)
             self._cycle.keep_calls = False
+
+    @contextmanager
+    def observing(self, observer: Observer) -> Iterator[None]:
+        """Call ``observer(module, inputs, grad_output)`` for each call of a layer with a
+        rule that the backward passes inside the block reach, with the batch first (curvature's
+        Kronecker factors come from them)."""
+        self._observers.append(observer)
+        try:
+            yield
+        finally:
+            self._observers.remove(observer)
 
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> PerSample:
@@ -1208,6 +1222,10 @@ class PerSample:
         """Quantities of one call; returns the call's summed gradient of each parameter
         (``{name: grad}``) where it came for free (missing where a closed form was used)."""
         site, kinds = call.site, self._kinds
+        if self._observers and site.rule is not None and call.n:
+            front_args, g = self._fronted(call)
+            for observe in self._observers:
+                observe(site.module, front_args, g)
         opts = self._options(next(iter(call.params.values())).device)
         dtype = next(g.dtype for g in call.grads if g is not None)
         dtype = call.autocast[1] if call.autocast is not None else dtype

@@ -162,7 +162,7 @@ def test_against_backpack(name, loss):
         loss
     ]
     y = torch.randint(0, 3, (x.shape[0],)) if loss == "ce" else torch.rand(x.shape[0], k).double()
-    exts = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact")  # (1.7.1 has no BatchDotGrad)
+    exts = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "KFLR")  # (not BatchDotGrad)
     ours = extend(model)
     ours_loss = extend(loss_fn)
     try:
@@ -184,5 +184,9 @@ def test_against_backpack(name, loss):
             if e == "SqrtGGNExact":  # the same factor up to its columns' order and signs
                 a, b = (t.flatten(2).flatten(0, 1) for t in (mine[k][e], theirs))
                 assert_close(a.t() @ a, b.t() @ b, f"{k}.{e}", 1e-10, 1e-12)
+            elif e == "KFLR":  # lists of Kronecker factors
+                assert len(mine[k][e]) == len(theirs)
+                for i, (a, b) in enumerate(zip(mine[k][e], theirs, strict=True)):
+                    assert_close(a, b, f"{k}.{e}[{i}]", 1e-10, 1e-12)
             else:
                 assert_close(mine[k][e], theirs, f"{k}.{e}", 1e-10, 1e-12)

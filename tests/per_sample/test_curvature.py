@@ -231,3 +231,76 @@ def test_ggn_after_the_backward_of_a_module_hooked_as_a_whole_is_refused_clearly
         for p, g in zip(case.model.parameters(), grads, strict=True):
             assert torch.equal(p.grad, g) and not hasattr(p, "diag_ggn_exact")
             assert hasattr(p, "grad_batch")
+
+
+# ---------------------------------------------------------------- Kronecker factors
+
+
+def _kron_problem(conv: int | None, n: int):
+    torch.manual_seed(0)
+    if conv is None:
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        x = torch.randn(n, 4)
+    else:
+        conv_cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[conv - 1]
+        model = nn.Sequential(
+            conv_cls(2, 3, 2, stride=1, padding=1), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)
+        )
+        x = torch.randn(n, 2, *([4] * conv))
+        model(x)
+    return model.double(), x.double(), torch.randint(0, 3, (n,))
+
+
+@pytest.mark.parametrize("conv", [None, 1, 2, 3], ids=["linear", "conv1d", "conv2d", "conv3d"])
+def test_kflr_is_the_ggn_block_where_it_is_exact(conv):
+    """With one sample a linear layer's ``B ⊗ A`` is its weight's GGN block, and for any batch
+    ``B`` is the bias's (linear layers and convolutions)."""
+    for n in (1, 5):
+        model, x, y = _kron_problem(conv, n)
+        loss_fn = nn.CrossEntropyLoss()
+        with leanprop.per_sample(model) as ctx:
+            leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.KFLR())
+        ref = ggn_blocks(model, x, loss_fn, y)
+        for k, p in model.named_parameters():
+            full = ref[k][0]
+            if k.endswith("bias"):
+                (b,) = p.kflr
+                torch.testing.assert_close(b, full, rtol=1e-10, atol=1e-12, msg=k)
+            else:
+                b, a = p.kflr
+                assert b.shape == (p.shape[0],) * 2 and a.shape == (p[0].numel(),) * 2
+                if n == 1 and p.dim() == 2:
+                    torch.testing.assert_close(torch.kron(b, a), full, rtol=1e-10, atol=1e-12)
+
+
+def test_kfac_estimates_kflr():
+    model, x, y = _kron_problem(2, 4)
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.KFLR())
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.KFAC(mc_samples=3000),
+                     generator=torch.Generator().manual_seed(0))  # fmt: skip
+    for p in model.parameters():
+        for got, exact in zip(p.kfac, p.kflr, strict=True):
+            torch.testing.assert_close(got, exact, rtol=0.1, atol=0.05 * exact.abs().max().item())
+
+
+def test_kronecker_factors_refuse_what_they_do_not_define():
+    loss_fn = nn.MSELoss()
+    cases = {
+        "in_features": (nn.Linear(3, 2), torch.randn(4, 5, 3)),
+        "groups": (nn.Conv1d(2, 2, 3, groups=2), torch.randn(4, 2, 6)),
+        "padding": (nn.Conv1d(2, 2, 3, padding="same"), torch.randn(4, 2, 6)),
+    }
+    for match, (layer, x) in cases.items():
+        with leanprop.per_sample(layer) as ctx:
+            out = layer(x)
+            with pytest.raises(UnsupportedModelError, match=match):
+                leanprop.ggn(ctx, out, loss_fn, torch.zeros_like(out), leanprop.KFLR())
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    with leanprop.per_sample(model) as ctx:
+        out = model(torch.randn(4, 3))
+        with pytest.raises(UnsupportedModelError, match="more than once"):
+            leanprop.ggn(ctx, out, loss_fn, torch.zeros_like(out), leanprop.KFAC())

@@ -4,6 +4,8 @@ curvature ones ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_ggn_exact_batch``,
 ``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``)."""
 
 from ...per_sample.curvature.quantities import (
+    KFAC,
+    KFLR,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
     DiagGGNExact,
@@ -21,6 +23,8 @@ __all__ = [
     "BatchL2Grad",
     "DiagGGNExact",
     "DiagGGNMC",
+    "KFAC",
+    "KFLR",
     "SqrtGGNExact",
     "SqrtGGNMC",
     "SumGradSquared",

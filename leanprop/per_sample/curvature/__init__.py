@@ -8,6 +8,8 @@ square root, exact or Monte-Carlo) through the per-sample engine.
 
 from .ggn import ggn
 from .quantities import (
+    KFAC,
+    KFLR,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
     CurvatureQuantity,
@@ -23,6 +25,8 @@ __all__ = [
     "CurvatureQuantity",
     "DiagGGNExact",
     "DiagGGNMC",
+    "KFAC",
+    "KFLR",
     "SqrtGGNExact",
     "SqrtGGNMC",
     "ggn",

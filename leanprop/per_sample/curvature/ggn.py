@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared
+from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
 
@@ -154,13 +155,19 @@ def _passes(
     """One backward per column of ``factor`` ``[M, N, *S]``; squares and roots accumulated."""
     need_batch = any(q.per_sample or q.root for q in quantities)
     kinds = frozenset({BatchGrad} if need_batch else {SumGradSquared})
+    kronecker = [q for q in quantities if q.kronecker]
+    factors = KroneckerFactors(type(kronecker[0]).__name__) if kronecker else None
     diag: list[Tensor | None] = [None] * len(params)
     batch_diag: list[Tensor | None] = [None] * len(params)
     roots: list[list[Tensor]] = [[] for _ in params]
     with ExitStack() as stack:
         for c in contexts:
             stack.enter_context(c.computing(kinds))
+            if factors is not None:
+                stack.enter_context(c.observing(factors.observe))
         for m, column in enumerate(factor):
+            if factors is not None:
+                factors.next_pass()
             try:
                 torch.autograd.backward(output, column, retain_graph=True)
             except UnsupportedModelError as e:
@@ -186,10 +193,15 @@ def _passes(
                     if summed is None:
                         continue
                 diag[i] = summed if diag[i] is None else diag[i] + summed
-    for i in range(len(params)):
+    kron = {} if factors is None else factors.results()
+    for i, p in enumerate(params):
         if diag[i] is None:
             continue  # the output does not depend on it
         for q in quantities:
+            if q.kronecker:
+                if p in kron:
+                    results[i][q.attr] = kron[p]
+                continue
             if q.root:
                 value = torch.stack(roots[i])
             elif q.per_sample:

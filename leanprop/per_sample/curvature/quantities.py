@@ -25,6 +25,7 @@ class CurvatureQuantity:
     attr: ClassVar[str] = ""
     per_sample: ClassVar[bool] = False  # [N, ...] per sample (else summed over samples)
     root: ClassVar[bool] = False  # the factor itself [M, N, ...] (else squares)
+    kronecker: ClassVar[bool] = False  # Kronecker factors of linear and conv layers
 
     @property
     def mc(self) -> int | None:
@@ -102,6 +103,25 @@ class SqrtGGNMC(_MC):
     root: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class KFLR(CurvatureQuantity):
+    """Kronecker factors of the GGN's blocks of linear (``[N, I]`` inputs) and convolution
+    (``groups=1``, zero padding) layers: weight ``[B, A]``, bias ``[B]`` (see
+    ``kronecker.py``)."""
+
+    attr: ClassVar[str] = "kflr"
+    kronecker: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class KFAC(_MC):
+    """KFLR's factors with ``B`` from ``mc_samples`` Monte-Carlo columns."""
+
+    attr: ClassVar[str] = "kfac"
+    kronecker: ClassVar[bool] = True
+
+
 ALL_CURVATURE: tuple[type[CurvatureQuantity], ...] = (
-    DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC,
+    DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, KFLR,
+    KFAC,
 )  # fmt: skip

@@ -1,0 +1,104 @@
+"""Kronecker factors of the GGN's blocks (KFLR: exact, KFAC: Monte-Carlo), as BackPACK
+defines them, from the layers' inputs and their output gradients in the curvature passes.
+
+For a linear layer on ``[N, I]`` inputs ``a_n`` whose output gets the factor columns' output
+gradients ``v_mn`` ``[O]`` (one per backward pass m): weight ``[B, A]`` with
+``B = sum_{m,n} v_mn v_mn^T`` ``[O, O]`` and ``A = 1/N sum_n a_n a_n^T`` ``[I, I]``; bias
+``[B]``. For a convolution (``groups=1``): ``B`` from the output gradients summed over the
+output positions ``[C_out, C_out]``, ``A`` from the unfolded input summed over positions and
+averaged over samples ``[C_in k..., C_in k...]``. With one sample ``B ⊗ A`` is the weight's GGN
+block exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ...errors import UnsupportedModelError
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _unfolded(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: Tensor) -> Tensor:
+    """The input as im2col patches ``[N, C_in * prod(k), positions]``."""
+    if isinstance(module, nn.Conv2d):
+        return F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
+    # 1d/3d: as a 2d/3d unfold by hand (the patches in the weight's element order)
+    d = x.dim() - 2
+    k, s, p, dil = module.kernel_size, module.stride, module.padding, module.dilation
+    x = F.pad(x, [q for i in reversed(range(d)) for q in (p[i], p[i])])
+    for i in range(d):
+        x = x.unfold(2 + i, dil[i] * (k[i] - 1) + 1, s[i])[..., :: dil[i]]
+    n, c = x.shape[:2]
+    positions = x.shape[2 : 2 + d]
+    x = x.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d))
+    return x.reshape(n, c * int(torch.tensor(k).prod()), int(torch.tensor(positions).prod()))
+
+
+class KroneckerFactors:
+    """Accumulates each observed layer's ``B`` over the passes of one factor; ``A`` from the
+    first pass's inputs."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # the quantity, for errors
+        self.a: dict[nn.Module, Tensor] = {}
+        self.b: dict[nn.Module, Tensor] = {}
+        self._pass: dict[nn.Module, int] = {}
+        self.passes = 0
+
+    def next_pass(self) -> None:
+        self.passes += 1
+
+    def observe(self, module: nn.Module, inputs: tuple[Any, ...], g: Tensor) -> None:
+        """One call of ``module`` in the current pass: input ``inputs[0]`` and output gradient
+        ``g``, both with the batch first."""
+        if not isinstance(module, (nn.Linear, *_CONV)):
+            return
+        if self._pass.get(module) == self.passes:
+            raise UnsupportedModelError(
+                f"{self.name}: {type(module).__name__} is called more than once in the forward "
+                "(shared); its Kronecker factors are not defined (as in BackPACK). Ask for the "
+                "GGN diagonal or square root instead."
+            )
+        self._pass[module] = self.passes
+        x = inputs[0]
+        if isinstance(module, nn.Linear):
+            if x.dim() != 2:
+                raise UnsupportedModelError(
+                    f"{self.name}: Linear with inputs of shape {tuple(x.shape)}; Kronecker "
+                    "factors are defined for [N, in_features] inputs (as in BackPACK)."
+                )
+            b = g.mT @ g
+            if module not in self.a:
+                self.a[module] = x.mT @ x / x.shape[0]
+        else:
+            if isinstance(module.padding, str) or module.padding_mode != "zeros":
+                raise UnsupportedModelError(
+                    f"{self.name}: {type(module).__name__} with padding={module.padding!r}, "
+                    f"padding_mode={module.padding_mode!r}; Kronecker factors are computed "
+                    "for explicit zero padding (padding=<int or tuple>, padding_mode='zeros')."
+                )
+            if module.groups != 1:
+                raise UnsupportedModelError(
+                    f"{self.name}: {type(module).__name__} with groups={module.groups}; "
+                    "Kronecker factors are defined for groups=1 (as in BackPACK)."
+                )
+            summed = g.flatten(2).sum(2)  # [N, C_out]
+            b = summed.mT @ summed
+            if module not in self.a:
+                cols = _unfolded(module, x)  # [N, K, L]
+                self.a[module] = torch.einsum("nkl,njl->kj", cols, cols) / x.shape[0]
+        self.b[module] = b if module not in self.b else self.b[module] + b
+
+    def results(self) -> dict[nn.Parameter, list[Tensor]]:
+        """``{weight: [B, A], bias: [B]}`` of every observed layer."""
+        out: dict[nn.Parameter, list[Tensor]] = {}
+        for module, b in self.b.items():
+            out[module.weight] = [b, self.a[module]]
+            if module.bias is not None:
+                out[module.bias] = [b]
+        return out
