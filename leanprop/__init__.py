@@ -9,6 +9,7 @@ from .errors import (
 from .measure import MismatchError, Timing, compare, time_fn, track_memory
 from .optim import InBackward
 from .per_sample import (
+    GGNMP,
     KFAC,
     KFLR,
     BatchDiagGGNExact,
@@ -48,6 +49,7 @@ __all__ = [
     "BatchDiagGGNMC",
     "DiagGGNExact",
     "DiagGGNMC",
+    "GGNMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

@@ -16,6 +16,7 @@ EXPECTED = {
     "BatchDiagGGNMC",
     "DiagGGNExact",
     "DiagGGNMC",
+    "GGNMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

@@ -27,6 +27,7 @@ One backward, followed through this folder:
 from .api import per_sample
 from .capture import PerSample
 from .curvature import (
+    GGNMP,
     KFAC,
     KFLR,
     BatchDiagGGNExact,
@@ -49,6 +50,7 @@ __all__ = [
     "BatchL2Grad",
     "DiagGGNExact",
     "DiagGGNMC",
+    "GGNMP",
     "KFAC",
     "KFLR",
     "PerSample",

@@ -162,7 +162,8 @@ def test_against_backpack(name, loss):
         loss
     ]
     y = torch.randint(0, 3, (x.shape[0],)) if loss == "ce" else torch.rand(x.shape[0], k).double()
-    exts = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "KFLR")  # (not BatchDotGrad)
+    exts = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "KFLR")
+    exts += ("GGNMP",) if loss != "bce" else ()  # (BackPACK's GGNMP has no BCE)
     ours = extend(model)
     ours_loss = extend(loss_fn)
     try:
@@ -184,6 +185,9 @@ def test_against_backpack(name, loss):
             if e == "SqrtGGNExact":  # the same factor up to its columns' order and signs
                 a, b = (t.flatten(2).flatten(0, 1) for t in (mine[k][e], theirs))
                 assert_close(a.t() @ a, b.t() @ b, f"{k}.{e}", 1e-10, 1e-12)
+            elif e == "GGNMP":  # functions: the same products
+                mat = torch.randn(2, *p.shape, dtype=p.dtype)
+                assert_close(mine[k][e](mat), theirs(mat), f"{k}.{e}", 1e-10, 1e-12)
             elif e == "KFLR":  # lists of Kronecker factors
                 assert len(mine[k][e]) == len(theirs)
                 for i, (a, b) in enumerate(zip(mine[k][e], theirs, strict=True)):

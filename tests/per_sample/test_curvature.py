@@ -304,3 +304,21 @@ def test_kronecker_factors_refuse_what_they_do_not_define():
         out = model(torch.randn(4, 3))
         with pytest.raises(UnsupportedModelError, match="more than once"):
             leanprop.ggn(ctx, out, loss_fn, torch.zeros_like(out), leanprop.KFAC())
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv2d", "shared", "sequence"])
+def test_ggn_matrix_products_against_oracle(name):
+    case = build(name)
+    loss_fn = _losses(case)[0]
+    y = _target(loss_fn, case.y)
+    with leanprop.per_sample(case.model) as ctx:
+        leanprop.ggn(ctx, case.model(case.x), loss_fn, y, leanprop.GGNMP())
+    ref = ggn_blocks(case.model, case.x, loss_fn, y)
+    for k, p in case.model.named_parameters():
+        mat = torch.randn(3, *p.shape, dtype=p.dtype)
+        got = p.ggnmp(mat)
+        torch.testing.assert_close(
+            got.flatten(1), mat.flatten(1) @ ref[k][0], rtol=1e-10, atol=1e-12
+        )
+        with pytest.raises(LeanpropValueError, match="V, "):
+            p.ggnmp(mat[0])

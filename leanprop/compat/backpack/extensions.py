@@ -4,6 +4,7 @@ curvature ones ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_ggn_exact_batch``,
 ``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``)."""
 
 from ...per_sample.curvature.quantities import (
+    GGNMP,
     KFAC,
     KFLR,
     BatchDiagGGNExact,
@@ -23,6 +24,7 @@ __all__ = [
     "BatchL2Grad",
     "DiagGGNExact",
     "DiagGGNMC",
+    "GGNMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

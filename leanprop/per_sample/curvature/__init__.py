@@ -8,6 +8,7 @@ square root, exact or Monte-Carlo) through the per-sample engine.
 
 from .ggn import ggn
 from .quantities import (
+    GGNMP,
     KFAC,
     KFLR,
     BatchDiagGGNExact,
@@ -25,6 +26,7 @@ __all__ = [
     "CurvatureQuantity",
     "DiagGGNExact",
     "DiagGGNMC",
+    "GGNMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

@@ -11,6 +11,7 @@ sharing included.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from contextlib import ExitStack
 
@@ -124,7 +125,7 @@ def compute_ggn(
     saved_grads = [p.grad for p in params]
     names = [q.attr for q in ALL_QUANTITIES]
     saved_attrs = [{a: getattr(p, a) for a in names if hasattr(p, a)} for p in params]
-    results: list[dict[str, Tensor]] = [{} for _ in params]
+    results: list[dict[str, object]] = [{} for _ in params]
     try:
         for p in params:
             p.grad = None
@@ -144,16 +145,29 @@ def compute_ggn(
             setattr(p, attr, value)
 
 
+def ggn_matrix_product(root: Tensor, mat: Tensor) -> Tensor:
+    """``G_pp mat`` for a parameter's GGN block given by its square root ``root``
+    ``[M, N, *shape]``; ``mat``: ``[V, *shape]`` (V vectors), returns ``[V, *shape]``."""
+    shape = root.shape[2:]
+    if mat.shape[1:] != shape:
+        raise LeanpropValueError(
+            f"ggnmp(mat): mat must be [V, *p.shape] = [V, {', '.join(map(str, shape))}], got "
+            f"{tuple(mat.shape)}."
+        )
+    s = root.flatten(2).flatten(0, 1)  # [M N, P]
+    return ((mat.flatten(1) @ s.mT) @ s).reshape(mat.shape)
+
+
 def _passes(
     contexts: Sequence[PerSample],
     output: Tensor,
     factor: Tensor,
     params: list[nn.Parameter],
     quantities: list[CurvatureQuantity],
-    results: list[dict[str, Tensor]],
+    results: list[dict[str, object]],
 ) -> None:
     """One backward per column of ``factor`` ``[M, N, *S]``; squares and roots accumulated."""
-    need_batch = any(q.per_sample or q.root for q in quantities)
+    need_batch = any(q.per_sample or q.root or q.product for q in quantities)
     kinds = frozenset({BatchGrad} if need_batch else {SumGradSquared})
     kronecker = [q for q in quantities if q.kronecker]
     factors = KroneckerFactors(type(kronecker[0]).__name__) if kronecker else None
@@ -201,6 +215,9 @@ def _passes(
             if q.kronecker:
                 if p in kron:
                     results[i][q.attr] = kron[p]
+                continue
+            if q.product:
+                results[i][q.attr] = functools.partial(ggn_matrix_product, torch.stack(roots[i]))
                 continue
             if q.root:
                 value = torch.stack(roots[i])

@@ -26,6 +26,7 @@ class CurvatureQuantity:
     per_sample: ClassVar[bool] = False  # [N, ...] per sample (else summed over samples)
     root: ClassVar[bool] = False  # the factor itself [M, N, ...] (else squares)
     kronecker: ClassVar[bool] = False  # Kronecker factors of linear and conv layers
+    product: ClassVar[bool] = False  # a function multiplying by the parameter's GGN block
 
     @property
     def mc(self) -> int | None:
@@ -104,6 +105,16 @@ class SqrtGGNMC(_MC):
 
 
 @dataclass(frozen=True)
+class GGNMP(CurvatureQuantity):
+    """Multiplication by the parameter's block of the (exact) GGN: ``p.ggnmp(mat)`` with
+    ``mat: [V, *p.shape]`` returns ``G_pp mat`` ``[V, *p.shape]`` (from the square root: it
+    keeps ``[C, N, *p.shape]``)."""
+
+    attr: ClassVar[str] = "ggnmp"
+    product: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
 class KFLR(CurvatureQuantity):
     """Kronecker factors of the GGN's blocks of linear (``[N, I]`` inputs) and convolution
     (``groups=1``, zero padding) layers: weight ``[B, A]``, bias ``[B]`` (see
@@ -122,6 +133,6 @@ class KFAC(_MC):
 
 
 ALL_CURVATURE: tuple[type[CurvatureQuantity], ...] = (
-    DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, KFLR,
-    KFAC,
+    DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP,
+    KFLR, KFAC,
 )  # fmt: skip
