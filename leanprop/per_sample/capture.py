@@ -56,6 +56,7 @@ from .quantities import (
     Quantity,
     SumGradSquared,
     computed_kinds,
+    subsampling_of,
     validate_quantities,
 )
 from .registry import Rule, RuleOptions, rule_for
@@ -191,6 +192,7 @@ class PerSample:
             )
         # none: the forward is recorded for leanprop.ggn, backward computes nothing extra
         self._ask(validate_quantities(quantities) if quantities else frozenset())
+        self._subsampling = subsampling_of(quantities)  # BatchGrad(subsampling=...)
         if conv_algorithm not in CONV_ALGORITHMS:
             raise LeanpropValueError(
                 f"per_sample() got conv_algorithm={conv_algorithm!r}; allowed: "
@@ -276,11 +278,16 @@ class PerSample:
         """Whether the context is entered (and not yet left)."""
         return self._active
 
-    def set_quantities(self, kinds: frozenset[type[Quantity]], conv_algorithm: str) -> None:
+    def set_quantities(
+        self, kinds: frozenset[type[Quantity]], conv_algorithm: str,
+        subsampling: tuple[int, ...] | None = None,
+    ) -> None:  # fmt: skip
         """Change what backward computes (used by the BackPACK facade, whose forward runs
         before the quantities are known). Empty ``kinds``: idle, forward is still recorded and
-        backward computes nothing extra; each forward of the model then starts a new cycle."""
+        backward computes nothing extra; each forward of the model then starts a new cycle.
+        ``subsampling``: the samples whose individual gradients are kept (None: all)."""
         self._ask(kinds)
+        self._subsampling = subsampling
         self.conv_algorithm = conv_algorithm
         self.reset_on_forward = True
 
@@ -291,13 +298,16 @@ class PerSample:
         passes through one forward), then what was asked before. The inputs of modules hooked
         as a whole are kept for each next backward through the same forward, the first after
         the block included."""
-        saved = self._asked
+        saved, subsampling = self._asked, self._subsampling
         self._ask(saved if kinds is None else kinds)
+        if kinds is not None:
+            self._subsampling = None  # (the passes need every sample)
         self._cycle.keep_calls = True
         try:
             yield
         finally:
             self._ask(saved)
+            self._subsampling = subsampling
             self._cycle.keep_calls = False
 
     @contextmanager
@@ -1371,7 +1381,9 @@ class PerSample:
         n = self._cycle.n
         try:
             check = self._check or self._cycle.direct_call is not None
-            self.last_sums = self._cycle.finish(self._asked, check, self._process)
+            self.last_sums = self._cycle.finish(
+                self._asked, check, self._process, self._subsampling
+            )
             self.last_n = n
         finally:
             self._computing_here = False

@@ -25,7 +25,7 @@ from ..errors import UnsupportedModelError
 from .batch import BatchDim
 from .chunks import Scratch
 from .factors import FactoredUses, Factors, add_into, materialize, total
-from .quantities import ALL_QUANTITIES, BatchGrad, BatchL2Grad, Quantity, Variance
+from .quantities import ALL_QUANTITIES, BatchGrad, BatchL2Grad, Quantity, Variance, subsample
 from .stats import quantities_of, sample_sum
 
 if TYPE_CHECKING:
@@ -200,6 +200,7 @@ class Cycle:
         kinds: frozenset[type[Quantity]],
         check: bool,
         complete: Callable[[Call], object],
+        subsampling: tuple[int, ...] | None = None,
     ) -> dict[nn.Parameter, Tensor]:
         """End of a backward: ``complete`` each call whose outputs got only some gradients
         (the others count as zero), form the quantities, check them (``check``), write those
@@ -224,6 +225,8 @@ class Cycle:
                 for state in self.states.values():
                     for attr, value in state.results.items():
                         if attr in asked:
+                            if attr == BatchGrad.attr:  # (BatchGrad(subsampling=...))
+                                value = subsample(value, subsampling, 0, "BatchGrad")
                             setattr(state.param, attr, value)
                 if Variance not in kinds:
                     return {}

@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+from torch import Tensor
+
 from ..errors import LeanpropValueError
 
 
@@ -32,11 +35,48 @@ class Quantity:
         return self.attr
 
 
+def check_subsampling(owner: str, subsampling: object) -> tuple[int, ...] | None:
+    """``subsampling`` as a tuple of sample indices (None: all samples); clear errors."""
+    if subsampling is None:
+        return None
+    if isinstance(subsampling, (str, bytes)) or not hasattr(subsampling, "__iter__"):
+        raise LeanpropValueError(
+            f"{owner}(subsampling={subsampling!r}): pass a list of sample indices, e.g. [0, 2]."
+        )
+    out = tuple(subsampling)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
+        raise LeanpropValueError(
+            f"{owner}(subsampling={subsampling!r}): the sample indices must be ints."
+        )
+    return out
+
+
+def subsample(value: Tensor, indices: tuple[int, ...] | None, dim: int, owner: str) -> Tensor:
+    """``value`` restricted to the samples ``indices`` along ``dim`` (None: all)."""
+    if indices is None:
+        return value
+    n = value.shape[dim]
+    bad = [i for i in indices if not -n <= i < n]
+    if bad:
+        raise LeanpropValueError(
+            f"{owner}(subsampling=...): indices {bad} are out of range for a batch of {n} samples."
+        )
+    index = torch.tensor([i % n for i in indices], dtype=torch.long, device=value.device)
+    return value.index_select(dim, index)
+
+
 @dataclass(frozen=True)
 class BatchGrad(Quantity):
-    """Individual gradients ``[N, *p.shape]``: ``p.grad_batch[n] = c_n``, summing to ``p.grad``."""
+    """Individual gradients ``[N, *p.shape]``: ``p.grad_batch[n] = c_n``, summing to ``p.grad``.
+
+    ``subsampling``: sample indices to keep (``[len(subsampling), *p.shape]``; computed for all
+    samples, then selected)."""
 
     attr: ClassVar[str] = "grad_batch"
+    subsampling: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "subsampling", check_subsampling("BatchGrad", self.subsampling))
 
 
 @dataclass(frozen=True)
@@ -79,6 +119,11 @@ class BatchDotGrad(Quantity):
 ALL_QUANTITIES: tuple[type[Quantity], ...] = (
     BatchGrad, BatchL2Grad, SumGradSquared, Variance, BatchDotGrad,
 )  # fmt: skip
+
+
+def subsampling_of(quantities: tuple[object, ...]) -> tuple[int, ...] | None:
+    """The samples ``BatchGrad(subsampling=...)`` among ``quantities`` keeps (None: all)."""
+    return next((q.subsampling for q in quantities if isinstance(q, BatchGrad)), None)
 
 
 def computed_kinds(kinds: frozenset[type[Quantity]]) -> frozenset[type[Quantity]]:

@@ -194,3 +194,38 @@ def test_against_backpack(name, loss):
                     assert_close(a, b, f"{k}.{e}[{i}]", 1e-10, 1e-12)
             else:
                 assert_close(mine[k][e], theirs, f"{k}.{e}", 1e-10, 1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_subsampling_against_backpack():
+    bp = pytest.importorskip("backpack")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
+    pick = [1, 5, 2]
+    ours, lf = extend(model), extend(nn.CrossEntropyLoss())
+    try:
+        loss = lf(ours(x), y)
+        with backpack(
+            extensions.BatchGrad(subsampling=pick), extensions.SqrtGGNExact(subsampling=pick)
+        ):
+            loss.backward()
+        mine = {k: (p.grad_batch, p.sqrt_ggn_exact) for k, p in model.named_parameters()}
+    finally:
+        facade.unextend(model)
+        facade.unextend(lf)
+        model.zero_grad()
+    theirs, tl = bp.extend(model), bp.extend(nn.CrossEntropyLoss())
+    loss = tl(theirs(x), y)
+    with bp.backpack(
+        bp.extensions.BatchGrad(subsampling=pick), bp.extensions.SqrtGGNExact(subsampling=pick)
+    ):
+        loss.backward()
+    for k, p in model.named_parameters():
+        assert_close(mine[k][0], p.grad_batch, f"{k}.grad_batch", 1e-12, 1e-14)
+        a, b = (t.flatten(2) for t in (mine[k][1], p.sqrt_ggn_exact))
+        assert a.shape == b.shape
+        for n in range(len(pick)):  # each sample's GGN share: the same
+            assert_close(
+                a[:, n].t() @ a[:, n], b[:, n].t() @ b[:, n], f"{k} sample {n}", 1e-10, 1e-12
+            )

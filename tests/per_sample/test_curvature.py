@@ -322,3 +322,32 @@ def test_ggn_matrix_products_against_oracle(name):
         )
         with pytest.raises(LeanpropValueError, match="V, "):
             p.ggnmp(mat[0])
+
+
+def test_subsampling_keeps_the_chosen_samples():
+    case = build("mlp")
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(case.model, leanprop.BatchGrad()) as ctx:
+        out = case.model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.SqrtGGNExact())
+        loss_fn(out, case.y).backward()
+    full = {
+        k: (p.grad_batch.clone(), p.sqrt_ggn_exact.clone())
+        for k, p in case.model.named_parameters()
+    }
+    case.model.zero_grad()
+    pick = [4, 0, -1]
+    with leanprop.per_sample(case.model, leanprop.BatchGrad(subsampling=pick)) as ctx:
+        out = case.model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.SqrtGGNExact(subsampling=pick))
+        loss_fn(out, case.y).backward()
+    for k, p in case.model.named_parameters():
+        assert torch.equal(p.grad_batch, full[k][0][pick])
+        assert torch.equal(p.sqrt_ggn_exact, full[k][1][:, pick])
+    with pytest.raises(LeanpropValueError, match="ints"):
+        leanprop.BatchGrad(subsampling=[0.5])
+    with pytest.raises(LeanpropValueError, match="list of sample indices"):
+        leanprop.SqrtGGNMC(1, subsampling=3)
+    with leanprop.per_sample(case.model, leanprop.BatchGrad(subsampling=[6])):
+        with pytest.raises(LeanpropValueError, match=r"\[6\] are out of range for a batch of 6"):
+            loss_fn(case.model(case.x), case.y).backward()

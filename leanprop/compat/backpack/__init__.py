@@ -49,7 +49,7 @@ from ...per_sample.capture import PerSample
 from ...per_sample.curvature.ggn import compute_ggn, validate_curvature
 from ...per_sample.curvature.loss_hessian import SUPPORTED as CURVATURE_LOSSES
 from ...per_sample.curvature.quantities import CurvatureQuantity
-from ...per_sample.quantities import BatchGrad, Quantity, validate_quantities
+from ...per_sample.quantities import BatchGrad, Quantity, subsampling_of, validate_quantities
 from . import extensions
 
 __all__ = ["backpack", "extend", "extensions", "unextend", "weight_jac_t_save_memory"]
@@ -226,8 +226,9 @@ def backpack(
     by_mc = validate_curvature(curvature) if curvature else {}
     captures = list(_EXTENDED)
     before = [(c.kinds, c.conv_algorithm) for c in captures]
+    subsampling = subsampling_of(first)
     for c in captures:
-        c.set_quantities(kinds, _algorithm())
+        c.set_quantities(kinds, _algorithm(), subsampling)
     _CURVATURE.append(by_mc)
     try:
         with ExitStack() as stack:

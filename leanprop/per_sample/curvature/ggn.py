@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
-from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared
+from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
@@ -220,7 +220,7 @@ def _passes(
                 results[i][q.attr] = functools.partial(ggn_matrix_product, torch.stack(roots[i]))
                 continue
             if q.root:
-                value = torch.stack(roots[i])
+                value = subsample(torch.stack(roots[i]), q.subsampling, 1, type(q).__name__)
             elif q.per_sample:
                 value = batch_diag[i]
             else:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...errors import LeanpropValueError
+from ..quantities import check_subsampling
 
 
 @dataclass(frozen=True)
@@ -90,18 +91,33 @@ class BatchDiagGGNMC(_MC):
 
 @dataclass(frozen=True)
 class SqrtGGNExact(CurvatureQuantity):
-    """Square root of the GGN, ``[M, N, *p.shape]``."""
+    """Square root of the GGN, ``[M, N, *p.shape]``; ``subsampling``: the samples kept
+    (``[M, len(subsampling), *p.shape]``, the GGN of the loss restricted to them)."""
 
     attr: ClassVar[str] = "sqrt_ggn_exact"
     root: ClassVar[bool] = True
+    subsampling: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "subsampling", check_subsampling(type(self).__name__, self.subsampling)
+        )
 
 
 @dataclass(frozen=True)
 class SqrtGGNMC(_MC):
-    """Monte-Carlo square root of the GGN, ``[mc_samples, N, *p.shape]``."""
+    """Monte-Carlo square root of the GGN, ``[mc_samples, N, *p.shape]``; ``subsampling`` as
+    for :class:`SqrtGGNExact`."""
 
     attr: ClassVar[str] = "sqrt_ggn_mc"
     root: ClassVar[bool] = True
+    subsampling: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(
+            self, "subsampling", check_subsampling(type(self).__name__, self.subsampling)
+        )
 
 
 @dataclass(frozen=True)
