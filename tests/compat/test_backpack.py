@@ -34,7 +34,14 @@ ALL = (
 )
 
 
-@pytest.mark.parametrize("script", ["backpack_save_memory.py", "backpack_gradient_of_variance.py"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "backpack_save_memory.py",
+        "backpack_gradient_of_variance.py",
+        "backpack_diag_ggn_optimizer.py",
+    ],
+)
 def test_documentation_examples_run(script):
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
 

@@ -229,3 +229,15 @@ def test_subsampling_against_backpack():
             assert_close(
                 a[:, n].t() @ a[:, n], b[:, n].t() @ b[:, n], f"{k} sample {n}", 1e-10, 1e-12
             )
+
+
+def test_the_diag_ggn_optimizer_example_trains():
+    import runpy
+
+    path = (
+        __import__("pathlib").Path(__file__).parents[2]
+        / "examples"
+        / "backpack_diag_ggn_optimizer.py"
+    )
+    losses = runpy.run_path(str(path))["main"](steps=5)
+    assert losses[-1] < losses[0] - 0.2

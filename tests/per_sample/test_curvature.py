@@ -348,6 +348,8 @@ def test_subsampling_keeps_the_chosen_samples():
         leanprop.BatchGrad(subsampling=[0.5])
     with pytest.raises(LeanpropValueError, match="list of sample indices"):
         leanprop.SqrtGGNMC(1, subsampling=3)
-    with leanprop.per_sample(case.model, leanprop.BatchGrad(subsampling=[6])):
-        with pytest.raises(LeanpropValueError, match=r"\[6\] are out of range for a batch of 6"):
-            loss_fn(case.model(case.x), case.y).backward()
+    with (
+        leanprop.per_sample(case.model, leanprop.BatchGrad(subsampling=[6])),
+        pytest.raises(LeanpropValueError, match=r"\[6\] are out of range for a batch of 6"),
+    ):
+        loss_fn(case.model(case.x), case.y).backward()
