@@ -111,11 +111,11 @@ def _kernel_for(optimizer: torch.optim.Optimizer) -> _Kernel | None:
 
 @dataclass(frozen=True)
 class _GroupCall:
-    """One kernel call of a bucket: its parameters of one group, and their state."""
+    """One kernel call of a bucket: its parameters of one group (the group's dict and the
+    parameters' state are read at each call: they may be replaced at any time)."""
 
-    group: dict[str, Any]
+    group: int
     params: list[Tensor]
-    states: list[dict[str, Any]]
 
 
 class DirectKernels:
@@ -157,9 +157,9 @@ class DirectKernels:
             or getattr(opt, "found_inf", None) is not None
         ):
             return False
-        built_for = (where, opt.param_groups, opt.state)
-        if len(self._built_for) != 3 or any(map(op.is_not, self._built_for, built_for)):
-            self._plans.clear()  # groups or state replaced since (load_state_dict, ...)
+        built_for = (where, opt.param_groups)
+        if len(self._built_for) != 2 or any(map(op.is_not, self._built_for, built_for)):
+            self._plans.clear()  # groups replaced since (load_state_dict, add_param_group, ...)
             self._seen.clear()
             self._built_for = built_for
         key = tuple(map(id, params))
@@ -174,7 +174,7 @@ class DirectKernels:
                 self._seen = {key}
             self._plans[key] = plan
         try:
-            calls = [self._arguments(kernel, c) for c in plan]
+            calls = [self._arguments(kernel, opt, c) for c in plan]
         except KeyError:  # state not created yet (step() creates it): built again next time
             del self._plans[key]
             return False  # (nothing ran yet)
@@ -191,31 +191,32 @@ class DirectKernels:
             raise ValueError(f"no direct kernel for {type(self.optimizer).__name__}")
         where = {id(p): (0, i) for i, p in enumerate(params)}
         (call,) = self._plan(params, where)
-        lists, kwargs = self._arguments(self.kernel, call)
+        lists, kwargs = self._arguments(self.kernel, self.optimizer, call)
         fn = self.kernel.fn
         return lambda: fn(*lists, **kwargs)
 
     def _plan(self, params: list[Tensor], where: dict[int, tuple[int, int]]) -> list[_GroupCall]:
-        groups = self.optimizer.param_groups
         by_group: dict[int, list[Tensor]] = {}
         for p in sorted(params, key=lambda p: where[id(p)]):  # each group's own order
             by_group.setdefault(where[id(p)][0], []).append(p)
-        state = self.optimizer.state
-        # (a parameter without state yet stands in with {}: a kernel that needs it finds none)
-        return [
-            _GroupCall(groups[gi], ps, [state.get(p, {}) for p in ps])
-            for gi, ps in by_group.items()
-        ]
+        return [_GroupCall(gi, ps) for gi, ps in by_group.items()]
 
     @staticmethod
-    def _arguments(kernel: _Kernel, call: _GroupCall) -> tuple[tuple, dict[str, Any]]:
-        group = call.group
+    def _arguments(
+        kernel: _Kernel, opt: torch.optim.Optimizer, call: _GroupCall
+    ) -> tuple[tuple, dict[str, Any]]:
+        group = opt.param_groups[call.group]
         if group["differentiable"] or group.get("capturable") or torch.is_tensor(group["lr"]):
             raise _NotSame
         grads = [p.grad for p in call.params]
         if any(g is None or g.is_sparse for g in grads):
             raise _NotSame
-        return kernel.args(group, call.params, grads, call.states)
+        # (a parameter without state stands in with {}: a kernel that needs it finds none)
+        states = [opt.state.get(p, _NO_STATE) for p in call.params]
+        return kernel.args(group, call.params, grads, states)
+
+
+_NO_STATE: dict[str, Any] = {}
 
 
 class _NotSame(Exception):

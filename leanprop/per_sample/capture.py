@@ -49,6 +49,7 @@ from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_i
 from .chunks import sample_chunks
 from .cycle import Call, Cycle, ParamState
 from .factors import norms_are_cheaper, sum_of_squares
+from .factors import total as factors_total
 from .fused import Intercept
 from .quantities import (
     BatchGrad,
@@ -298,7 +299,7 @@ class PerSample:
         passes through one forward), then what was asked before. The inputs of modules hooked
         as a whole are kept for each next backward through the same forward, the first after
         the block included."""
-        saved, subsampling = self._asked, self._subsampling
+        saved, subsampling, keep = self._asked, self._subsampling, self._cycle.keep_calls
         self._ask(saved if kinds is None else kinds)
         if kinds is not None:
             self._subsampling = None  # (the passes need every sample)
@@ -308,7 +309,31 @@ class PerSample:
         finally:
             self._ask(saved)
             self._subsampling = subsampling
-            self._cycle.keep_calls = False
+            self._cycle.keep_calls = keep
+
+    @property
+    def batch_dim(self) -> int:
+        """The dimension of the model's inputs that holds the samples (``batch_dim=``)."""
+        return self._batch_dim
+
+    def batch_dim_of(self, t: Tensor) -> int | str | None:
+        """Where ``t`` (a tensor of the recorded forward) holds the samples: a dimension (of
+        ``N`` samples, each whole), a description of why none does (the samples were mixed,
+        or flattened with another dimension), or None where leanprop did not follow ``t``
+        (not computed from the model's inputs inside the block, or not op by op)."""
+        info = self._tracker.info(t)
+        if info is None:
+            return None
+        if isinstance(info, Lost):
+            return info.reason
+        if info.inner != 1:
+            return f"its dimension {info.dim} holds the samples flattened with another one"
+        return info.dim
+
+    @property
+    def samples(self) -> int | None:
+        """Samples in the recorded forward (None before one)."""
+        return self._cycle.n
 
     @contextmanager
     def observing(self, observer: Observer) -> Iterator[None]:
@@ -1192,7 +1217,8 @@ class PerSample:
                     f"{type(call.site.module).__name__} '{call.site.name}', whose inputs "
                     "leanprop keeps for one backward only (a module hooked as a whole: "
                     "RNNs, convolutions with a padding_mode other than 'zeros'). Run the "
-                    "forward again before each backward."
+                    "forward again before each backward (leanprop.ggn: call it before "
+                    "loss.backward(); BackPACK facade: backpack(..., retain_graph=True))."
                 )
             return
         self._open_cycle()
@@ -1265,6 +1291,8 @@ class PerSample:
                 self._states[call.params[k]].results[BatchL2Grad.attr] = widen(v)
         if single and kinds == frozenset({SumGradSquared}) and site.rule is not None:
             closed = self._closed_sum_of_squares(call, single)  # (the GGN's diagonal passes)
+        if closed:  # their sums, for the check (and handed to autograd: not computed again)
+            sums.update(self._closed_totals(call, frozenset(closed)))
         names = (single - closed.keys()) | multi
         if multi and site.rule is not None and site.rule.factors is not None:
             # a shared weight: its use as factors (norms without individual gradients, or
@@ -1303,6 +1331,20 @@ class PerSample:
                 self._states[call.params[k]].results[SumGradSquared.attr] = value
                 done[k] = value
         return done
+
+    def _closed_totals(self, call: Call, names: frozenset[str]) -> dict[str, Tensor]:
+        """The summed gradients of the parameters ``names`` whose quantities came from a
+        closed form, where the rule gives its individual gradients as factors: kept as their
+        total (the sum check covers them as it covers the others)."""
+        rule = call.site.rule
+        if rule.factors is None:
+            return {}
+        front_args, g = self._fronted(call)
+        args = tuple(_like(a, g) for a in front_args)
+        sums = {}
+        for k, f in rule.factors(call.site.module, args, g, names).items():
+            sums[k] = self._states[call.params[k]].total = factors_total(f)
+        return sums
 
     def _store(self, p: nn.Parameter, multi: bool, result: tuple[dict, Tensor | None]) -> Tensor:
         """Keep one call's results for ``p``; returns the call's summed gradient."""

@@ -61,18 +61,41 @@ def test_curvature_needs_the_extended_loss_output():
             backpack(extensions.DiagGGNExact()),
         ):
             loss.backward()
-        # a loss not extended: no curvature (as BackPACK: nothing computed)
-        loss = nn.CrossEntropyLoss()(model(case.x), case.y)
+        # a backward that does not start at an extended loss: said so, nothing stale left
         with backpack(extensions.DiagGGNExact()):
-            loss.backward()
-        assert not hasattr(model[0].weight, "diag_ggn_exact")
-        facade.unextend(loss_fn)
-        loss = loss_fn(model(case.x), case.y)
+            loss_fn(model(case.x), case.y).backward()
+        assert hasattr(model[0].weight, "diag_ggn_exact")
+        for loss in (
+            nn.CrossEntropyLoss()(model(case.x), case.y),  # not extended
+            loss_fn(model(case.x), case.y).detach().requires_grad_() + model(case.x).sum(),
+        ):
+            with (
+                pytest.raises(UnsupportedModelError, match="did not start at the output"),
+                backpack(extensions.DiagGGNExact()),
+            ):
+                loss.backward()
+            assert not hasattr(model[0].weight, "diag_ggn_exact")
+        facade.unextend(loss_fn)  # its hook is removed
+        with (
+            pytest.raises(UnsupportedModelError, match="did not start at the output"),
+            backpack(extensions.DiagGGNExact()),
+        ):
+            loss_fn(model(case.x), case.y).backward()
+        # the loss called twice in one backward: refused (the curvature is one loss's)
+        loss_fn = extend(loss_fn)
+        two = loss_fn(model(case.x), case.y) + loss_fn(model(case.x[:3]), case.y[:3])
+        with (
+            pytest.raises(UnsupportedModelError, match="two extended losses"),
+            backpack(extensions.DiagGGNExact()),
+        ):
+            two.backward()
+        # keyword arguments
         with backpack(extensions.DiagGGNExact()):
-            loss.backward()
-        assert not hasattr(model[0].weight, "diag_ggn_exact")  # its hook was removed
+            loss_fn(input=model(case.x), target=case.y).backward()
+        assert hasattr(model[0].weight, "diag_ggn_exact")
     finally:
         facade.unextend(model)
+        facade.unextend(loss_fn)
 
 
 def test_retain_graph_gives_each_backward_its_own_results():
@@ -241,3 +264,21 @@ def test_the_diag_ggn_optimizer_example_trains():
     )
     losses = runpy.run_path(str(path))["main"](steps=5)
     assert losses[-1] < losses[0] - 0.2
+
+
+def test_retain_graph_with_curvature():
+    """Each backward through the retained graph computes its own curvature (the curvature
+    passes nested in the first do not end the block's retention)."""
+    case = build("mlp")
+    model, lf = extend(case.model), extend(nn.CrossEntropyLoss())
+    try:
+        ref = ggn_blocks(model, case.x, nn.CrossEntropyLoss(), case.y)  # (runs the model)
+        loss = lf(model(case.x), case.y)
+        with backpack(extensions.BatchGrad(), extensions.DiagGGNExact(), retain_graph=True):
+            for _ in range(2):
+                loss.backward(retain_graph=True)
+                for k, p in model.named_parameters():
+                    assert_close(p.diag_ggn_exact.flatten(), ref[k][0].diagonal(), k, 1e-10, 1e-12)
+    finally:
+        facade.unextend(model)
+        facade.unextend(lf)

@@ -192,3 +192,31 @@ def test_other_optimizers_and_newer_options_are_not_called_directly():
     opt.defaults["an_option_of_a_newer_torch"] = True
     assert DirectKernels(opt).kernel is None
     assert DirectKernels(torch.optim.Adam(p)).kernel is not None
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m, o: o.state.clear(),
+        lambda m, o: o.state.__delitem__(m[2].weight),
+        lambda m, o: o.state.__setitem__(m[2].weight, {}),
+        lambda m, o: o.param_groups.__setitem__(0, {**o.param_groups[0], "lr": 0.5}),
+    ],
+    ids=["state.clear", "del state[p]", "state[p] = {}", "group replaced"],
+)
+def test_state_and_groups_replaced_mid_training(mutate):
+    """The direct path reads each group and each parameter's state at every step: state reset
+    (step() creates it again) and a group dict replaced are followed as by the plain loop."""
+    ref, ours = _model(), _model()
+    plain = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = InBackward(ours.parameters(), torch.optim.Adam, lr=0.01, bucket_mb=1e-6)
+    for model, o in ((ref, plain), (ours, opt)):
+        data = torch.randn(6, 6, 4, generator=torch.Generator().manual_seed(1))
+        for s in range(6):
+            if s == 3:
+                mutate(model, o)
+            model(data[s]).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    _equal(ours, ref)
+    opt.remove()

@@ -353,3 +353,134 @@ def test_subsampling_keeps_the_chosen_samples():
         pytest.raises(LeanpropValueError, match=r"\[6\] are out of range for a batch of 6"),
     ):
         loss_fn(case.model(case.x), case.y).backward()
+
+
+# ---------------------------------------------------------------- regressions (review)
+
+
+def test_passes_leave_other_leaves_and_optimizers_alone():
+    """The passes accumulate into no ``.grad``: an input that requires grad, a parameter
+    outside the context and an InBackward optimizer stepping in backward see only the loss's
+    own backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+    temp = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 4, (5,))
+    loss_fn = nn.CrossEntropyLoss()
+    grads = []
+    for with_ggn in (False, True):
+        x.grad = temp.grad = None
+        with leanprop.per_sample(model, leanprop.BatchGrad()) as ctx:
+            out = model(x) * temp
+            if with_ggn:
+                leanprop.ggn(ctx, out, loss_fn, y, leanprop.DiagGGNExact())
+            loss_fn(out, y).backward()
+        grads.append((x.grad.clone(), temp.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    opt = leanprop.InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.DiagGGNExact())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    opt.remove()
+
+
+def test_the_output_batch_dimension_is_followed():
+    """Sequence-first (``batch_dim=1``, output ``[T, N, C]``, T == N too): the factor is per
+    sample along dimension 1; logits flattened over tokens are refused (their rows are not the
+    samples)."""
+    for t in (3, 5):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+        x, y = torch.randn(t, 5, 3, dtype=torch.float64), torch.randn(t, 5, 4, dtype=torch.float64)
+        loss_fn = nn.MSELoss()
+        with leanprop.per_sample(model, batch_dim=1) as ctx:
+            out = model(x)
+            leanprop.ggn(ctx, out, loss_fn, y, leanprop.DiagGGNExact())
+        full = _full_diag(model, x, loss_fn, y)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.diag_ggn_exact.flatten(), full[k], rtol=1e-10, atol=1e-12)
+    case = build("tied_lm")
+    with leanprop.per_sample(case.model) as ctx:
+        logits = case.model(case.x).flatten(0, 1)
+        with pytest.raises(LeanpropValueError, match="flattened with another"):
+            leanprop.ggn(
+                ctx, logits, nn.CrossEntropyLoss(), case.y.flatten(), leanprop.DiagGGNExact()
+            )
+
+
+def _full_diag(model, x, loss_fn, y):
+    """diag(J^T H J) over all outputs at once (no per-sample split)."""
+    from torch.func import functional_call, jacrev
+
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    out = functional_call(model, params, (x,))
+    jac = jacrev(lambda ps: functional_call(model, ps, (x,)))(params)
+    h = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), out).reshape(out.numel(), -1)
+    return {
+        k: torch.einsum("ap,ab,bp->p", j := jac[k].reshape(out.numel(), -1), h, j) for k in params
+    }
+
+
+def test_results_of_an_earlier_call_do_not_stay():
+    """A parameter the output does not depend on this time keeps no earlier curvature."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 4).double(), nn.Linear(3, 4).double()
+    model = nn.ModuleDict({"a": a, "b": b})
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.zeros(5, 4, dtype=torch.float64)
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, a(x) + b(x), nn.MSELoss(), y, leanprop.DiagGGNExact())
+        assert hasattr(b.weight, "diag_ggn_exact")
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, a(x), nn.MSELoss(), y, leanprop.DiagGGNExact())
+    assert hasattr(a.weight, "diag_ggn_exact") and not hasattr(b.weight, "diag_ggn_exact")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_squares_are_summed_in_float32(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 64))
+    x, y = torch.randn(32, 16), torch.randn(32, 64)
+    res = {}
+    for dt in (torch.float64, dtype):
+        m = __import__("copy").deepcopy(model).to(dt)
+        with leanprop.per_sample(m) as ctx:
+            leanprop.ggn(ctx, m(x.to(dt)), nn.MSELoss(), y.to(dt), leanprop.DiagGGNExact(),
+                         leanprop.BatchDiagGGNExact())  # fmt: skip
+        res[dt] = m
+    for p, q in zip(res[torch.float64].parameters(), res[dtype].parameters(), strict=True):
+        for attr in ("diag_ggn_exact", "diag_ggn_exact_batch"):
+            got = getattr(q, attr)
+            assert got.dtype == torch.float32
+            ref = getattr(p, attr)
+            assert ((got.double() - ref).abs().max() / ref.abs().max()) < 0.02, attr
+
+
+def test_closed_form_sum_grad_squared_is_checked():
+    """A weight also used through a path leanprop does not see (a custom autograd Function):
+    the closed-form SumGradSquared (and the GGN diagonal) are refused, not silently wrong."""
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w, g.t() @ x
+
+    lin = nn.Linear(3, 4).double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
+    for q in (leanprop.SumGradSquared(), leanprop.BatchL2Grad()):
+        with (
+            leanprop.per_sample(lin, q),
+            pytest.raises(UnsupportedModelError, match="do not add up"),
+        ):
+            nn.functional.cross_entropy(lin(x) + Fn.apply(x, lin.weight), y).backward()
+    with leanprop.per_sample(lin) as ctx:
+        out = lin(x) + Fn.apply(x, lin.weight)
+        with pytest.raises(UnsupportedModelError, match="do not add up"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())

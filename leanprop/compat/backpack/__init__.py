@@ -62,6 +62,7 @@ _LOSS_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loss mod
 # curvature asked for by each open backpack(...) block, innermost last (by Monte-Carlo count)
 _CURVATURE: list[dict[int | None, list[CurvatureQuantity]]] = []
 _CURVATURE_RUNNING: list[bool] = []  # non-empty while its backward passes run
+_CURVATURE_DONE: set[int] = set()  # backward passes (graph tasks) whose curvature ran
 
 
 def _covered(module: nn.Module) -> bool:
@@ -96,7 +97,7 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
         raise TypeError(f"extend() takes an nn.Module, got {type(module).__name__}.")
     if type(module) in CURVATURE_LOSSES:
         if module not in _LOSS_HOOKS:
-            _LOSS_HOOKS[module] = module.register_forward_hook(_on_loss)
+            _LOSS_HOOKS[module] = module.register_forward_hook(_on_loss, with_kwargs=True)
         return module
     if not any(p.requires_grad for p in module.parameters()) or _covered(module):
         return module
@@ -126,12 +127,14 @@ def _algorithm() -> str:
     return {True: "grouped", False: "unfold", None: "auto"}[_SAVE_MEMORY[-1]]
 
 
-def _on_loss(module: nn.Module, args: tuple[Any, ...], loss: Any) -> None:
+def _on_loss(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss: Any) -> None:
     """An extended loss ran: when a backward reaches its output, curvature asked for by the
     ``backpack(...)`` block around that backward is computed first."""
-    if len(args) < 2 or not isinstance(loss, Tensor) or loss.grad_fn is None:
+    output = args[0] if args else kwargs.get("input")
+    target = args[1] if len(args) > 1 else kwargs.get("target")
+    if output is None or target is None or not isinstance(loss, Tensor) or loss.grad_fn is None:
         return
-    prehook = functools.partial(_curvature_first, weakref.ref(module), args[0], args[1])
+    prehook = functools.partial(_curvature_first, weakref.ref(module), output, target)
     loss.grad_fn.register_prehook(prehook)
 
 
@@ -152,7 +155,22 @@ def _curvature_first(
             f"{None if g is None else g.flatten()[:1].tolist()} (the loss was scaled or used "
             "in another expression). Call backward on the loss module's output itself."
         )
-    contexts = [c for c in list(_EXTENDED) if c.active]
+    reached = _leaves_of(output)
+    contexts = [
+        c
+        for c in list(_EXTENDED)
+        if c.active and any(id(p) in reached for p in c.model.parameters())
+    ]
+    if not contexts:
+        return  # (no extended model's parameters behind this loss)
+    task = current_graph_task_id()
+    if task in _CURVATURE_DONE:
+        raise UnsupportedModelError(
+            "backpack(): this backward reached the outputs of two extended losses (a loss "
+            "called twice, or two losses added); the curvature quantities are those of one "
+            "loss. Call backward on one extended loss's output per backward."
+        )
+    _CURVATURE_DONE.add(task)
     _CURVATURE_RUNNING.append(True)
     try:
         compute_ggn(contexts, output, module, target, by_mc, None)
@@ -160,19 +178,30 @@ def _curvature_first(
         _CURVATURE_RUNNING.pop()
 
 
-@contextmanager
-def _extension_hook(
-    captures: list[PerSample], hook: Callable[[nn.Module], object]
-) -> Iterator[None]:
-    """Call ``hook(module)`` for each module of the extended models that each backward in the
-    block reached (last layer first), when that backward has ended (after the quantities are
-    written)."""
-    reached: dict[int, list[PerSample]] = {}  # backward (graph task) -> models it reached
+def _leaves_of(t: Tensor) -> set[int]:
+    """``id`` of the leaf tensors ``t``'s autograd graph accumulates into (the parameters it
+    depends on)."""
+    seen, leaves, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if variable is not None:
+            leaves.add(id(variable))
+        todo.extend(fn for fn, _ in node.next_functions)
+    return leaves
 
-    def run(task: int) -> None:
-        for c in reached.pop(task, []):
-            for m in reversed(list(c.model.modules())):
-                hook(m)
+
+@contextmanager
+def _after_each_backward(
+    captures: list[PerSample], fn: Callable[[int, list[PerSample]], object]
+) -> Iterator[None]:
+    """Call ``fn(task, models)`` when each backward in the block that reached parameters of
+    the extended models has ended (after the quantities are written): ``task`` the backward,
+    ``models`` the captures of the models it reached."""
+    reached: dict[int, list[PerSample]] = {}  # backward (graph task) -> models it reached
 
     def on_grad(capture: PerSample, p: Tensor) -> None:
         if _CURVATURE_RUNNING:
@@ -180,7 +209,7 @@ def _extension_hook(
         task = current_graph_task_id()
         if task not in reached:
             reached[task] = []
-            queue_callback(functools.partial(run, task))  # (after the engine's own end)
+            queue_callback(lambda: fn(task, reached.pop(task)))  # (after the engine's end)
         if capture not in reached[task]:
             reached[task].append(capture)
 
@@ -195,6 +224,26 @@ def _extension_hook(
     finally:
         for h in handles:
             h.remove()
+
+
+def _run_extension_hook(hook: Callable[[nn.Module], object], task: int, models: list) -> None:
+    """BackPACK's ``extension_hook``: each module of the models reached, last layer first."""
+    for c in models:
+        for m in reversed(list(c.model.modules())):
+            hook(m)
+
+
+def _curvature_computed(names: list[str], task: int, models: list) -> None:
+    """A backward asked for curvature ended: it must have reached an extended loss."""
+    if task in _CURVATURE_DONE:
+        _CURVATURE_DONE.discard(task)
+        return
+    raise UnsupportedModelError(
+        f"backpack({', '.join(names)}): this backward did not start at the output of an "
+        "extended loss module (nn.CrossEntropyLoss, nn.MSELoss or nn.BCEWithLogitsLoss, "
+        "passed through extend()), whose Hessian the curvature is built from; no curvature "
+        "was computed. Extend the loss module and call backward on its output."
+    )
 
 
 @contextmanager
@@ -229,14 +278,24 @@ def backpack(
     subsampling = subsampling_of(first)
     for c in captures:
         c.set_quantities(kinds, _algorithm(), subsampling)
+        if by_mc:  # (an earlier block's curvature is not this one's)
+            for p in c.model.parameters():
+                for attr in {e.attr for e in curvature}:
+                    if hasattr(p, attr):
+                        delattr(p, attr)
     _CURVATURE.append(by_mc)
     try:
         with ExitStack() as stack:
             if retain_graph:
                 for c in captures:
                     stack.enter_context(c.computing())
+            if by_mc:
+                names = [f"{type(e).__name__}()" for e in curvature]
+                check = functools.partial(_curvature_computed, names)
+                stack.enter_context(_after_each_backward(captures, check))
             if extension_hook is not None:
-                stack.enter_context(_extension_hook(captures, extension_hook))
+                run = functools.partial(_run_extension_hook, extension_hook)
+                stack.enter_context(_after_each_backward(captures, run))
             yield
     finally:
         _CURVATURE.pop()

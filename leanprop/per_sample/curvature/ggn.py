@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
+from ..stats import widen
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
@@ -69,8 +70,12 @@ def ggn(
     before (or instead of) ``loss.backward()``: it runs one backward pass per factor column
     through the retained graph (C for cross-entropy, the output size for MSE and BCE,
     ``mc_samples`` for MC). Each parameter that the output depends on gets the quantities as
-    attributes (``diag_ggn_exact``, ...; see :mod:`leanprop.per_sample.curvature.quantities`).
-    ``.grad`` and the context's first-order results are left as they were.
+    attributes (``diag_ggn_exact``, ...; see :mod:`leanprop.per_sample.curvature.quantities`);
+    the others lose those of an earlier call. The passes are ``autograd.grad`` calls: no
+    ``.grad`` changes, no hook of an optimizer stepping in backward fires; the context's
+    first-order results are left as they were. The output must hold the samples in one
+    dimension (the one leanprop followed from the inputs, e.g. ``[T, N, C]`` with
+    ``batch_dim=1``).
 
     Example:
         >>> import torch, leanprop
@@ -92,7 +97,8 @@ def ggn(
             (reduction ``"mean"`` or ``"sum"``; see ``loss_hessian.py``).
         target: the loss's targets.
         *quantities: ``DiagGGNExact()``, ``DiagGGNMC(mc_samples)``, ``BatchDiagGGNExact()``,
-            ``BatchDiagGGNMC(mc_samples)``, ``SqrtGGNExact()``, ``SqrtGGNMC(mc_samples)``.
+            ``BatchDiagGGNMC(mc_samples)``, ``SqrtGGNExact()``, ``SqrtGGNMC(mc_samples)``,
+            ``GGNMP()``, ``KFLR()``, ``KFAC(mc_samples)``.
         generator: random numbers of the Monte-Carlo targets.
 
     Raises:
@@ -121,28 +127,61 @@ def compute_ggn(
     depends on (the BackPACK facade: one per extended model); ``by_mc``: the quantities by
     Monte-Carlo sample count (None: exact)."""
     check_loss(loss_fn, output, target)
+    bd = _output_batch_dim(contexts, output)
     params = [p for c in contexts for p in c.model.parameters() if p.requires_grad]
-    saved_grads = [p.grad for p in params]
     names = [q.attr for q in ALL_QUANTITIES]
     saved_attrs = [{a: getattr(p, a) for a in names if hasattr(p, a)} for p in params]
     results: list[dict[str, object]] = [{} for _ in params]
     try:
-        for p in params:
-            p.grad = None
         for mc, qs in by_mc.items():
-            factor = sqrt_hessian(loss_fn, output, target, mc, generator)
-            _passes(contexts, output, factor, params, qs, results)
-    finally:
-        for p, grad, attrs in zip(params, saved_grads, saved_attrs, strict=True):
-            p.grad = grad
+            # the factor with the samples first, then laid out as the output: [M, *output.shape]
+            front = sqrt_hessian(loss_fn, output.movedim(bd, 0), target.movedim(bd, 0) if
+                                 target.dim() > bd else target, mc, generator)  # fmt: skip
+            _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
+    finally:  # the passes' first-order results are not the loss's: back to what was there
+        for p, attrs in zip(params, saved_attrs, strict=True):
             for a in names:
                 if a in attrs:
                     setattr(p, a, attrs[a])
                 elif hasattr(p, a):
                     delattr(p, a)
+    asked = {q.attr for qs in by_mc.values() for q in qs}
     for p, res in zip(params, results, strict=True):
-        for attr, value in res.items():
-            setattr(p, attr, value)
+        for attr in asked:  # (a parameter the output does not depend on: none, not stale)
+            if attr in res:
+                setattr(p, attr, res[attr])
+            elif hasattr(p, attr):
+                delattr(p, attr)
+
+
+def _output_batch_dim(contexts: Sequence[PerSample], output: Tensor) -> int:
+    """Where ``output`` holds the samples, as the contexts followed them from the inputs (the
+    loss's factor is per sample: its columns must not mix or split samples)."""
+    found = [c.batch_dim_of(output) for c in contexts]
+    problems = [f for f in found if isinstance(f, str)]
+    dims = {f for f in found if isinstance(f, int)}
+    if problems or len(dims) > 1:
+        raise LeanpropValueError(
+            f"ggn(): the output {tuple(output.shape)} does not hold the samples in one "
+            f"dimension ({problems[0] if problems else f'dimensions {sorted(dims)}'}); its "
+            "curvature per sample is not defined. Pass the output with the samples in one "
+            "dimension (e.g. the logits [N, C], not [N*T, C])."
+        )
+    if not dims and any(c.batch_dim != 0 for c in contexts):
+        raise LeanpropValueError(
+            "ggn(): leanprop did not follow the samples to the output (computed outside the "
+            "block?), and the model's inputs hold them in dimension "
+            f"{contexts[0].batch_dim}: pass the model's output computed inside the block."
+        )
+    bd = dims.pop() if dims else 0
+    n = {c.samples for c in contexts} - {None}
+    if bd >= output.dim() or any(output.shape[bd] != k for k in n):
+        raise LeanpropValueError(
+            f"ggn(): the output {tuple(output.shape)} does not have the forward's "
+            f"{sorted(n)} samples in dimension {bd}; pass the model's output for the batch "
+            "(the samples in one dimension, e.g. the logits [N, C], not [N*T, C])."
+        )
+    return bd
 
 
 def ggn_matrix_product(root: Tensor, mat: Tensor) -> Tensor:
@@ -182,23 +221,19 @@ def _passes(
         for m, column in enumerate(factor):
             if factors is not None:
                 factors.next_pass()
-            try:
-                torch.autograd.backward(output, column, retain_graph=True)
+            try:  # (autograd.grad: nothing accumulates into .grad, nothing steps an optimizer)
+                torch.autograd.grad(output, params, column, retain_graph=True, allow_unused=True)
             except UnsupportedModelError as e:
                 raise UnsupportedModelError(
-                    f"leanprop.ggn runs one backward pass per column of the loss Hessian's "
-                    f"factor ({factor.shape[0]} here) through the one forward; pass {m + 1} "
-                    f"failed: {e} (modules hooked as a whole, such as RNNs, keep their inputs "
-                    "for the backward passes up to the first one after the forward: call ggn "
-                    "before loss.backward())"
+                    f"leanprop.ggn: pass {m + 1} of {factor.shape[0]} (one backward per column "
+                    f"of the loss Hessian's factor, through the recorded forward) failed: {e}"
                 ) from e
             for i, p in enumerate(params):
-                p.grad = None
                 if need_batch:
                     gb = getattr(p, BatchGrad.attr, None)
                     if gb is None:
                         continue
-                    sq = gb.square()
+                    sq = widen(gb).square()  # (16-bit individual gradients: in float32)
                     roots[i].append(gb)
                     batch_diag[i] = sq if batch_diag[i] is None else batch_diag[i] + sq
                     summed = sq.sum(0)

@@ -58,8 +58,9 @@ def check_loss(loss_fn: object, output: Tensor, target: Tensor) -> None:
             raise LeanpropValueError(
                 "curvature: nn.CrossEntropyLoss is supported for output [N, C] and class-index "
                 f"targets [N]; got output {tuple(output.shape)}, target "
-                f"{tuple(target.shape)} of dtype {target.dtype}. Flatten sequences to "
-                "[N*T, C] only if the samples are meant to be the positions."
+                f"{tuple(target.shape)} of dtype {target.dtype}. Token-level "
+                "cross-entropy on sequences [N, T, C] is not covered yet (its rows [N*T] are "
+                "not the samples)."
             )
     elif isinstance(loss_fn, nn.BCEWithLogitsLoss) and (
         loss_fn.weight is not None or loss_fn.pos_weight is not None
