@@ -261,6 +261,11 @@ class PerSample:
             raise LeanpropValueError("per_sample: the model of this context no longer exists.")
         return model
 
+    @property
+    def model_alive(self) -> bool:
+        """Whether the model still exists (the BackPACK facade holds it weakly)."""
+        return self._model() is not None
+
     def owned_by_model(self) -> None:
         """The model owns this context from now on (the BackPACK facade keeps it in a hook on
         the model): hold the model weakly, so that dropping the model frees both at once."""

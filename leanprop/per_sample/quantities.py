@@ -144,15 +144,16 @@ def validate_quantities(quantities: tuple[object, ...]) -> frozenset[type[Quanti
         )
     kinds: set[type[Quantity]] = set()
     for q in quantities:
-        if isinstance(q, type) and issubclass(q, Quantity) and q in ALL_QUANTITIES:
+        if isinstance(q, type) and issubclass(q, Quantity):
             raise LeanpropValueError(
                 f"per_sample() got the class {q.__name__}; pass an instance: {q.__name__}()."
             )
-        if type(q) not in ALL_QUANTITIES:
+        kind = next((k for k in ALL_QUANTITIES if isinstance(q, k)), None)  # (or a subclass)
+        if kind is None:
             raise LeanpropValueError(
                 f"per_sample() got an unknown quantity {q!r} of type {type(q).__name__}; "
                 f"allowed: {allowed} (curvature quantities such as DiagGGNExact() are computed "
                 "by leanprop.ggn(ctx, output, loss_fn, target, ...) inside the block)."
             )
-        kinds.add(type(q))
+        kinds.add(kind)
     return frozenset(kinds)

@@ -120,6 +120,13 @@ def register_rule(
     return decorate
 
 
+def has_rule(module_type: type[nn.Module]) -> bool:
+    """Whether a rule is registered for ``module_type`` (built-in or by the user)."""
+    from . import rules  # noqa: F401  (registers the built-in rules on first use)
+
+    return module_type in _RULES
+
+
 def rule_for(module: nn.Module) -> Rule | None:
     """The rule registered for ``type(module)`` exactly, or None."""
     from . import rules  # noqa: F401  (registers the built-in rules on first use)

@@ -159,3 +159,68 @@ def test_custom_module_errors():
     with pytest.raises(LeanpropValueError, match="two dimensions"):
         Permute(0, 2, 1, init_transpose=True)
     assert Permute(1, 2, init_transpose=True)(torch.zeros(2, 3, 4)).shape == (2, 4, 3)
+
+
+# ---------------------------------------------------------------- custom module extensions
+
+
+class _Scale(nn.Module):
+    """BackPACK's custom-module example: the input times a learned scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([1.7], dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def test_a_custom_module_extension_serves_every_quantity():
+    from leanprop.compat.backpack.extensions.firstorder.base import FirstOrderModuleExtension
+
+    class ScaleBatchGrad(FirstOrderModuleExtension):
+        def __init__(self):
+            super().__init__(params=["weight"])
+
+        def weight(self, ext, module, g_inp, g_out, bp_quantities):
+            calls.append(g_out[0].shape)
+            return (g_out[0] * module.input0).flatten(start_dim=1).sum(1).unsqueeze(-1)
+
+    calls = []
+
+    extension = extensions.BatchGrad()
+    extension.set_module_extension(_Scale, ScaleBatchGrad())
+    with pytest.raises(LeanpropValueError, match="overwrite=True"):
+        extension.set_module_extension(_Scale, ScaleBatchGrad())
+    with pytest.raises(LeanpropValueError, match="set the module's extension on BatchGrad"):
+        extensions.Variance().set_module_extension(_Scale, ScaleBatchGrad())
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), _Scale(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    loss_fn = nn.CrossEntropyLoss()
+    model, lf = extend(model), extend(loss_fn)
+    try:
+        loss = lf(model(x), y)
+        with backpack(extension, extensions.Variance(), extensions.DiagGGNExact()):
+            loss.backward()
+        expected = individual_gradients(
+            model, lambda o, t, r: nn.functional.cross_entropy(o, t, reduction=r), x, y, "mean"
+        )
+        blocks = ggn_blocks(model, x, loss_fn, y)
+        for k, p in model.named_parameters():
+            ref = quantities_from_individual(expected[k])
+            assert_close(p.grad_batch, ref["grad_batch"], k, 1e-9, 1e-12)
+            assert_close(p.variance, ref["variance"], k, 1e-9, 1e-12)
+            assert_close(p.diag_ggn_exact.flatten(), blocks[k][0].diagonal(), k, 1e-9, 1e-12)
+        assert calls and calls[-1] == (6, 5)  # the extension computed them (once per pass)
+    finally:
+        facade.unextend(model)
+        facade.unextend(lf)
+
+    class Incomplete(FirstOrderModuleExtension):
+        def __init__(self):
+            super().__init__(params=["bias"])
+
+    with pytest.raises(LeanpropValueError, match="no method 'bias'"):
+        Incomplete()

@@ -65,8 +65,13 @@ _CURVATURE_RUNNING: list[bool] = []  # non-empty while its backward passes run
 _CURVATURE_DONE: set[int] = set()  # backward passes (graph tasks) whose curvature ran
 
 
+def _alive() -> list[PerSample]:
+    """The captures of extended models that still exist."""
+    return [c for c in list(_EXTENDED) if c.model_alive]
+
+
 def _covered(module: nn.Module) -> bool:
-    return any(any(s is module for s in c.model.modules()) for c in list(_EXTENDED))
+    return any(any(s is module for s in c.model.modules()) for c in _alive())
 
 
 class _Holder:
@@ -116,7 +121,7 @@ def unextend(module: nn.Module) -> nn.Module:
     handle = _LOSS_HOOKS.pop(module, None)
     if handle is not None:
         handle.remove()
-    for capture in [c for c in list(_EXTENDED) if c.model is module]:
+    for capture in [c for c in _alive() if c.model is module]:
         _EXTENDED.discard(capture)
         _HOLDERS.pop(capture).remove()
         capture.__exit__(None, None, None)
@@ -157,9 +162,7 @@ def _curvature_first(
         )
     reached = _leaves_of(output)
     contexts = [
-        c
-        for c in list(_EXTENDED)
-        if c.active and any(id(p) in reached for p in c.model.parameters())
+        c for c in _alive() if c.active and any(id(p) in reached for p in c.model.parameters())
     ]
     if not contexts:
         return  # (no extended model's parameters behind this loss)
@@ -273,7 +276,7 @@ def backpack(
     first = tuple(e for e in exts if not isinstance(e, CurvatureQuantity))
     kinds = validate_quantities(first) if first or not curvature else frozenset()
     by_mc = validate_curvature(curvature) if curvature else {}
-    captures = list(_EXTENDED)
+    captures = _alive()
     before = [(c.kinds, c.conv_algorithm) for c in captures]
     subsampling = subsampling_of(first)
     for c in captures:

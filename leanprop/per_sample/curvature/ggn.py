@@ -41,7 +41,7 @@ def validate_curvature(
             raise LeanpropValueError(
                 f"ggn() got the class {q.__name__}; pass an instance: {q.__name__}()."
             )
-        if type(q) not in ALL_CURVATURE:
+        if not isinstance(q, ALL_CURVATURE):
             raise LeanpropValueError(
                 f"ggn() got {q!r} of type {type(q).__name__}; allowed: {allowed} (first-order "
                 "quantities go to per_sample(...) and come with loss.backward())."

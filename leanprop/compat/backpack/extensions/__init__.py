@@ -1,0 +1,92 @@
+"""BackPACK's extensions, as leanprop quantities (same names, same attributes:
+``grad_batch``, ``batch_l2``, ``batch_dot``, ``sum_grad_squared``, ``variance``, and the
+curvature ones ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_ggn_exact_batch``,
+``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``, ``ggnmp``, ``kflr``, ``kfac``).
+
+``BatchGrad().set_module_extension(MyModule, MyModuleBatchGrad())`` adds a custom module for
+every quantity (see ``module_extension.py``); the other extensions say so.
+"""
+
+from torch import nn
+
+from ....errors import LeanpropValueError
+from ....per_sample import quantities as _first
+from ....per_sample.curvature import quantities as _curvature
+from .module_extension import ModuleExtension, register_module_extension
+
+
+class _OnlyBatchGradExtends:
+    def set_module_extension(
+        self, module: type[nn.Module], extension: ModuleExtension, overwrite: bool = False
+    ) -> None:
+        raise LeanpropValueError(
+            f"{type(self).__name__}().set_module_extension(...): leanprop computes every "
+            "quantity from a module's individual gradients; set the module's extension on "
+            "BatchGrad() (its functions return [N, *p.shape]) and all quantities use it."
+        )
+
+
+class BatchGrad(_first.BatchGrad):
+    """BackPACK's ``BatchGrad``; ``set_module_extension`` adds a custom module."""
+
+    def set_module_extension(
+        self, module: type[nn.Module], extension: ModuleExtension, overwrite: bool = False
+    ) -> None:
+        register_module_extension(self, module, extension, overwrite)
+
+
+class BatchL2Grad(_OnlyBatchGradExtends, _first.BatchL2Grad): ...
+
+
+class BatchDotGrad(_OnlyBatchGradExtends, _first.BatchDotGrad): ...
+
+
+class SumGradSquared(_OnlyBatchGradExtends, _first.SumGradSquared): ...
+
+
+class Variance(_OnlyBatchGradExtends, _first.Variance): ...
+
+
+class DiagGGNExact(_OnlyBatchGradExtends, _curvature.DiagGGNExact): ...
+
+
+class DiagGGNMC(_OnlyBatchGradExtends, _curvature.DiagGGNMC): ...
+
+
+class BatchDiagGGNExact(_OnlyBatchGradExtends, _curvature.BatchDiagGGNExact): ...
+
+
+class BatchDiagGGNMC(_OnlyBatchGradExtends, _curvature.BatchDiagGGNMC): ...
+
+
+class SqrtGGNExact(_OnlyBatchGradExtends, _curvature.SqrtGGNExact): ...
+
+
+class SqrtGGNMC(_OnlyBatchGradExtends, _curvature.SqrtGGNMC): ...
+
+
+class GGNMP(_OnlyBatchGradExtends, _curvature.GGNMP): ...
+
+
+class KFLR(_OnlyBatchGradExtends, _curvature.KFLR): ...
+
+
+class KFAC(_OnlyBatchGradExtends, _curvature.KFAC): ...
+
+
+__all__ = [
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
+    "BatchDotGrad",
+    "BatchGrad",
+    "BatchL2Grad",
+    "DiagGGNExact",
+    "DiagGGNMC",
+    "GGNMP",
+    "KFAC",
+    "KFLR",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
+    "SumGradSquared",
+    "Variance",
+]
