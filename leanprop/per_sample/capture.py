@@ -23,6 +23,7 @@ One forward and backward through it (all state lives on the context and its
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -252,6 +253,7 @@ class PerSample:
         self.last_n: int | None = None
         self.last_sums: dict[nn.Parameter, Tensor] = {}
         self._observers: list[Observer] = []  # see observing()
+        self._in_rule: Counter[nn.Parameter] = Counter()  # parameters of rule sites running
 
     @property
     def model(self) -> nn.Module:
@@ -499,6 +501,8 @@ class PerSample:
         leaves the records of the forward before it alone."""
         if self._computing or not torch.is_grad_enabled():
             return
+        if not self._root_running:  # (a forward that raised inside a rule site left it)
+            self._in_rule.clear()
         died = (self._cycle.finish_queued or self._root_running) and current_graph_task_id() == -1
         anew = died or self._cycle.backward_done or self.reset_on_forward
         if died or self._cycle.backward_done:
@@ -622,10 +626,10 @@ class PerSample:
         """Parameter-derived operands of an op that meets the batch: captured (broadcast.py)."""
         if not torch.is_grad_enabled() or not self._tracking():
             return args
+        owned = self._captured - self._in_rule.keys() if self._in_rule else self._captured
         return broadcast.meet(
-            self._tracker, op_name(func), args, self._captured, self._sink(),
-            self._count_use,
-        )  # fmt: skip
+            self._tracker, op_name(func), args, owned, self._sink(), self._count_use
+        )
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Called by the op interception for an op that touches a tracked tensor: parameters
@@ -844,6 +848,8 @@ class PerSample:
             self._note_direct_call(site)  # (first: it may start a new cycle)
         site.running = not self._computing
         site.fused = False
+        if site.running:  # its parameters' uses inside are its rule's (not captured op by op)
+            self._in_rule.update(site.direct.values())
 
     def _note_direct_call(self, site: Site) -> None:
         """A module of the model called on its own (the model's forward not running): what
@@ -914,6 +920,9 @@ class PerSample:
     def _on_forward(
         self, site: Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ):
+        if site.running:
+            self._in_rule.subtract(site.direct.values())
+            self._in_rule += Counter()  # (drops the zero counts)
         site.running = False
         if site.fused:  # already recorded by begin_fused
             site.fused = False

@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+import leanprop
 from leanprop.per_sample import registry
 from leanprop.per_sample.registry import RuleOptions, rule_for
+from leanprop.testing import individual_gradients
 
 from ..helpers import assert_close
 
@@ -99,3 +101,40 @@ def test_linear_gram_norms_equal_materialised_ones():
     for k in names:
         ref = batch[k].flatten(1).square().sum(1)
         assert_close(closed[k], ref, f"Linear.{k} batch_l2", 1e-10, 1e-12)
+
+
+class _Scale(nn.Module):
+    """A user's module: its weight meets the batch in an elementwise product."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def test_a_registered_rule_owns_its_parameters_uses():
+    """A rule registered for a module whose parameter is used elementwise (a use leanprop would
+    otherwise capture op by op) computes that parameter's quantities, once (it was counted
+    twice: refused by the sum check)."""
+    calls = []
+
+    @leanprop.register_rule(_Scale)
+    def scale_batch_grads(module, inputs, g, names, options):
+        calls.append(1)
+        x = inputs[0]
+        return {"weight": (g * x).reshape(x.shape[0], -1, x.shape[-1]).sum(1)}
+
+    for shape in ((6, 3), (6, 5, 3)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), _Scale(4)).double()
+        x = torch.randn(*shape, dtype=torch.float64)
+        with leanprop.per_sample(model, leanprop.BatchGrad()):
+            model(x).square().sum().backward()
+        ref = individual_gradients(
+            model, lambda o, t, r: o.square().sum(), x, torch.zeros(6), "sum"
+        )
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.grad_batch, ref[k], rtol=1e-10, atol=1e-12, msg=k)
+    assert len(calls) == 2
