@@ -375,7 +375,10 @@ class PerSample:
                 enter = self._on_fallback_enter if site.rule is None else self._on_rule_enter
                 hooks.append(site.module.register_forward_pre_hook(_Weakly(enter, site)))
                 on_forward = _Weakly(self._on_forward, site)
-                hooks.append(site.module.register_forward_hook(on_forward, with_kwargs=True))
+                # (first: a user's forward hook on the module runs outside it, op by op)
+                hooks.append(
+                    site.module.register_forward_hook(on_forward, with_kwargs=True, prepend=True)
+                )
             for state in self._states.values():
                 hooks.append(state.param.register_hook(_Weakly(self._on_param_grad, state)))
             on_enter = _Weakly(self._on_model_enter)  # first: it may start a new cycle, which
@@ -501,9 +504,9 @@ class PerSample:
         leaves the records of the forward before it alone."""
         if self._computing or not torch.is_grad_enabled():
             return
-        if not self._root_running:  # (a forward that raised inside a rule site left it)
-            self._in_rule.clear()
         died = (self._cycle.finish_queued or self._root_running) and current_graph_task_id() == -1
+        if died or not self._root_running:  # (a forward that raised inside a rule site left it)
+            self._in_rule.clear()
         anew = died or self._cycle.backward_done or self.reset_on_forward
         if died or self._cycle.backward_done:
             # a new forward after a backward; or a backward that raised never ended its cycle,
@@ -848,7 +851,9 @@ class PerSample:
             self._note_direct_call(site)  # (first: it may start a new cycle)
         site.running = not self._computing
         site.fused = False
-        if site.running:  # its parameters' uses inside are its rule's (not captured op by op)
+        if site.running and not site.rule.at_op_level(module):
+            # hooked as a whole: its parameters' uses inside are its rule's (not captured op
+            # by op); a rule run at its op leaves the module's other uses to the op capture
             self._in_rule.update(site.direct.values())
 
     def _note_direct_call(self, site: Site) -> None:
@@ -920,7 +925,7 @@ class PerSample:
     def _on_forward(
         self, site: Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ):
-        if site.running:
+        if site.running and site.rule is not None and not site.rule.at_op_level(module):
             self._in_rule.subtract(site.direct.values())
             self._in_rule += Counter()  # (drops the zero counts)
         site.running = False

@@ -70,7 +70,9 @@ class Rule:
     factors: FactorsFn | None = None
 
     def at_op_level(self, module: nn.Module) -> bool:
-        return self.op_takes_module_input is None or self.op_takes_module_input(module)
+        """Whether the rule runs at the module's own op (else the module is hooked as a
+        whole: its input and output gradient, whatever its forward does inside)."""
+        return self.op_takes_module_input is not None and self.op_takes_module_input(module)
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
@@ -101,8 +103,10 @@ def register_rule(
             ``[n_chunk, *p.shape]`` slices of the result to write into (saves a copy).
         batch_first: the layer's op needs the batch in dimension 0 (convolutions, GroupNorm);
             elsewhere the batch may be in any dimension (rules get it moved to the front).
-        op_takes_module_input: whether the module calls its op on its input unchanged (default
-            yes); where not (a convolution padding its input first), the module is hooked.
+        op_takes_module_input: whether the module calls its op (the first op using its
+            ``weight``) on its input unchanged, so the rule may run at that op; default (None):
+            no, the module is hooked as a whole (the rule gets the module's input and output
+            gradient whatever its forward does inside: what a rule for your own module wants).
         factors: the individual gradients as :mod:`factors` (``Outer``/``Lookup``), where
             norms from them are cheaper; used for ``BatchL2Grad`` of a weight used several
             times.

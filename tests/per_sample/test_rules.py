@@ -139,3 +139,52 @@ def test_a_registered_rule_owns_its_parameters_uses():
         for k, p in model.named_parameters():
             torch.testing.assert_close(p.grad_batch, ref[k], rtol=1e-10, atol=1e-12, msg=k)
     assert len(calls) == 2
+
+
+class _TanhThenScale(nn.Module):
+    """A user's module whose forward does more than one op with its weight."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d, dtype=torch.float64))
+
+    def forward(self, x):
+        return nn.functional.linear(torch.tanh(x), self.weight)
+
+
+def test_a_registered_rule_gets_the_modules_input_and_output_gradient():
+    """A user rule is given the module's input and output gradient (the module hooked as a
+    whole), never an inner op's: ``linear(tanh(x), W)`` was handed ``tanh(x)``'s op and its
+    sums replaced autograd's gradient (wrong ``.grad``, not caught by the check)."""
+
+    @leanprop.register_rule(_TanhThenScale)
+    def tanh_then_scale(module, inputs, g, names, options):
+        return {"weight": torch.einsum("no,ni->noi", g, torch.tanh(inputs[0]))}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _TanhThenScale(4)).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    plain = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        model(x).square().sum().backward()
+    ref = individual_gradients(model, lambda o, t, r: o.square().sum(), x, torch.zeros(6), "sum")
+    for (k, p), g in zip(model.named_parameters(), plain, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14, msg=k)
+        torch.testing.assert_close(p.grad_batch, ref[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_user_forward_hooks_on_built_in_modules_are_followed():
+    """A forward hook registered before the block that uses the module's own parameter
+    (``out + bias``) is captured op by op, also after a forward that raised inside a rule
+    site."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[2].register_forward_hook(lambda m, a, o: o * m.bias)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    ref = individual_gradients(model, lambda o, t, r: o.square().sum(), x, torch.zeros(5), "sum")
+    with leanprop.per_sample(model, leanprop.BatchGrad(), check=False):
+        with pytest.raises(RuntimeError):
+            model(torch.randn(5, 7, dtype=torch.float64))  # raises inside the first Linear
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, ref[k], rtol=1e-10, atol=1e-12, msg=k)

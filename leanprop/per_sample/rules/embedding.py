@@ -59,7 +59,7 @@ def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, _: RuleOpt
 
 @register_rule(
     nn.Embedding, batch_l2=embedding_batch_l2, workspace=_workspace, check_input=_check,
-    factors=embedding_factors,
+    factors=embedding_factors, op_takes_module_input=lambda module: True,
 )  # fmt: skip
 def embedding_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions

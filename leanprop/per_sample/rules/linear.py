@@ -103,6 +103,7 @@ def linear_param_grads(
     can_fuse=lambda module: True,
     accepts_out=True,
     factors=linear_factors,
+    op_takes_module_input=lambda module: True,
 )
 def linear_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions,

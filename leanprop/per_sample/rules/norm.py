@@ -25,7 +25,9 @@ def _layer_norm_check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
     return None
 
 
-@register_rule(nn.LayerNorm, check_input=_layer_norm_check)
+@register_rule(
+    nn.LayerNorm, check_input=_layer_norm_check, op_takes_module_input=lambda module: True
+)
 def layer_norm_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:
@@ -48,7 +50,10 @@ def _group_norm_check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
     return None
 
 
-@register_rule(nn.GroupNorm, check_input=_group_norm_check, batch_first=True)
+@register_rule(
+    nn.GroupNorm, check_input=_group_norm_check, batch_first=True,
+    op_takes_module_input=lambda module: True,
+)  # fmt: skip
 def group_norm_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:
