@@ -282,3 +282,24 @@ def test_retain_graph_with_curvature():
     finally:
         facade.unextend(model)
         facade.unextend(lf)
+
+
+def test_a_child_extended_before_its_parent():
+    """``extend(model[0])`` then ``extend(model)``: each parameter's curvature once, and each
+    layer's Kronecker factors once (it was taken for a shared layer)."""
+    case = build("mlp")
+    model = case.model
+    extend(model[0])
+    model, lf = extend(model), extend(nn.CrossEntropyLoss())
+    try:
+        ref = ggn_blocks(model, case.x, nn.CrossEntropyLoss(), case.y)
+        loss = lf(model(case.x), case.y)
+        with backpack(extensions.DiagGGNExact(), extensions.KFLR()):
+            loss.backward()
+        for k, p in model.named_parameters():
+            assert_close(p.diag_ggn_exact.flatten(), ref[k][0].diagonal(), k, 1e-10, 1e-12)
+            assert len(p.kflr) == (2 if k.endswith("weight") else 1)
+    finally:
+        facade.unextend(model[0])
+        facade.unextend(model)
+        facade.unextend(lf)

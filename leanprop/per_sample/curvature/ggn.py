@@ -128,7 +128,7 @@ def compute_ggn(
     Monte-Carlo sample count (None: exact)."""
     check_loss(loss_fn, output, target)
     bd = _output_batch_dim(contexts, output)
-    params = [p for c in contexts for p in c.model.parameters() if p.requires_grad]
+    params = list({p: None for c in contexts for p in c.model.parameters() if p.requires_grad})
     names = [q.attr for q in ALL_QUANTITIES]
     saved_attrs = [{a: getattr(p, a) for a in names if hasattr(p, a)} for p in params]
     results: list[dict[str, object]] = [{} for _ in params]
@@ -213,10 +213,11 @@ def _passes(
     diag: list[Tensor | None] = [None] * len(params)
     batch_diag: list[Tensor | None] = [None] * len(params)
     roots: list[list[Tensor]] = [[] for _ in params]
+    inner = {id(m) for c in contexts for m in list(c.model.modules())[1:]}
     with ExitStack() as stack:
         for c in contexts:
             stack.enter_context(c.computing(kinds))
-            if factors is not None:
+            if factors is not None and id(c.model) not in inner:  # (each layer seen once)
                 stack.enter_context(c.observing(factors.observe))
         for m, column in enumerate(factor):
             if factors is not None:
