@@ -735,6 +735,7 @@ class PerSample:
                 params
                 and params <= self._captured
                 and not any(site.running for site in self._rule_sites_using.get(t, ()))
+                and not (self._in_rule and params & self._in_rule.keys())
             ):  # a rule site's parameter is captured here only where it escapes its module
                 uses[i] = tuple(params)
         for params in uses.values():

@@ -188,3 +188,25 @@ def test_user_forward_hooks_on_built_in_modules_are_followed():
         model(x).square().sum().backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad_batch, ref[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+class _ScaleView(_Scale):
+    """The weight used through a view inside the module."""
+
+    def forward(self, x):
+        return x * self.weight.view(1, -1)
+
+
+def test_a_registered_rule_owns_derived_uses_inside_its_module():
+    @leanprop.register_rule(_ScaleView)
+    def scale_view_batch_grads(module, inputs, g, names, options):
+        return {"weight": g * inputs[0]}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _ScaleView(4)).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    with leanprop.per_sample(model, leanprop.BatchGrad(), check=False):
+        model(x).square().sum().backward()
+    ref = individual_gradients(model, lambda o, t, r: o.square().sum(), x, torch.zeros(6), "sum")
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, ref[k], rtol=1e-10, atol=1e-12, msg=k)
