@@ -1354,16 +1354,20 @@ class PerSample:
 
     def _closed_totals(self, call: Call, names: frozenset[str]) -> dict[str, Tensor]:
         """The summed gradients of the parameters ``names`` whose quantities came from a
-        closed form, where the rule gives its individual gradients as factors: kept as their
-        total (the sum check covers them as it covers the others)."""
+        closed form (from the rule's factors, or its ordinary backward): kept as their total,
+        so the sum check covers them as it covers the others."""
         rule = call.site.rule
-        if rule.factors is None:
-            return {}
         front_args, g = self._fronted(call)
         args = tuple(_like(a, g) for a in front_args)
         sums = {}
-        for k, f in rule.factors(call.site.module, args, g, names).items():
-            sums[k] = self._states[call.params[k]].total = factors_total(f)
+        if rule.factors is not None:
+            for k, f in rule.factors(call.site.module, args, g, names).items():
+                sums[k] = factors_total(f)
+        rest = names - sums.keys()
+        if rest and rule.param_grads is not None:  # (a linear layer's bias)
+            sums.update(rule.param_grads(call.site.module, args[0], g, frozenset(rest)))
+        for k, total in sums.items():
+            self._states[call.params[k]].total = total
         return sums
 
     def _store(self, p: nn.Parameter, multi: bool, result: tuple[dict, Tensor | None]) -> Tensor:

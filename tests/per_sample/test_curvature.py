@@ -472,14 +472,28 @@ def test_closed_form_sum_grad_squared_is_checked():
             x, w = ctx.saved_tensors
             return g @ w, g.t() @ x
 
+    class BiasFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, b):
+            return b * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
     lin = nn.Linear(3, 4).double()
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
+    escaped = {
+        "weight": lambda: lin(x) + Fn.apply(x, lin.weight),
+        "bias": lambda: lin(x) + BiasFn.apply(lin.bias),
+    }
     for q in (leanprop.SumGradSquared(), leanprop.BatchL2Grad()):
-        with (
-            leanprop.per_sample(lin, q),
-            pytest.raises(UnsupportedModelError, match="do not add up"),
-        ):
-            nn.functional.cross_entropy(lin(x) + Fn.apply(x, lin.weight), y).backward()
+        for name, forward in escaped.items():
+            with (
+                leanprop.per_sample(lin, q),
+                pytest.raises(UnsupportedModelError, match=f"'{name}'"),
+            ):
+                nn.functional.cross_entropy(forward(), y).backward()
     with leanprop.per_sample(lin) as ctx:
         out = lin(x) + Fn.apply(x, lin.weight)
         with pytest.raises(UnsupportedModelError, match="do not add up"):
