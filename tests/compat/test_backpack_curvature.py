@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -89,10 +91,16 @@ def test_curvature_needs_the_extended_loss_output():
             backpack(extensions.DiagGGNExact()),
         ):
             two.backward()
-        # keyword arguments
-        with backpack(extensions.DiagGGNExact()):
-            loss_fn(input=model(case.x), target=case.y).backward()
-        assert hasattr(model[0].weight, "diag_ggn_exact")
+        # keyword arguments; a loss module extended inline (only the graph holds it)
+        for make_loss in (
+            lambda: loss_fn(input=model(case.x), target=case.y),
+            lambda: extend(nn.CrossEntropyLoss())(model(case.x), case.y),
+        ):
+            loss = make_loss()
+            gc.collect()
+            with backpack(extensions.DiagGGNExact()):
+                loss.backward()
+            assert hasattr(model[0].weight, "diag_ggn_exact")
     finally:
         facade.unextend(model)
         facade.unextend(loss_fn)

@@ -188,10 +188,16 @@ def test_a_custom_module_extension_serves_every_quantity():
 
     calls = []
 
+    class OtherBatchGrad(ScaleBatchGrad):
+        pass
+
     extension = extensions.BatchGrad()
     extension.set_module_extension(_Scale, ScaleBatchGrad())
+    extensions.BatchGrad().set_module_extension(_Scale, ScaleBatchGrad())  # (again, each step)
     with pytest.raises(LeanpropValueError, match="overwrite=True"):
-        extension.set_module_extension(_Scale, ScaleBatchGrad())
+        extension.set_module_extension(_Scale, OtherBatchGrad())
+    with pytest.raises(LeanpropValueError, match="overwrite=True"):
+        extension.set_module_extension(nn.Linear, ScaleBatchGrad())  # (a built-in rule)
     with pytest.raises(LeanpropValueError, match="set the module's extension on BatchGrad"):
         extensions.Variance().set_module_extension(_Scale, ScaleBatchGrad())
 

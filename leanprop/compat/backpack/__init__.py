@@ -139,18 +139,18 @@ def _on_loss(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], l
     target = args[1] if len(args) > 1 else kwargs.get("target")
     if output is None or target is None or not isinstance(loss, Tensor) or loss.grad_fn is None:
         return
-    prehook = functools.partial(_curvature_first, weakref.ref(module), output, target)
+    # (the hook lives with the graph; it holds the loss module, which may be made inline)
+    prehook = functools.partial(_curvature_first, module, output, target)
     loss.grad_fn.register_prehook(prehook)
 
 
 def _curvature_first(
-    loss_fn: weakref.ref, output: Tensor, target: Tensor, grad_outputs: tuple[Tensor | None, ...]
+    module: nn.Module, output: Tensor, target: Tensor, grad_outputs: tuple[Tensor | None, ...]
 ) -> None:
     """Backward reached an extended loss's output: run the curvature passes through the
     model output it took (before backward goes on, while the graph is whole)."""
     by_mc = _CURVATURE[-1] if _CURVATURE else {}
-    module = loss_fn()
-    if not by_mc or module is None:
+    if not by_mc:
         return
     (g,) = grad_outputs
     if g is None or g.numel() != 1 or g.item() != 1.0:

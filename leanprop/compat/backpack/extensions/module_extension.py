@@ -31,6 +31,9 @@ from torch import Tensor, nn
 from ....errors import LeanpropValueError
 from ....per_sample.registry import RuleOptions, has_rule, register_rule
 
+# module class -> the extension set_module_extension registered for it (the last)
+_REGISTERED: dict[type[nn.Module], ModuleExtension] = {}
+
 
 class ModuleExtension:
     """A module's extension: one method per parameter name in ``params``, each
@@ -55,7 +58,8 @@ def register_module_extension(
         raise LeanpropValueError(
             f"set_module_extension({module_type!r}, ...): pass the module class."
         )
-    if has_rule(module_type) and not overwrite:
+    same = type(_REGISTERED.get(module_type)) is type(extension)  # (set again: e.g. each step)
+    if has_rule(module_type) and not overwrite and not same:
         raise LeanpropValueError(
             f"{module_type.__name__} already has a rule (built in, or set before); pass "
             "overwrite=True to replace it."
@@ -87,3 +91,4 @@ def register_module_extension(
                 delattr(module, f"input{i}")
 
     register_rule(module_type)(batch_grads)
+    _REGISTERED[module_type] = extension
