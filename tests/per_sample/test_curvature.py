@@ -498,3 +498,19 @@ def test_closed_form_sum_grad_squared_is_checked():
         out = lin(x) + Fn.apply(x, lin.weight)
         with pytest.raises(UnsupportedModelError, match="do not add up"):
             leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_kronecker_input_patches_are_the_convolutions(d):
+    """The im2col patches ``A`` is built from (a hand-written unfold for 1d and 3d) satisfy
+    ``conv(x, W) = W_flat @ patches`` for the layer's stride, dilation and padding."""
+    from leanprop.per_sample.curvature.kronecker import _unfolded
+
+    torch.manual_seed(0)
+    conv_cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1]
+    conv = conv_cls(2, 3, (3, 2, 2)[:d], stride=(2, 1, 1)[:d], padding=(1, 2, 0)[:d],
+                    dilation=(1, 2, 1)[:d], bias=False).double()  # fmt: skip
+    x = torch.randn(4, 2, *(7, 8, 6)[:d], dtype=torch.float64)
+    patches = _unfolded(conv, x)
+    got = torch.einsum("ok,nkl->nol", conv.weight.flatten(1), patches)
+    torch.testing.assert_close(got, conv(x).flatten(2), rtol=1e-12, atol=1e-12)

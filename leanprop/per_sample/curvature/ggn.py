@@ -132,11 +132,12 @@ def compute_ggn(
     names = [q.attr for q in ALL_QUANTITIES]
     saved_attrs = [{a: getattr(p, a) for a in names if hasattr(p, a)} for p in params]
     results: list[dict[str, object]] = [{} for _ in params]
+    # the factor is formed with the samples first, then laid out as the output
+    output_front = output.movedim(bd, 0)
+    target_front = target.movedim(bd, 0) if target.dim() > bd else target
     try:
         for mc, qs in by_mc.items():
-            # the factor with the samples first, then laid out as the output: [M, *output.shape]
-            front = sqrt_hessian(loss_fn, output.movedim(bd, 0), target.movedim(bd, 0) if
-                                 target.dim() > bd else target, mc, generator)  # fmt: skip
+            front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
             _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
     finally:  # the passes' first-order results are not the loss's: back to what was there
         for p, attrs in zip(params, saved_attrs, strict=True):

@@ -12,6 +12,7 @@ block exactly.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ def _unfolded(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: Tensor) -> Tensor:
     n, c = x.shape[:2]
     positions = x.shape[2 : 2 + d]
     x = x.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d))
-    return x.reshape(n, c * int(torch.tensor(k).prod()), int(torch.tensor(positions).prod()))
+    return x.reshape(n, c * math.prod(k), math.prod(positions))
 
 
 class KroneckerFactors:
