@@ -163,6 +163,23 @@ def conv3d() -> Case:
     return Case(model, x, torch.randint(0, 2, (3,)), ce, convs=True)
 
 
+@case
+def conv_late() -> Case:
+    """A CNN's late stage: a wide convolution with few output positions, whose weight norms
+    come from Gram matrices of its patches (BatchL2Grad alone)."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, stride=2, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),  # [N, 32, 2, 2]: L = 4 positions
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(128, 3),
+    )
+    x = torch.randn(4, 3, 8, 8)  # N == L
+    return Case(model, x, torch.randint(0, 3, (4,)), ce, convs=True)
+
+
 class Attention(nn.Module):
     """Sequence-first nn.MultiheadAttention inside a batch-first model (torch.func fallback)."""
 

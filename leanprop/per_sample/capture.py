@@ -761,7 +761,9 @@ class PerSample:
         return self._cycle.contributions
 
     def _is_passive(self) -> bool:
-        return self._passive > 0
+        """No contributions wanted: a backward not for the parameters, or none asked for (the
+        forward recorded for ``ggn`` only)."""
+        return self._passive > 0 or not self._kinds
 
     @property
     def _computing(self) -> bool:

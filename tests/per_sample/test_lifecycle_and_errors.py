@@ -17,7 +17,7 @@ import leanprop
 from leanprop import BatchError, BatchGrad, LeanpropValueError, UnsupportedModelError, Variance
 from leanprop.testing import individual_gradients, individual_gradients_of_losses
 
-from ..cases import build
+from ..cases import CASES, build
 from ..helpers import assert_close
 
 
@@ -136,6 +136,24 @@ def test_unknown_quantity_and_class_instead_of_instance():
         out.square().sum().backward()
     assert model.weight.diag_ggn_exact.shape == (2, 2)
     assert not any(hasattr(model.weight, a) for a in ("grad_batch", "sum_grad_squared"))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_no_quantity_backward_is_the_plain_one(name):
+    """``per_sample(model)`` with no quantity (the forward recorded for ``ggn``): a backward
+    gives the plain ``.grad`` and no per-sample attributes. Parameters used at the op level
+    (a tied embedding, a LayerNorm's weight, an own parameter) handed contributions anyway,
+    and the end of backward then said they had none (a false error on GPT-2)."""
+    case = build(name)
+    case.loss(case.model(case.x), case.y, "mean").backward()
+    plain = {k: p.grad.clone() for k, p in case.model.named_parameters() if p.grad is not None}
+    case.model.zero_grad(set_to_none=True)
+    with leanprop.per_sample(case.model):
+        case.loss(case.model(case.x), case.y, "mean").backward()
+    for k, p in case.model.named_parameters():
+        if k in plain:
+            assert_close(p.grad, plain[k], k, rtol=1e-12, atol=1e-14)
+        assert not any(hasattr(p, a) for a in ("grad_batch", "batch_l2", "variance"))
 
 
 def test_bad_options():

@@ -60,7 +60,9 @@ def test_all_quantities_match_oracle_on_cuda(name, algorithm):
 
 
 @pytest.mark.parametrize("quantity", ALL, ids=lambda q: type(q).__name__)
-@pytest.mark.parametrize("name", ["mlp", "tied_lm", "sequence", "conv2d", "attention", "shared"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "tied_lm", "sequence", "conv2d", "conv_late", "attention", "shared"]
+)
 def test_each_quantity_alone(name, quantity):
     check_against_oracle(build(name), "mean", (quantity,))
 
@@ -92,6 +94,11 @@ def test_sequence_l2_uses_gram_when_cheaper():
     from ..cases import Case, mse
 
     check_against_oracle(Case(model, x, y, mse), "sum", (BatchL2Grad(),))
+
+
+def test_conv_l2_from_gram_matrices_in_chunks():
+    """A late convolution's norms from its patches' Gram matrices, one sample per chunk."""
+    check_against_oracle(build("conv_late"), "sum", (BatchL2Grad(),), max_workspace_mib=1e-6)
 
 
 def test_float32_within_documented_tolerance():

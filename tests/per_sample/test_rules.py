@@ -104,6 +104,34 @@ def test_linear_gram_norms_equal_materialised_ones():
         assert_close(closed[k], ref, f"Linear.{k} batch_l2", 1e-10, 1e-12)
 
 
+@pytest.mark.parametrize(
+    "module, x",
+    [
+        (nn.Conv2d(16, 24, 3, padding=1), (4, 16, 2, 2)),  # stride 1, zero padding
+        (nn.Conv2d(16, 32, 2, stride=2, dilation=(1, 2), groups=2), (3, 16, 4, 6)),
+        (nn.Conv1d(12, 20, 3, padding="same", padding_mode="reflect", groups=2), (4, 12, 3)),
+        (nn.Conv3d(6, 10, (1, 2, 2), padding=(0, 1, 0), padding_mode="circular"), (2, 6, 1, 2, 2)),
+    ],
+    ids=["2d", "2d-groups-strided-dilated", "1d-same-reflect", "3d-circular"],
+)
+@pytest.mark.parametrize("workspace", [2**30, 1], ids=["one-chunk", "per-sample-chunks"])
+def test_conv_gram_norms_equal_materialised_ones(module, x, workspace):
+    """A convolution with few output positions for its channels (a CNN's late layers) gets
+    weight norms from Gram matrices of its patches, in chunks of samples."""
+    torch.manual_seed(0)
+    module = module.double()
+    x = torch.randn(x, dtype=torch.float64)
+    g = torch.randn_like(module(x))
+    rule, names = rule_for(module), frozenset({"weight", "bias"})
+    opts = RuleOptions("unfold", workspace)
+    closed = rule.batch_l2(module, (x,), g, names, opts)
+    assert set(closed) == names  # the Gram form was chosen for the weight
+    batch = rule.batch_grads(module, (x,), g, names, RuleOptions("unfold", 2**30))
+    for k in names:
+        ref = batch[k].flatten(1).square().sum(1)
+        assert_close(closed[k], ref, f"{type(module).__name__}.{k} batch_l2", 1e-10, 1e-12)
+
+
 class _Scale(nn.Module):
     """A user's module: its weight meets the batch in an elementwise product."""
 

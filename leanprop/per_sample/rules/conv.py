@@ -19,6 +19,13 @@ Which is fastest depends on the layer's shape and the backend by a factor of up 
 way, so ``"auto"`` times the algorithms whose scratch memory fits on a layer's first chunk (once
 per shape, device and dtype in this process; not while autograd records) and keeps the fastest.
 All run over chunks of samples chosen by the caller to bound scratch memory.
+
+Squared norms alone (``BatchL2Grad``) of a layer with few output positions ``L`` (the late,
+low-resolution layers of a CNN, which hold most of its parameters) come from the patches
+without ``W_n``: per group, ``W_n = sum_s g_n[:, s] ⊗ u_n[:, s]`` is a sum of ``L`` outer
+products, so ``||W_n||² = sum_{s,t} (g_s·g_t)(u_s·u_t)`` (``factors.py``'s Gram form), used
+where it is cheaper than materialising ``W_n`` (the linear layer's criterion, with ``L`` for
+the sequence length).
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..chunks import sample_chunks
+from ..factors import Outer, inner
 from ..registry import RuleOptions, register_rule
+from .linear import gram_is_cheaper
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -231,10 +241,41 @@ def conv_param_grads(
     return out
 
 
+def conv_batch_l2(
+    module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str],
+    opts: RuleOptions,
+) -> dict[str, Tensor]:  # fmt: skip
+    """Squared norms ``[N]`` of the individual gradients where a closed form is cheaper: the
+    bias always, the weight by the Gram form where the layer has few output positions."""
+    x = inputs[0]
+    n, groups = x.shape[0], module.groups
+    out: dict[str, Tensor] = {}
+    if "bias" in names:
+        out["bias"] = g.flatten(2).sum(2).pow(2).sum(1)  # [N]
+    o_g = module.out_channels // groups
+    i_g = module.weight[0].numel()  # C/G * prod(K)
+    positions = g[0, 0].numel()  # L
+    if "weight" not in names or not gram_is_cheaper(positions, i_g, o_g):
+        return out
+    # the patches of a chunk of samples at a time: [n, C*K, L] (no more than the individual
+    # gradients would take: the criterion bounds L (C/G*K) by W's size)
+    per_sample = x[0].numel() + module.in_channels * math.prod(module.kernel_size) * positions
+    parts = []
+    for start, stop in sample_chunks(n, per_sample * g.element_size(), opts.workspace_bytes):
+        m = stop - start
+        u = _patches(module, x[start:stop]).view(m * groups, i_g, positions).mT  # [m*G, L, I/G]
+        gs = g[start:stop].reshape(m * groups, o_g, positions).mT  # [m*G, L, O/G]
+        sq = inner(Outer(gs, u), Outer(gs, u), opts.workspace_bytes)  # [m*G]
+        parts.append(sq.view(m, groups).sum(1))
+    out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else g.new_zeros(0)
+    return out
+
+
 @register_rule(
     nn.Conv1d,
     nn.Conv2d,
     nn.Conv3d,
+    batch_l2=conv_batch_l2,
     workspace=_workspace,
     check_input=_check,
     input_grad=conv_input_grad,
