@@ -1201,16 +1201,18 @@ class PerSample:
             self._params_reached = True
             wanted = self._kinds and not self._passive
             cycle = self._cycle
-            unrecorded = cycle.n is None or cycle.dropped_n is not None
+            # (the facade drops a forward's records when another forward follows it)
+            unrecorded = cycle.n is None or cycle.dropped_n is not None or cycle.discarded_forward
             if (
                 wanted and unrecorded and not cycle.open and not cycle.backward_done
                 and not in_eager_backward()
             ):  # fmt: skip
                 # the first backward since the last forward reaches the parameters, and that
-                # forward recorded nothing (it ran outside the block), or its records were
-                # dropped: its end then finds their quantities missing and says so (a
-                # gradient with no records after a backward, e.g. differentiating
-                # create_graph quantities, or of a penalty on the weights is not the model's)
+                # forward recorded nothing (it ran outside the block), or its records (or those
+                # of the forward before it) were dropped: its end then finds their quantities
+                # missing and says so (a gradient with no records after a backward, e.g.
+                # differentiating create_graph quantities, or of a penalty on the weights is
+                # not the model's)
                 self._open_cycle()
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
             if wanted:

@@ -266,6 +266,41 @@ def test_two_forwards_before_one_backward_name_the_cause():
     unextend(model)
 
 
+@pytest.mark.parametrize("between", [5, 6], ids=["same-size", "other-size"])
+@pytest.mark.parametrize("quantity", [extensions.BatchGrad(), extensions.BatchL2Grad()])
+def test_a_forward_between_the_loss_and_its_backward_is_refused(between, quantity):
+    """Another grad-enabled forward (a logging or validation forward) between the loss's
+    forward and its backward dropped the loss's records: the backward computed nothing and
+    left the previous step's quantities on the parameters, silently stale."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    loss_fn(model(torch.randn(5, 3)), torch.randint(0, 2, (5,))).backward()  # outside a block
+    with backpack(quantity):  # a step with its own quantities
+        loss_fn(model(torch.randn(5, 3)), torch.randint(0, 2, (5,))).backward()
+    loss = loss_fn(model(torch.randn(5, 3)), torch.randint(0, 2, (5,)))
+    model(torch.randn(between, 3))  # the forward in between, with autograd on
+    with (
+        pytest.raises(UnsupportedModelError, match="another forward ran after it with autograd on"),
+        backpack(quantity),
+    ):
+        loss.backward()
+    assert not any(hasattr(p, quantity.attr) for p in model.parameters())  # none stale
+    # under torch.no_grad() the forward in between leaves the loss's records alone: exact
+    model.zero_grad()
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    loss = loss_fn(model(x), y)
+    with torch.no_grad():
+        model(torch.randn(between, 3))
+    with backpack(quantity):
+        loss.backward()
+    expected = quantities_from_individual(
+        individual_gradients(model, lambda o, t, r: loss_fn(o, t), x, y, "mean")["0.weight"]
+    )[quantity.attr]
+    assert_close(getattr(model[0].weight, quantity.attr), expected, "after no_grad", 1e-6, 1e-7)
+    unextend(model)
+
+
 class _Recurrent(nn.Module):
     def __init__(self, kind: str, batch_first: bool, explicit: bool) -> None:
         super().__init__()
