@@ -29,6 +29,7 @@ from .per_sample import (
     per_sample,
     register_rule,
 )
+from .privacy import DPOptimizer, clip_per_sample, poisson_loader
 from .side_losses import chunked_linear_cross_entropy, scale_grad, side_loss, transform_grad
 
 __version__ = "0.1.0"
@@ -55,6 +56,10 @@ __all__ = [
     "SqrtGGNExact",
     "SqrtGGNMC",
     "ggn",
+    # private training (DP-SGD)
+    "DPOptimizer",
+    "clip_per_sample",
+    "poisson_loader",
     # optimizer step in backward
     "InBackward",
     # eager side losses

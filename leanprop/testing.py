@@ -67,6 +67,34 @@ def individual_gradients(
     }
 
 
+def clipped_gradients(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    max_grad_norm: float | dict[str, float],
+) -> tuple[dict[str, Tensor], Tensor]:
+    """DP-SGD's clipped sum by a loop over samples: ``sum_n min(1, C / (||g_n|| + 1e-6)) g_n``
+    with ``g_n = grad f_n`` each sample's own gradient (``f_n`` as in
+    :func:`individual_gradients`), ``||g_n||`` over all trainable parameters (``max_grad_norm``
+    a number) or per parameter (a dict of thresholds by name).
+
+    Returns:
+        ``({name: clipped sum}, [N] norms of g_n over all parameters)``.
+    """
+    per = individual_gradients(model, loss_fn, x, y, "sum")
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in per.values()]).sum(0).sqrt()
+    out = {}
+    for k, g in per.items():
+        if isinstance(max_grad_norm, dict):
+            own = g.flatten(1).square().sum(1).sqrt()
+            a = (max_grad_norm[k] / (own + 1e-6)).clamp(max=1.0)
+        else:
+            a = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        out[k] = torch.tensordot(a, g, dims=1)
+    return out, norms
+
+
 def individual_gradients_of_losses(
     losses: Tensor, params: dict[str, Tensor], reduction: Literal["mean", "sum"] = "sum"
 ) -> dict[str, Tensor]:

@@ -22,6 +22,7 @@ One forward and backward through it (all state lives on the context and its
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._eager import in_eager_backward
 from .._torch_compat import (
@@ -48,6 +50,7 @@ from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedM
 from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_in, to_front
 from .chunks import sample_chunks
+from .clipping import Clipping, clip_into_grads, scale_per_sample
 from .cycle import Call, Cycle, ParamState
 from .factors import norms_are_cheaper, sum_of_squares
 from .factors import total as factors_total
@@ -192,6 +195,10 @@ class PerSample:
                 f"per_sample() needs an nn.Module as first argument, got {type(model).__name__}; "
                 "call per_sample(model, BatchGrad(), ...)."
             )
+        self._clipping: Clipping | None = None  # see clip_per_sample()
+        # each gradient the clipping wrote, as it was left (see holds_clipped_grad)
+        self._clipped: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.clipped_backwards = 0  # backward passes that clipped, since the context was made
         # none: the forward is recorded for leanprop.ggn, backward computes nothing extra
         self._ask(validate_quantities(quantities) if quantities else frozenset())
         self._subsampling = subsampling_of(quantities)  # BatchGrad(subsampling=...)
@@ -253,6 +260,8 @@ class PerSample:
         self.last_n: int | None = None
         self.last_sums: dict[nn.Parameter, Tensor] = {}
         self._observers: list[Observer] = []  # see observing()
+        # per-sample gradient norms before clipping in the last backward that clipped ([N])
+        self.last_norms: Tensor | None = None
         self._in_rule: Counter[nn.Parameter] = Counter()  # parameters of rule sites running
 
     @property
@@ -280,6 +289,35 @@ class PerSample:
 
     def _ask(self, kinds: frozenset[type[Quantity]]) -> None:
         self._asked, self._kinds = kinds, computed_kinds(kinds)  # (_kinds: what is computed)
+        if self._clipping is not None:  # (its norms)
+            self._kinds = self._kinds | {BatchL2Grad}
+
+    @property
+    def clipping(self) -> Clipping | None:
+        """What per-sample clipping this context does (None: none)."""
+        return self._clipping
+
+    def holds_clipped_grad(self, p: nn.Parameter) -> bool:
+        """Whether ``p.grad`` is what this context's clipping left: the clipped gradients of
+        one or more backward passes, nothing else added since (an unclipped backward, or
+        ``.grad`` replaced or modified in place)."""
+        entry = self._clipped.get(p)
+        return (
+            entry is not None and p.grad is not None and entry[0]() is p.grad
+            and entry[1] == p.grad._version
+        )  # fmt: skip
+
+    def clip_per_sample(self, clipping: Clipping) -> None:
+        """Clip per sample in each backward (``clipping.py``): backward then leaves each
+        parameter's ``.grad`` increased by its clipped gradient, not by its gradient; nothing
+        else is computed or written. Call before the first forward; ``leanprop.private`` is
+        the public way in."""
+        if self._asked:
+            raise LeanpropValueError(
+                "per-sample clipping computes no other quantity; open the context with none."
+            )
+        self._clipping = clipping
+        self._ask(frozenset())
 
     @property
     def active(self) -> bool:
@@ -796,11 +834,21 @@ class PerSample:
     def _store_norms(
         self, p: nn.Parameter, norms: Tensor, total: Tensor, compute_dtype: torch.dtype | None,
         source: ops.Contribute,
+        reweigher: Callable[[], Callable[[Tensor], Tensor] | None] | None = None,
     ) -> None:  # fmt: skip
-        """``BatchL2Grad`` of a parameter used once, from a closed form."""
+        """``BatchL2Grad`` of a parameter used once, from a closed form (``reweigher()``: its
+        weighted sum, kept for clipping)."""
         self._open_cycle()
         self._cycle.from_forward(source)
         state = self._states[p]
+        if self._clipping is not None:
+            reweigh = reweigher() if reweigher is not None else None
+            if reweigh is None:
+                raise LeanpropError(
+                    f"per_sample clipping: no weighted sum for '{state.name}' (an internal "
+                    "error: please report it with the model)."
+                )
+            state.reweigh.append(reweigh)
         state.saw(compute_dtype or norms.dtype)
         state.results[BatchL2Grad.attr] = widen(norms)
         state.total = total
@@ -1194,15 +1242,19 @@ class PerSample:
         elif accumulates and not self._cycle_seen and self._params_reached:
             self._cycle.clear_attrs()  # no quantities for this backward: none of an earlier one
 
-    def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
+    def _on_param_grad(self, state: ParamState, grad: Tensor) -> Tensor | None:
         # not while computing: the fallback's own per-sample autograd calls fire it too;
         # recorded before the cycle opens too (autograd may reach a parameter first)
         if self._active and not self._computing:
             self._params_reached = True
-            wanted = self._kinds and not self._passive
+            wanted = bool(self._kinds) and not self._passive
             cycle = self._cycle
-            # (the facade drops a forward's records when another forward follows it)
-            unrecorded = cycle.n is None or cycle.dropped_n is not None or cycle.discarded_forward
+            # (the facade drops a forward's records when another forward follows it; clipping
+            # must own every gradient of the model's backward)
+            unrecorded = (
+                cycle.n is None or cycle.dropped_n is not None or cycle.discarded_forward
+                or self._clipping is not None
+            )  # fmt: skip
             if (
                 wanted and unrecorded and not cycle.open and not cycle.backward_done
                 and not in_eager_backward()
@@ -1217,6 +1269,9 @@ class PerSample:
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
             if wanted:
                 self._complete_calls_of(state.param)
+            if wanted and self._clipping is not None and cycle.open:
+                return torch.zeros_like(grad)  # .grad gets the clipped gradient at the end
+        return None
 
     def _complete_calls_of(self, p: nn.Parameter) -> None:
         """``p``'s gradient is computed, so every call that uses it has had all the output
@@ -1297,6 +1352,11 @@ class PerSample:
             k for k, p in call.params.items() if self._states[p].uses > 1 or self._states[p].formed
         )
         single = frozenset(call.params) - multi
+        if self._clipping is not None and call.n:
+            # each single use leaves its reweigher; one without (no rule, or none that gives
+            # the summed gradient) keeps its individual gradients for the weighted sum
+            reweighed = self._leave_reweighers(call, single)
+            multi, single = multi | (single - reweighed), reweighed
         sums: dict[str, Tensor] = {}
         if call.n == 0:
             for k, p in call.params.items():
@@ -1324,7 +1384,8 @@ class PerSample:
             front_args, g = self._fronted(call)
             args = tuple(_like(a, g) for a in front_args)
             for k, f in site.rule.factors(site.module, args, g, multi).items():
-                keep = l2_only and norms_are_cheaper(f)
+                # (clipping: the weighted sum from factors, without individual gradients)
+                keep = l2_only and (norms_are_cheaper(f) or self._clipping is not None)
                 sums[k] = self._states[call.params[k]].add_factors(f, keep, opts.workspace_bytes)
             names -= sums.keys()
         scratch, shared = self._cycle.scratch, frozenset({BatchGrad})
@@ -1339,6 +1400,36 @@ class PerSample:
         for k, r in reducers.items():
             sums[k] = self._store(call.params[k], k in multi, r.result())
         return sums
+
+    def _leave_reweighers(self, call: Call, names: frozenset[str]) -> frozenset[str]:
+        """Clipping: for each parameter ``names`` of a rule call whose rule gives the summed
+        gradient (ordinary backward, or factors), keep the call's input and output gradient
+        to form ``sum_n a_n c_n`` once the norms are known: the summed gradient with the output
+        gradient scaled per sample. Returns the names that got one."""
+        rule, module = call.site.rule, call.site.module
+        if rule is None:
+            return frozenset()
+        front_args, g = self._fronted(call)
+        args = tuple(_like(a, g) for a in front_args)
+
+        def by_backward(k: str, a: Tensor) -> Tensor:
+            return rule.param_grads(module, args[0], scale_per_sample(g, a), frozenset({k}))[k]
+
+        def by_factors(k: str, a: Tensor) -> Tensor:
+            f = rule.factors(module, args, scale_per_sample(g, a), frozenset({k}))[k]
+            return factors_total(f)
+
+        done = set()
+        for k in names:
+            if rule.param_grads is not None:
+                reweigh = functools.partial(by_backward, k)
+            elif rule.factors is not None and k in rule.factors(module, args, g, frozenset({k})):
+                reweigh = functools.partial(by_factors, k)
+            else:
+                continue
+            self._states[call.params[k]].reweigh.append(reweigh)
+            done.add(k)
+        return frozenset(done)
 
     def _closed_sum_of_squares(self, call: Call, names: frozenset[str]) -> dict[str, Tensor]:
         """``SumGradSquared`` of the parameters ``names`` of a rule call whose individual
@@ -1451,8 +1542,19 @@ class PerSample:
         n = self._cycle.n
         try:
             check = self._check or self._cycle.direct_call is not None
+            clip = None
+            if self._clipping is not None:
+                clipping = self._clipping
+
+                def clip(states: list[ParamState]) -> None:
+                    self.last_norms = clip_into_grads(states, clipping, n or 0)
+                    self.clipped_backwards += 1
+                    for st in states:
+                        grad = st.param.grad
+                        self._clipped[st.param] = (weakref.ref(grad), grad._version)
+
             self.last_sums = self._cycle.finish(
-                self._asked, check, self._process, self._subsampling
+                self._asked, check, self._process, self._subsampling, clip
             )
             self.last_n = n
         finally:

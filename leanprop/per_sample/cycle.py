@@ -91,6 +91,8 @@ class ParamState:
     results: dict[str, Tensor] = field(default_factory=dict)
     # BatchL2Grad of a weight used several times: its uses as factors, instead of ``batch``
     factored: FactoredUses | None = None
+    # clipping: each use's weighted sum of its individual gradients (clipping.py)
+    reweigh: list[Callable[[Tensor], Tensor]] = field(default_factory=list)
 
     @property
     def formed(self) -> bool:
@@ -136,7 +138,7 @@ class ParamState:
         """Forget what a backward computed."""
         self.batch, self.total, self.factored = None, None, None
         self.results, self.autograd_grad, self.compute_dtype = {}, None, None
-        self.autograd_grads = []
+        self.autograd_grads, self.reweigh = [], []
 
 
 @dataclass(eq=False)
@@ -203,12 +205,15 @@ class Cycle:
         check: bool,
         complete: Callable[[Call], object],
         subsampling: tuple[int, ...] | None = None,
+        clip: Callable[[list[ParamState]], object] | None = None,
     ) -> dict[nn.Parameter, Tensor]:
         """End of a backward: ``complete`` each call whose outputs got only some gradients
         (the others count as zero), form the quantities, check them (``check``), write those
-        asked for (``kinds``) to the parameters. Returns each parameter's sum of individual
-        gradients if ``Variance`` is among ``kinds`` (for ``all_reduce_quantities``), else
-        ``{}``."""
+        asked for (``kinds``) to the parameters. ``clip``: per-sample clipping, given the
+        states this backward reached (with their norms); it writes the gradients. Returns
+        each parameter's sum of individual gradients if ``Variance`` is among ``kinds`` (for
+        ``all_reduce_quantities``), else ``{}``."""
+        formed = kinds | {BatchL2Grad} if clip is not None else kinds
         try:
             with torch.set_grad_enabled(self.grad_mode):
                 for call in self.calls:
@@ -216,13 +221,15 @@ class Cycle:
                         complete(call)
                 for state in self.states.values():
                     if state.batch is not None:
-                        state.results = quantities_of(state.batch, kinds)
+                        state.results = quantities_of(state.batch, formed)
                         state.total = sample_sum(state.batch)  # checks what is written
                     elif state.factored is not None:  # BatchL2Grad alone (add_factors)
                         state.results = {BatchL2Grad.attr: state.factored.squared_norms()}
                         state.total = state.factored.total
-                if check:  # before anything is written: no unchecked results are left
+                if check or clip is not None:  # before anything is written
                     self.verify()
+                if clip is not None:
+                    clip([s for s in self.states.values() if BatchL2Grad.attr in s.results])
                 asked = {k.attr for k in kinds}  # (BatchDotGrad's individual gradients: not)
                 for state in self.states.values():
                     for attr, value in state.results.items():

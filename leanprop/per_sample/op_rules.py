@@ -17,7 +17,7 @@ call has another form (the generic batched vector-Jacobian product then runs).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from torch import Tensor
 from ..side_losses.lm_head import LossSpec, logit_grads, rows_per_chunk
 from .batch import BatchDim, to_front
 from .chunks import Scratch, sample_chunks
+from .clipping import scale_per_sample
 from .rules.linear import gram_is_cheaper
 from .stats import sample_sum, sq_norms, widen
 
@@ -118,6 +119,28 @@ def closed_norms(
         per = gs.sum(1)  # [N, O]
         out[b_at] = (per.square().sum(1), per.sum(0))
     return out if set(out) == set(positions) else None
+
+
+def linear_reweigher(
+    name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None], position: int,
+    g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
+) -> Callable[[Tensor], Tensor] | None:  # fmt: skip
+    """For clipping (``clipping.py``): ``a -> sum_n a_n c_n`` ``a: [N]`` of the parameter at
+    ``position`` of a linear/matmul/addmm call (the summed gradient with the output gradient
+    scaled per sample), or None for other forms."""
+    parts = _linear_rows(name, tensors, in_batch, [position], g, out_bd, n, n_args)
+    if parts is None:
+        return None
+    xs, gs, w_at, _, _ = parts
+
+    def reweigh(a: Tensor) -> Tensor:
+        ga = scale_per_sample(gs, a)  # [N, S, O]
+        if position != w_at:  # the bias
+            return ga.sum((0, 1))
+        x2, g2 = xs.reshape(-1, xs.shape[2]), ga.reshape(-1, ga.shape[2])
+        return g2.mT @ x2 if name == "linear" else x2.mT @ g2
+
+    return reweigh
 
 
 def _materialised_norms(

@@ -19,6 +19,7 @@ the op per sample, so closed-form rules stay the fast path.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 from .._torch_compat import tree_flatten, tree_unflatten
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
-from .op_rules import closed_form, closed_norms
+from .op_rules import closed_form, closed_norms, linear_reweigher
 from .stats import sample_sum
 
 # how many per_sample contexts run their own per-sample work on this thread (see
@@ -56,14 +57,15 @@ class Contribute:
         computing: Callable[[], AbstractContextManager[None]],
         passive: Callable[[], bool],
         norms_only: Callable[[Tensor], bool],
-        norms: Callable[[nn.Parameter, Tensor, Tensor, torch.dtype | None, Contribute], None],
+        norms: Callable[..., None],
         scratch: Scratch,
     ) -> None:
         self.sink = sink  # sink(batch, compute_dtype, source): source is this object
         self.computing = computing  # marks the per-sample work (its autograd calls) as ours
         self.passive = passive  # a backward that is not for parameters (e.g. d output / d x)
         # norms_only(t): t is a parameter used once, and only BatchL2Grad is asked for;
-        # norms(p, ||c_n||² [N], summed gradient, compute dtype) then stores its results
+        # norms(p, ||c_n||² [N], summed gradient, compute dtype, source, reweigher) then stores
+        # its results (reweigher() makes its weighted sum for clipping, or None)
         self.norms_only, self.norms = norms_only, norms
         self.scratch = scratch  # temporaries of the per-sample work, reused by each op
         self._closed = False
@@ -239,7 +241,13 @@ class OpCapture(torch.autograd.Function):
             ) or {}  # fmt: skip
             for i, (sq, total) in norms.items():  # BatchL2Grad alone: norms, not gradients
                 summed[i] = total
-                op.contribute.norms(op.originals[i], sq, total, op.autocast_dtype, op.contribute)
+                reweigher = functools.partial(  # (made only where clipping wants it)
+                    linear_reweigher, op_name(op.func), local, op.in_batch, i, live[0][2],
+                    op.out_batch[live[0][0]], op.n, op.n_args,
+                )  # fmt: skip
+                op.contribute.norms(
+                    op.originals[i], sq, total, op.autocast_dtype, op.contribute, reweigher
+                )
         if captured and single and op.rule is None and not summed:
             leaves = list(op.leaves)
             for i, t in zip(op.tensor_at, local, strict=True):

@@ -101,6 +101,23 @@ def test_conv_l2_from_gram_matrices_in_chunks():
     check_against_oracle(build("conv_late"), "sum", (BatchL2Grad(),), max_workspace_mib=1e-6)
 
 
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "circular"])
+def test_conv_l2_from_gram_matrices_with_string_padding(padding_mode):
+    """The Gram form's summed gradient (for the sum check) of a convolution with
+    ``padding="same"`` or another padding mode: the ordinary weight gradient was given the
+    padding string and raised."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(16, 24, 3, padding="same", padding_mode=padding_mode),
+        torch.nn.Flatten(),
+        torch.nn.Linear(96, 3),
+    ).double()
+    x, y = torch.randn(4, 16, 2, 2, dtype=torch.float64), torch.randint(0, 3, (4,))
+    from ..cases import Case, ce
+
+    check_against_oracle(Case(model, x, y, ce), "mean", (BatchL2Grad(),))
+
+
 def test_float32_within_documented_tolerance():
     case = build("conv2d", torch.float32)
     expected = reference(case, "mean")

@@ -218,14 +218,18 @@ def _can_fuse(module: nn.Module) -> bool:
 
 def _conv_backward(module: nn.Module, x: Tensor, g: Tensor, mask: list[bool]) -> tuple:
     d = _dims(module)
+    padding = module.padding
+    if not _explicit_zero_padding(module):  # ("same", other padding modes: the weight's only)
+        x, padding = _pad(module, x), [0] * d
     return torch.ops.aten.convolution_backward(
         g, x, module.weight.to(g.dtype), [module.out_channels] if mask[2] else None,
-        module.stride, module.padding, module.dilation, False, [0] * d, module.groups, mask,
+        module.stride, padding, module.dilation, False, [0] * d, module.groups, mask,
     )  # fmt: skip
 
 
 def conv_input_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
-    """Ordinary input gradient ``[N, C, *S]``."""
+    """Ordinary input gradient ``[N, C, *S]`` (of a layer with numeric zero padding: the op
+    is replaced only there)."""
     return _conv_backward(module, x, g, [True, False, False])[0]
 
 

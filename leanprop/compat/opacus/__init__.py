@@ -1,0 +1,210 @@
+"""An Opacus-style facade: run an Opacus training loop on leanprop with an import change.
+
+    from leanprop.compat.opacus import PrivacyEngine
+
+    privacy_engine = PrivacyEngine()
+    model, optimizer, train_loader = privacy_engine.make_private(
+        module=model, optimizer=optimizer, data_loader=train_loader,
+        noise_multiplier=1.1, max_grad_norm=1.0,
+    )
+    for x, y in train_loader:
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()   # clipped per sample, in this one backward
+        optimizer.step()                    # noise, average, step, accounting
+    privacy_engine.get_epsilon(delta=1e-5)
+
+What differs from Opacus:
+
+* ``make_private`` returns the module itself (hooked for clipping until it is garbage
+  collected), not a ``GradSampleModule`` wrapper; no ``p.grad_sample`` is ever formed. Each
+  backward through the model leaves the clipped sum in ``p.grad`` (Opacus keeps it in
+  ``p.summed_grad``); ``optimizer.step()`` noises and averages it as Opacus does.
+* Every ``grad_sample_mode`` computes the same (leanprop's one-backward clipping), except
+  ``"ghost"``, whose changed API (a wrapped criterion, four return values) is not offered: drop
+  the argument and the criterion.
+* Clipping ``"flat"`` and ``"per_layer"`` (a list of thresholds, one per trainable parameter);
+  not ``"adaptive"`` or ``"automatic"``. No distributed training, no ``secure_mode`` with
+  torchcsprng (``secure_mode=True`` uses :func:`leanprop.privacy.gaussian_noise`'s secure mode).
+* The model is checked when its backward runs (BatchNorm in training mode is refused then),
+  not by Opacus' ``ModuleValidator`` up front; any model :func:`leanprop.per_sample` supports
+  works (parameters of modules without a leanprop rule go through the ``torch.func``
+  fallback, as in the BackPACK facade).
+* Opacus' ``BatchMemoryManager`` works (it only calls ``optimizer.signal_skip_step``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ...errors import LeanpropValueError
+from ...per_sample.capture import PerSample
+from ...privacy.accounting import make_accountant, noise_multiplier_for
+from ...privacy.clip import clipping_of
+from ...privacy.optimizer import DPOptimizer
+from ...privacy.sampling import poisson_loader
+
+__all__ = ["PrivacyEngine"]
+
+_LOADER_OPTIONS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+    "multiprocessing_context", "prefetch_factor", "persistent_workers",
+)  # fmt: skip
+
+
+class _Holder:
+    """A no-op forward pre-hook through which the model owns its clipping context (as the
+    BackPACK facade's ``extend``)."""
+
+    def __init__(self, capture: PerSample) -> None:
+        self.capture = capture
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        return None
+
+
+class FacadeOptimizer(DPOptimizer):
+    """:class:`leanprop.DPOptimizer` with Opacus' optimizer interface: ``original_optimizer``,
+    ``signal_skip_step`` (virtual steps: a skipped step keeps accumulating, and the
+    ``zero_grad`` after it keeps the gradients), ``max_grad_norm``, ``expected_batch_size``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip_next = False
+        self._last_skipped = False
+
+    @property
+    def original_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """The next ``step()`` only accumulates (Opacus' virtual steps)."""
+        self._skip_next = do_skip
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self._skip_next:
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+            self._skip_next, self._last_skipped = False, True
+            return None
+        self._last_skipped = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self._last_skipped:
+            super().zero_grad(set_to_none)
+
+
+class PrivacyEngine:
+    """Opacus' ``PrivacyEngine`` on leanprop (see the module's docstring for the differences).
+
+    Args:
+        accountant: ``"prv"`` (Opacus' default), ``"rdp"`` or ``"gdp"`` (Opacus' accountants).
+        secure_mode: noise by :func:`leanprop.privacy.gaussian_noise`'s secure mode.
+    """
+
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False) -> None:
+        self.accountant = make_accountant(accountant)
+        self.secure_mode = bool(secure_mode)
+        self._mechanism = accountant
+
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        noise_multiplier: float,
+        max_grad_norm: float | list[float],
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        poisson_sampling: bool = True,
+        clipping: str = "flat",
+        noise_generator: torch.Generator | None = None,
+        grad_sample_mode: str = "hooks",
+        **kwargs: Any,
+    ) -> tuple[nn.Module, FacadeOptimizer, DataLoader]:
+        """Return ``(module, optimizer, data_loader)`` for private training, as Opacus does:
+        the module clips per sample in backward, the optimizer noises, averages by the
+        expected batch size and accounts, the data loader samples batches by Poisson sampling
+        (``poisson_sampling=True``) at ``1 / len(data_loader)``."""
+        if grad_sample_mode == "ghost" or "criterion" in kwargs:
+            raise LeanpropValueError(
+                "make_private(grad_sample_mode='ghost') returns a wrapped criterion in Opacus; "
+                "leanprop clips in one backward pass for every model, so the ghost mode is not "
+                "needed: drop grad_sample_mode and criterion (make_private returns three values)."
+            )
+        if kwargs:
+            raise LeanpropValueError(
+                f"make_private() got options the facade does not offer: {sorted(kwargs)}."
+            )
+        if clipping not in ("flat", "per_layer"):
+            raise LeanpropValueError(
+                f"make_private(clipping={clipping!r}): the facade offers 'flat' and 'per_layer'."
+            )
+        if (clipping == "per_layer") != isinstance(max_grad_norm, list | tuple):
+            raise LeanpropValueError(
+                "make_private: clipping='per_layer' takes a list of thresholds (one per "
+                "trainable parameter) as max_grad_norm, and clipping='flat' one number; got "
+                f"clipping={clipping!r}, max_grad_norm={max_grad_norm!r}."
+            )
+        if self.secure_mode and noise_generator is not None:
+            raise LeanpropValueError(
+                "make_private: noise_generator cannot be set with secure_mode=True."
+            )
+        spec = clipping_of(module, max_grad_norm, loss_reduction)
+        capture = PerSample(module, batch_dim=0 if batch_first else 1, fuse=False)
+        capture.clip_per_sample(spec)
+        capture.__enter__()
+        module.register_forward_pre_hook(_Holder(capture))  # the model owns it
+        capture.owned_by_model()
+        sample_rate = 1 / len(data_loader)
+        if poisson_sampling:
+            options = {k: getattr(data_loader, k) for k in _LOADER_OPTIONS}
+            if not options["num_workers"]:
+                options.pop("prefetch_factor")
+            data_loader = poisson_loader(
+                data_loader.dataset, sample_rate, steps=len(data_loader),
+                generator=data_loader.generator, **options,
+            )  # fmt: skip
+        expected_batch_size = int(len(data_loader.dataset) * sample_rate)
+        optimizer = FacadeOptimizer(
+            optimizer, capture, noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size if loss_reduction == "mean" else None,
+            sample_rate=sample_rate, accountant=self.accountant, generator=noise_generator,
+            secure_mode=self.secure_mode,
+        )  # fmt: skip
+        return module, optimizer, data_loader
+
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: int,
+        max_grad_norm: float | list[float],
+        epsilon_tolerance: float = 0.01,
+        **kwargs: Any,
+    ) -> tuple[nn.Module, FacadeOptimizer, DataLoader]:
+        """:meth:`make_private` with the noise multiplier that spends ``target_epsilon`` at
+        ``target_delta`` in ``epochs`` epochs (Opacus' search, with this engine's accountant)."""
+        sample_rate = 1 / len(data_loader)
+        sigma = noise_multiplier_for(
+            target_epsilon, target_delta, sample_rate, steps=epochs * len(data_loader),
+            accountant=self._mechanism, epsilon_tolerance=epsilon_tolerance,
+        )  # fmt: skip
+        return self.make_private(
+            module=module, optimizer=optimizer, data_loader=data_loader,
+            noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs,
+        )  # fmt: skip
+
+    def get_epsilon(self, delta: float) -> float:
+        """The privacy spent so far at ``delta``."""
+        return float(self.accountant.get_epsilon(delta=delta))

@@ -1,0 +1,140 @@
+"""Per-sample clipping in one backward pass: :func:`clip_per_sample`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..errors import LeanpropValueError, UnsupportedModelError
+from ..per_sample.capture import ConvAlgorithm, PerSample
+from ..per_sample.clipping import Clipping
+
+MaxGradNorm = float | Sequence[float] | Mapping[str, float]
+
+
+def _threshold(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise LeanpropValueError(
+            f"clip_per_sample() got {what}={value!r}; a clipping threshold must be a positive, "
+            "finite number (e.g. 1.0)."
+        )
+    return float(value)
+
+
+def clipping_of(
+    model: nn.Module, max_grad_norm: MaxGradNorm, loss_reduction: str
+) -> Clipping:  # fmt: skip
+    """The clipping ``max_grad_norm`` asks for on ``model``'s trainable parameters (checked)."""
+    if loss_reduction not in ("mean", "sum"):
+        raise LeanpropValueError(
+            f"clip_per_sample() got loss_reduction={loss_reduction!r}; allowed: 'mean' (the "
+            "loss averages over the samples) or 'sum'. It tells how the loss reduces, so that "
+            "each sample's own gradient is clipped."
+        )
+    if not isinstance(max_grad_norm, Sequence | Mapping) or isinstance(max_grad_norm, str):
+        return Clipping(_threshold(max_grad_norm, "max_grad_norm"), None, loss_reduction)
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    if isinstance(max_grad_norm, Mapping):
+        names = {k for k, _ in named}
+        unknown, missing = set(max_grad_norm) - names, names - set(max_grad_norm)
+        if unknown or missing:
+            raise LeanpropValueError(
+                "clip_per_sample() got per-parameter thresholds that do not match the model's "
+                f"trainable parameters: unknown {sorted(unknown)}, missing {sorted(missing)}. "
+                "Give one threshold per trainable parameter name (model.named_parameters())."
+            )
+        per = {p: _threshold(max_grad_norm[k], f"max_grad_norm[{k!r}]") for k, p in named}
+    else:
+        if len(max_grad_norm) != len(named):
+            raise LeanpropValueError(
+                f"clip_per_sample() got {len(max_grad_norm)} per-parameter thresholds for "
+                f"{len(named)} trainable parameters; give one per parameter, in the order of "
+                "model.parameters() (frozen ones left out), or a dict by parameter name."
+            )
+        per = {
+            p: _threshold(c, f"max_grad_norm[{i}]")
+            for i, ((_, p), c) in enumerate(zip(named, max_grad_norm, strict=True))
+        }
+    return Clipping(None, per, loss_reduction)
+
+
+def clip_per_sample(
+    model: nn.Module,
+    max_grad_norm: MaxGradNorm,
+    *,
+    loss_reduction: Literal["mean", "sum"] = "mean",
+    conv_algorithm: ConvAlgorithm = "auto",
+    max_workspace_mib: float | None = None,
+    batch_dim: int = 0,
+    batch_dims: Mapping[str | int, int | None] | None = None,
+) -> PerSample:
+    """Clip each sample's gradient during the backward passes run inside the context.
+
+    With ``g_n`` the gradient of sample n's own loss (``N`` times its contribution for a
+    mean-reduced loss), each backward adds to every trainable parameter's ``.grad``
+
+        sum_n min(1, C / (||g_n|| + 1e-6)) g_n
+
+    instead of ``sum_n g_n`` (or ``mean``): the clipped sum of DP-SGD, before noise
+    (:class:`DPOptimizer` adds the noise and averages). ``||g_n||`` is the norm over all
+    trainable parameters (flat clipping, ``max_grad_norm=C``), or over each parameter alone
+    with its own threshold (per-parameter clipping). The ``1e-6`` is Opacus'.
+
+    One backward pass: the norms come from each layer's input and output gradient (closed
+    forms), and each parameter's clipped gradient is then formed from the same two tensors
+    with the output gradient scaled per sample, so Linear, Conv, Embedding layers (and
+    parameters used by linear/matmul/addmm ops, such as HF's ``Conv1D``) never hold the
+    ``[N, *p.shape]`` individual gradients. Other parameters (norm layers, elementwise uses,
+    modules that go through the ``torch.func`` fallback) do, one parameter at a time. Several
+    backward passes before a step add up (gradient accumulation over micro-batches).
+
+    Example:
+        >>> import torch, leanprop
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+        >>> with leanprop.clip_per_sample(model, max_grad_norm=1.0) as clip:
+        ...     torch.nn.functional.cross_entropy(model(x), y).backward()
+        >>> clip.last_norms.shape  # each sample's gradient norm before clipping
+        torch.Size([5])
+
+    Args:
+        model: any model :func:`leanprop.per_sample` supports. The model must not mix samples
+            (BatchNorm in training mode is refused).
+        max_grad_norm: the clipping threshold ``C`` (flat); or one threshold per trainable
+            parameter, as a list in the order of ``model.parameters()`` or a dict by name.
+        loss_reduction: how the loss reduces over the samples: ``"mean"`` or ``"sum"``.
+        conv_algorithm, max_workspace_mib, batch_dim, batch_dims: as for
+            :func:`leanprop.per_sample`.
+
+    Returns:
+        The context (reusable: enter it for each step). ``last_norms``: the per-sample
+        gradient norms ``[N]`` over all parameters before clipping, of the last backward.
+
+    Raises:
+        LeanpropValueError: a bad threshold or reduction.
+        UnsupportedModelError: a model wrapped in DistributedDataParallel (not supported yet).
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel) or (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        raise UnsupportedModelError(
+            "clip_per_sample() does not support distributed training yet: each process would "
+            "clip and noise its own share. Train privately in one process."
+        )
+    clipping = clipping_of(model, max_grad_norm, loss_reduction)
+    ctx = PerSample(
+        model,
+        conv_algorithm=conv_algorithm,
+        max_workspace_mib=max_workspace_mib,
+        check=True,
+        batch_dim=batch_dim,
+        batch_dims=batch_dims,
+    )
+    ctx.clip_per_sample(clipping)
+    return ctx

@@ -1,0 +1,228 @@
+"""DP-SGD's step: noise once on the clipped sum, average, step, account (:class:`DPOptimizer`)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import LeanpropValueError, UnsupportedModelError
+from ..per_sample.capture import PerSample
+from .accounting import make_accountant
+
+
+def gaussian_noise(
+    std: float, like: Tensor, generator: torch.Generator | None, secure_mode: bool
+) -> Tensor:  # fmt: skip
+    """Gaussian noise of standard deviation ``std`` shaped as ``like``. ``secure_mode``:
+    the sum of four draws halved (Opacus' defence against floating-point attacks,
+    arXiv:2107.10138 section 5.1), from a generator seeded afresh from the operating system's
+    entropy."""
+    if std == 0:
+        return torch.zeros_like(like)
+    if not secure_mode:
+        return torch.normal(0.0, std, like.shape, generator=generator, dtype=like.dtype,
+                            device=like.device)  # fmt: skip
+    seeded = torch.Generator(device=like.device)
+    seeded.manual_seed(secrets.randbits(63))
+    total = torch.zeros_like(like)
+    for _ in range(4):
+        total += torch.normal(0.0, std, like.shape, generator=seeded, dtype=like.dtype,
+                              device=like.device)  # fmt: skip
+    return total / 2
+
+
+def _positive(value: object, what: str, zero_ok: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not zero_ok):
+        raise LeanpropValueError(
+            f"DPOptimizer got {what}={value!r}; it must be a "
+            f"{'non-negative' if zero_ok else 'positive'}, finite number."
+        )
+    return float(value)
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer for DP-SGD on the gradients a :func:`clip_per_sample` context left.
+
+    ``step()`` replaces each parameter's gradient (the clipped sum of the backward passes since
+    the last step) by ``(clipped sum + N(0, σ² C²)) / (expected_batch_size · k)`` (``k`` the
+    number of those backward passes; no division for ``loss_reduction="sum"``), steps the
+    wrapped optimizer, and tells the accountant. ``σ`` is ``noise_multiplier`` and ``C`` the
+    clipping threshold (per-parameter thresholds: their root sum of squares), both as in Opacus,
+    so that the same settings give the same privacy.
+
+    It refuses to step a gradient the clipping did not leave (a backward outside the context,
+    a gradient changed after it): the noise would not make it private. A parameter without a
+    gradient (an empty Poisson batch: no backward) gets the noise alone.
+
+    Example:
+        >>> import torch, leanprop
+        >>> model = torch.nn.Linear(3, 2)
+        >>> clip = leanprop.clip_per_sample(model, max_grad_norm=1.0)
+        >>> opt = leanprop.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), clip,
+        ...                            noise_multiplier=1.0, expected_batch_size=5)
+        >>> with clip:
+        ...     model(torch.randn(5, 3)).square().mean().backward()
+        >>> opt.step(); opt.zero_grad()
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+        clip: the :func:`clip_per_sample` context the backward passes run in.
+        noise_multiplier: ``σ``, the noise's standard deviation relative to ``C``.
+        expected_batch_size: the batch size averaged by (Poisson sampling: ``sample_rate ·
+            len(dataset)``, not each batch's size). Required for ``loss_reduction="mean"``.
+        sample_rate: the probability of each example in a batch, for the accountant.
+        accountant: ``"rdp"``, ``"prv"``, ``"gdp"`` (Opacus' accountants), an object with
+            ``step(noise_multiplier=, sample_rate=)``, or None.
+        generator: the noise's random generator (None: torch's default one).
+        secure_mode: see :func:`gaussian_noise`. torch's generators are not cryptographic
+            random number generators; this seeds one afresh from the OS for each step and
+            sums four draws, which resists the known floating-point attacks, but it is not a
+            certified secure RNG.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip: PerSample,
+        *,
+        noise_multiplier: float,
+        expected_batch_size: int | None = None,
+        sample_rate: float | None = None,
+        accountant: str | Any | None = None,
+        generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise LeanpropValueError(
+                f"DPOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
+        clipping = getattr(clip, "clipping", None)
+        if not isinstance(clip, PerSample) or clipping is None:
+            raise LeanpropValueError(
+                "DPOptimizer needs the context made by leanprop.clip_per_sample(model, "
+                f"max_grad_norm) that the backward passes run in; got {type(clip).__name__}."
+            )
+        self.optimizer, self.clip = optimizer, clip
+        self.noise_multiplier = _positive(noise_multiplier, "noise_multiplier", zero_ok=True)
+        if clipping.reduction == "mean":
+            if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int):
+                expected_batch_size = 0
+            if expected_batch_size < 1:
+                raise LeanpropValueError(
+                    "DPOptimizer needs expected_batch_size (a positive int: the batch size "
+                    "averaged by; with Poisson sampling sample_rate * len(dataset)) for a "
+                    "mean-reduced loss."
+                )
+        self.expected_batch_size = expected_batch_size
+        if isinstance(accountant, str):
+            accountant = make_accountant(accountant)
+        if accountant is not None:
+            sample_rate = _positive(sample_rate, "sample_rate")
+            if sample_rate > 1:
+                raise LeanpropValueError(
+                    f"DPOptimizer got sample_rate={sample_rate}; it must be in (0, 1]."
+                )
+        self.accountant, self.sample_rate = accountant, sample_rate
+        self.generator, self.secure_mode = generator, bool(secure_mode)
+        if clipping.per_param is not None:
+            self.max_grad_norm = math.sqrt(sum(c**2 for c in clipping.per_param.values()))
+        else:
+            self.max_grad_norm = float(clipping.max_norm)
+        self._backwards_seen = clip.clipped_backwards
+
+    # the wrapped optimizer's state is this one's (schedulers, state_dict, trainers)
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.optimizer!r})"
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def noise_and_average(self) -> int:
+        """Replace each gradient by its noised average (what :meth:`step` does before the
+        wrapped optimizer steps); returns ``k``, the clipped backward passes it covers."""
+        params = self._params()
+        held = self.clip.holds_clipped_grad
+        unclipped = [p for p in params if p.grad is not None and not held(p)]
+        if unclipped:
+            raise UnsupportedModelError(
+                f"DPOptimizer: {len(unclipped)} parameter(s) of shapes "
+                f"{[tuple(p.shape) for p in unclipped[:3]]} have a gradient that per-sample "
+                "clipping did not leave (a backward outside the clip_per_sample context, or a "
+                "gradient changed after it); adding noise would not make it private. Run "
+                "forward and backward inside `with clip:`, and zero_grad() after each step."
+            )
+        k = max(1, self.clip.clipped_backwards - self._backwards_seen)
+        divisor = self.expected_batch_size * k if self.expected_batch_size else 1.0
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in params:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            noise = gaussian_noise(std, grad, self.generator, self.secure_mode)
+            p.grad = (grad + noise) / divisor
+        self._backwards_seen = self.clip.clipped_backwards
+        return k
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Noise, average and step (``closure``: runs the forward and backward first)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        k = self.noise_and_average()
+        self.optimizer.step()
+        if self.accountant is not None:
+            self.accountant.step(
+                noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate * k
+            )
+        return loss
+
+    def epsilon(self, delta: float) -> float:
+        """The privacy spent so far at ``delta``, from the accountant."""
+        if self.accountant is None:
+            raise LeanpropValueError(
+                "DPOptimizer has no accountant; pass accountant='rdp' (or 'prv', 'gdp') and "
+                "sample_rate to track the privacy spent."
+            )
+        return float(self.accountant.get_epsilon(delta))

@@ -1,0 +1,108 @@
+"""Poisson sampling of batches, as DP-SGD's accounting assumes: each step takes every example
+independently with probability ``sample_rate`` (so batch sizes vary, and may be 0)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from ..errors import LeanpropValueError
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Batches of indices of ``range(num_samples)``, each index in each batch independently
+    with probability ``sample_rate``; ``steps`` batches per epoch (default ``1 / sample_rate``).
+
+    Args:
+        num_samples: the dataset's size.
+        sample_rate: the probability of each example in each batch, in ``(0, 1]``.
+        steps: batches per epoch.
+        generator: the random generator (None: torch's default one).
+    """
+
+    def __init__(
+        self, num_samples: int, sample_rate: float, steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:  # fmt: skip
+        def number(v: object) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool)
+
+        if not (isinstance(num_samples, int) and number(num_samples) and num_samples >= 1):
+            raise LeanpropValueError(
+                f"PoissonBatchSampler got num_samples={num_samples!r}; it must be a positive int."
+            )
+        if not (number(sample_rate) and 0 < sample_rate <= 1):
+            raise LeanpropValueError(
+                f"PoissonBatchSampler got sample_rate={sample_rate!r}; it must be in (0, 1] "
+                "(the expected batch size divided by the dataset's size)."
+            )
+        if steps is not None and not (isinstance(steps, int) and number(steps) and steps >= 1):
+            raise LeanpropValueError(
+                f"PoissonBatchSampler got steps={steps!r}; it must be a positive int or None."
+            )
+        self.num_samples, self.sample_rate = num_samples, float(sample_rate)
+        self.generator = generator
+        self.steps = steps if steps is not None else max(1, round(1 / self.sample_rate))
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            yield mask.nonzero().flatten().tolist()
+
+
+def _empty(batch: Any) -> Any:
+    """``batch`` (collated) with 0 samples: each tensor's first 0 rows."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {k: _empty(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_empty(v) for v in batch)
+    return batch
+
+
+class _Collate:
+    """``collate_fn`` that also collates an empty batch (from the shapes of one example)."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Any) -> None:
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if samples:
+            return self.collate_fn(samples)
+        return _empty(self.collate_fn([self.dataset[0]]))
+
+
+def poisson_loader(
+    dataset: Dataset, sample_rate: float, *, steps: int | None = None,
+    generator: torch.Generator | None = None, **loader_kwargs: Any,
+) -> DataLoader:  # fmt: skip
+    """A ``DataLoader`` over ``dataset`` whose batches are Poisson-sampled
+    (:class:`PoissonBatchSampler`); an empty batch comes as tensors with 0 samples.
+
+    Args:
+        dataset: a map-style dataset.
+        sample_rate: the probability of each example in each batch (expected batch size /
+            ``len(dataset)``).
+        steps: batches per epoch (default ``1 / sample_rate``).
+        generator: the random generator for the sampling.
+        **loader_kwargs: other ``DataLoader`` options (``num_workers``, ``collate_fn``...);
+            not ``batch_size``, ``shuffle``, ``sampler`` or ``batch_sampler``.
+    """
+    taken = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"}
+    taken &= loader_kwargs.keys()
+    if taken:
+        raise LeanpropValueError(
+            f"poisson_loader() got {sorted(taken)}; the batches are Poisson-sampled at "
+            "sample_rate, so those options have no meaning here."
+        )
+    collate = _Collate(dataset, loader_kwargs.pop("collate_fn", default_collate))
+    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

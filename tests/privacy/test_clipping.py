@@ -1,0 +1,158 @@
+"""Per-sample clipping in one backward (float64) against the per-sample loop, on every case of
+the registry, and what it refuses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import leanprop
+from leanprop import LeanpropValueError, UnsupportedModelError
+from leanprop.testing import clipped_gradients
+
+from ..cases import CASES, build
+from ..helpers import assert_close
+
+
+def _run(case, threshold, reduction, **kwargs):
+    with leanprop.clip_per_sample(
+        case.model, threshold, loss_reduction=reduction, **kwargs
+    ) as clip:
+        case.loss(case.model(case.x), case.y, reduction).backward()
+    return clip
+
+
+def _check(case, threshold, reduction, **kwargs):
+    model = copy.deepcopy(case.model)
+    expected, norms = clipped_gradients(model, case.loss, case.x, case.y, threshold)
+    clip = _run(case, threshold, reduction, **kwargs)
+    for name, p in case.model.named_parameters():
+        if p.requires_grad:
+            assert_close(p.grad, expected[name], f"{name} clipped", 1e-10, 1e-12)
+            assert not hasattr(p, "batch_l2") and not hasattr(p, "grad_batch"), name
+    assert_close(clip.last_norms, norms, "norms", 1e-10, 1e-12)
+    return norms
+
+
+def _median_norm(case) -> float:
+    _, norms = clipped_gradients(copy.deepcopy(case.model), case.loss, case.x, case.y, 1.0)
+    return float(norms.median())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_flat_clipping_matches_the_loop(name, reduction):
+    """The threshold at the median norm: some samples clipped, some not."""
+    case = build(name)
+    _check(case, _median_norm(case), reduction)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv2d", "tied_lm", "sequence", "recurrent"])
+@pytest.mark.parametrize("scale", [1e-3, 1e3], ids=["all-clipped", "none-clipped"])
+def test_every_sample_or_none_clipped(name, scale):
+    case = build(name)
+    _check(case, _median_norm(case) * scale, "mean")
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv2d", "tied_lm", "attention", "own_parameter"])
+def test_per_parameter_thresholds_by_name_and_in_order(name):
+    case = build(name)
+    named = [(k, p) for k, p in case.model.named_parameters() if p.requires_grad]
+    per = {k: 0.05 * (i + 1) for i, (k, _) in enumerate(named)}
+    model = copy.deepcopy(case.model)
+    expected, _ = clipped_gradients(model, case.loss, case.x, case.y, per)
+    for thresholds in (per, list(per.values())):
+        case.model.zero_grad(set_to_none=True)
+        _run(case, thresholds, "mean")
+        for k, p in named:
+            assert_close(p.grad, expected[k], f"{k} per-parameter", 1e-10, 1e-12)
+
+
+def test_micro_batches_add_up_and_the_context_is_reusable():
+    """Two backward passes (gradient accumulation), each in its own `with` of one context."""
+    case = build("conv2d")
+    c = _median_norm(case)
+    half = case.x.shape[0] // 2
+    parts = [(case.x[:half], case.y[:half]), (case.x[half:], case.y[half:])]
+    expected = [
+        clipped_gradients(copy.deepcopy(case.model), case.loss, x, y, c)[0] for x, y in parts
+    ]
+    clip = leanprop.clip_per_sample(case.model, c, loss_reduction="sum")
+    for x, y in parts:
+        with clip:
+            case.loss(case.model(x), y, "sum").backward()
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad, expected[0][k] + expected[1][k], k, 1e-10, 1e-12)
+        assert clip.holds_clipped_grad(p)
+    assert clip.clipped_backwards == 2
+
+
+def test_bad_thresholds_and_reduction():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(LeanpropValueError, match="positive, finite number"):
+            leanprop.clip_per_sample(model, bad)
+    with pytest.raises(LeanpropValueError, match="3 per-parameter thresholds for 4"):
+        leanprop.clip_per_sample(model, [1.0, 1.0, 1.0])
+    with pytest.raises(LeanpropValueError, match=r"unknown \['x'\], missing \['1.bias'\]"):
+        leanprop.clip_per_sample(model, {"0.weight": 1.0, "0.bias": 1.0, "1.weight": 1.0, "x": 1.0})
+    with pytest.raises(LeanpropValueError, match="loss_reduction='none'"):
+        leanprop.clip_per_sample(model, 1.0, loss_reduction="none")
+
+
+def test_batchnorm_in_training_mode_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with (
+        pytest.raises(UnsupportedModelError, match="BatchNorm"),
+        leanprop.clip_per_sample(model, 1.0),
+    ):
+        model(torch.randn(5, 3)).sum().backward()
+
+
+def test_an_empty_batch_clips_to_zero():
+    case = build("mlp")
+    with leanprop.clip_per_sample(case.model, 1.0, loss_reduction="sum") as clip:
+        case.loss(case.model(case.x[:0]), case.y[:0], "sum").backward()
+    for p in case.model.parameters():
+        assert p.grad is not None and not p.grad.any()
+    assert clip.last_norms.shape == (0,)
+
+
+class _Wide(nn.Module):
+    """An embedding, a convolution and a wide linear layer: N x P would dominate memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(512, 64)
+        self.conv = nn.Conv1d(64, 64, 3, padding=1)
+        self.lin = nn.Linear(64 * 8, 512)
+        self.head = nn.Linear(512, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [N, 8]
+        h = self.conv(self.emb(ids).transpose(1, 2)).relu()  # [N, 64, 8]
+        return self.head(self.lin(h.flatten(1)).relu())
+
+
+def test_no_individual_gradients_of_linear_conv_or_embedding_layers():
+    """The exact peak of a clipped step stays below one layer's [N, *p.shape], which
+    BatchGrad's (or Opacus' hooks') peak exceeds."""
+    torch.manual_seed(0)
+    model, n = _Wide(), 64
+    ids, y = torch.randint(0, 512, (n, 8)), torch.randint(0, 4, (n,))
+    largest = max(p.numel() for p in model.parameters()) * 4 * n  # bytes of [N, *p.shape]
+
+    def step(ctx):
+        with ctx:
+            torch.nn.functional.cross_entropy(model(ids), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    step(leanprop.clip_per_sample(model, 1.0))  # warm up (algorithm choices)
+    with leanprop.track_memory() as clipped:
+        step(leanprop.clip_per_sample(model, 1.0))
+    with leanprop.track_memory() as materialised:
+        step(leanprop.per_sample(model, leanprop.BatchGrad()))
+    assert materialised.peak_bytes > largest
+    assert clipped.peak_bytes < largest / 4, (clipped.peak_mib, largest / 2**20)
