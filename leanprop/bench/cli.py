@@ -20,6 +20,7 @@ from ..measure import format_table
 from . import (
     curvature_suite,
     distributed_suite,
+    dp_suite,
     in_backward_suite,
     per_sample_suite,
     real_models_suite,
@@ -69,6 +70,12 @@ SUITES: dict[str, Suite] = {
         "BackPACK",
         curvature_suite.run,
         {"small": (32,), "large": (32, 128)},
+    ),
+    "dp": Suite(
+        "a DP-SGD step on the reference CNN and a small transformer: plain, leanprop, Opacus "
+        "hooks, Opacus ghost clipping",
+        dp_suite.run,
+        {"small": (16,), "large": (64,)},
     ),
     "side-losses": Suite(
         "penalties on intermediate activations: combined, checkpoint, backward-at-once, leanprop",

@@ -69,6 +69,16 @@ def test_curvature_suite(capsys):
     assert text.count("agrees") == 2 and "DISAGREES" not in text
 
 
+def test_dp_suite(capsys):
+    pytest.importorskip("opacus")
+    assert cli.main(["bench", "dp", "--batch", "4", "--reps", "1"]) == 0
+    text = capsys.readouterr().out
+    for model in ("cnn", "transformer"):
+        for method in ("plain", "leanprop", "opacus_hooks", "opacus_ghost"):
+            assert f"{model}: {method}" in text
+    assert text.count("agrees") == 6 and "DISAGREES" not in text
+
+
 def test_distributed_suite(capsys):
     assert cli.main(["bench", "distributed", "--reps", "2"]) == 0
     text = capsys.readouterr().out
