@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -210,3 +211,21 @@ def optimizer_step_hooked(optimizer: torch.optim.Optimizer) -> bool:
         or _optimizer_module._global_optimizer_pre_hooks
         or _optimizer_module._global_optimizer_post_hooks
     )
+
+
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """What ``Optimizer.__init__`` sets up besides the parameter groups (step, state-dict and
+    load hooks, and the wrapper of ``step`` that runs them), for an optimizer that wraps
+    another's groups instead of calling it."""
+    for name in (
+        "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+        "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+        "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+    ):  # fmt: skip
+        setattr(optimizer, name, OrderedDict())
+    optimizer._patch_step_function()
+
+
+def post_accumulate_hooks(p: torch.Tensor) -> int:
+    """How many post-accumulate-grad hooks ``p`` has (``register_post_accumulate_grad_hook``)."""
+    return len(getattr(p, "_post_accumulate_grad_hooks", None) or {})

@@ -16,7 +16,9 @@ One forward and backward through it (all state lives on the context and its
    once into the quantities (``stats.py``): at most one layer's individual gradients exist at
    a time. A parameter used several times accumulates them.
 4. **End of backward.** The cycle finishes (``cycle.py``): partial calls are completed, the
-   results checked against autograd's gradients (nothing silently wrong) and written.
+   results checked against autograd's gradients (nothing silently wrong) and written. With
+   per-sample clipping (``clipping.py``), the parameters' hooks keep autograd's gradient out
+   of ``.grad``, and the clipped gradients are added at this point instead.
 5. **Exit.** Every hook and the interception are removed, also on exceptions.
 """
 
@@ -34,12 +36,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._eager import in_eager_backward
 from .._torch_compat import (
     BatchNormBase,
     current_graph_task_id,
+    function_modes,
     innermost_mode_off,
     queue_callback,
     top_function_mode,
@@ -50,7 +52,7 @@ from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedM
 from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_in, to_front
 from .chunks import sample_chunks
-from .clipping import Clipping, clip_into_grads, scale_per_sample
+from .clipping import Clipping, ClipState, scale_per_sample
 from .cycle import Call, Cycle, ParamState
 from .factors import norms_are_cheaper, sum_of_squares
 from .factors import total as factors_total
@@ -141,6 +143,14 @@ def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
     return x
 
 
+_SECOND_CLIPPED_BACKWARD = (
+    "per-sample clipping: a second backward through a forward whose clipped backward already "
+    "ran (a retained graph, or a penalty's backward after the loss's): clipping each backward "
+    "on its own would let one sample count twice. Add the losses and call backward once per "
+    "forward."
+)
+
+
 class _Weakly:
     """``method(*bound, *args)`` while the method's object lives: the hooks on the user's
     modules and tensors never keep a context (nor, through it, the model) alive."""
@@ -161,6 +171,23 @@ class _Weakly:
         # reported its forward and backward to this context, which wrote the copy's results
         # onto the original's parameters)
         return _Untracked()
+
+
+class _Holder:
+    """A no-op forward pre-hook through which a model owns a context (see owned_by_model):
+    no reference cycle (the context holds the model weakly, its hooks hold it weakly), so a
+    model dropped every iteration is freed at once."""
+
+    __slots__ = ("capture",)
+
+    def __init__(self, capture: PerSample) -> None:
+        self.capture = capture
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        return None
+
+    def __deepcopy__(self, memo: dict) -> _Holder:
+        return self  # a deep copy of the model shares it (not a copy of the context)
 
 
 class _Untracked:
@@ -195,10 +222,7 @@ class PerSample:
                 f"per_sample() needs an nn.Module as first argument, got {type(model).__name__}; "
                 "call per_sample(model, BatchGrad(), ...)."
             )
-        self._clipping: Clipping | None = None  # see clip_per_sample()
-        # each gradient the clipping wrote, as it was left (see holds_clipped_grad)
-        self._clipped: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        self.clipped_backwards = 0  # backward passes that clipped, since the context was made
+        self._clip: ClipState | None = None  # see set_clipping()
         # none: the forward is recorded for leanprop.ggn, backward computes nothing extra
         self._ask(validate_quantities(quantities) if quantities else frozenset())
         self._subsampling = subsampling_of(quantities)  # BatchGrad(subsampling=...)
@@ -261,7 +285,6 @@ class PerSample:
         self.last_sums: dict[nn.Parameter, Tensor] = {}
         self._observers: list[Observer] = []  # see observing()
         # per-sample gradient norms before clipping in the last backward that clipped ([N])
-        self.last_norms: Tensor | None = None
         self._in_rule: Counter[nn.Parameter] = Counter()  # parameters of rule sites running
 
     @property
@@ -277,10 +300,13 @@ class PerSample:
         """Whether the model still exists (the BackPACK facade holds it weakly)."""
         return self._model() is not None
 
-    def owned_by_model(self) -> None:
-        """The model owns this context from now on (the BackPACK facade keeps it in a hook on
-        the model): hold the model weakly, so that dropping the model frees both at once."""
+    def owned_by_model(self) -> RemovableHandle:
+        """The model owns this context from now on (the facades keep it for the model's life):
+        it is held by a no-op hook on the model, and holds the model weakly, so that dropping
+        the model frees both at once. Returns the hook's handle (removing it drops that hold)."""
+        handle = self.model.register_forward_pre_hook(_Holder(self))
         self._model_held = None
+        return handle
 
     @property
     def kinds(self) -> frozenset[type[Quantity]]:
@@ -289,35 +315,47 @@ class PerSample:
 
     def _ask(self, kinds: frozenset[type[Quantity]]) -> None:
         self._asked, self._kinds = kinds, computed_kinds(kinds)  # (_kinds: what is computed)
-        if self._clipping is not None:  # (its norms)
+        if self._clip is not None:  # (its norms)
             self._kinds = self._kinds | {BatchL2Grad}
+
+    def set_clipping(self, clipping: Clipping) -> None:
+        """Clip per sample in each backward (``clipping.py``; :func:`leanprop.clip_per_sample`
+        is the public way in): a backward then adds to each parameter's ``.grad`` its clipped
+        gradient instead of its gradient; nothing else is computed or written."""
+        if self._asked or self._active:
+            raise LeanpropValueError(
+                "per-sample clipping is set on a context opened without quantities, before it "
+                f"is entered; this one asks for {sorted(k.__name__ for k in self._asked)} and "
+                f"is {'active' if self._active else 'not active'}."
+            )
+        self._clip = ClipState(clipping)
+        self._ask(frozenset())
 
     @property
     def clipping(self) -> Clipping | None:
-        """What per-sample clipping this context does (None: none)."""
-        return self._clipping
+        """The per-sample clipping this context does (None: none)."""
+        return None if self._clip is None else self._clip.clipping
 
     def holds_clipped_grad(self, p: nn.Parameter) -> bool:
         """Whether ``p.grad`` is what this context's clipping left: the clipped gradients of
-        one or more backward passes, nothing else added since (an unclipped backward, or
+        one or more backward passes, nothing added or changed since (an unclipped backward,
         ``.grad`` replaced or modified in place)."""
-        entry = self._clipped.get(p)
-        return (
-            entry is not None and p.grad is not None and entry[0]() is p.grad
-            and entry[1] == p.grad._version
-        )  # fmt: skip
+        return self._clip is not None and self._clip.holds(p)
 
-    def clip_per_sample(self, clipping: Clipping) -> None:
-        """Clip per sample in each backward (``clipping.py``): backward then leaves each
-        parameter's ``.grad`` increased by its clipped gradient, not by its gradient; nothing
-        else is computed or written. Call before the first forward; ``leanprop.private`` is
-        the public way in."""
-        if self._asked:
-            raise LeanpropValueError(
-                "per-sample clipping computes no other quantity; open the context with none."
-            )
-        self._clipping = clipping
-        self._ask(frozenset())
+    def clipped_backwards_in(self, p: nn.Parameter) -> int:
+        """How many clipped backward passes ``p.grad`` adds up (0: not held)."""
+        return 0 if self._clip is None else self._clip.backwards_in(p)
+
+    @property
+    def clipped_backwards(self) -> int:
+        """Backward passes that clipped, since the context was made."""
+        return 0 if self._clip is None else self._clip.backwards
+
+    @property
+    def last_norms(self) -> Tensor | None:
+        """The per-sample gradient norms ``[N]`` before clipping in the last backward that
+        clipped (over the parameters it reached)."""
+        return None if self._clip is None else self._clip.last_norms
 
     @property
     def active(self) -> bool:
@@ -397,6 +435,12 @@ class PerSample:
             raise LeanpropValueError(
                 "this per_sample context is already active; use one `with` block at a time."
             )
+        outer = [m.capture for m in function_modes() if isinstance(m, Intercept)]
+        if outer and (self._clip is not None or any(c.clipping is not None for c in outer)):
+            raise LeanpropValueError(
+                "per-sample clipping cannot be nested with another per_sample context (each "
+                "would take the other's gradients); open one at a time."
+            )
         try:
             self._plan(self.model, "", None)
             if not self._states:
@@ -419,6 +463,9 @@ class PerSample:
                 )
             for state in self._states.values():
                 hooks.append(state.param.register_hook(_Weakly(self._on_param_grad, state)))
+                if self._clip is not None:
+                    on_accumulated = _Weakly(self._on_accumulated, state)
+                    hooks.append(state.param.register_post_accumulate_grad_hook(on_accumulated))
             on_enter = _Weakly(self._on_model_enter)  # first: it may start a new cycle, which
             # resets what the model's own pre-hook as a site (a bare nn.Linear) would mark
             hooks.append(model.register_forward_pre_hook(on_enter, with_kwargs=True, prepend=True))
@@ -841,7 +888,7 @@ class PerSample:
         self._open_cycle()
         self._cycle.from_forward(source)
         state = self._states[p]
-        if self._clipping is not None:
+        if self._clip is not None:
             reweigh = reweigher() if reweigher is not None else None
             if reweigh is None:
                 raise LeanpropError(
@@ -1188,6 +1235,8 @@ class PerSample:
     # ------------------------------------------------------------------ backward
     def _open_cycle(self) -> None:
         if not self._cycle.open:
+            if self._clip is not None and self._cycle.backward_done:
+                raise UnsupportedModelError(_SECOND_CLIPPED_BACKWARD)
             if self._cycle.bn_problem is not None:
                 problem, self._cycle.bn_problem = self._cycle.bn_problem, None
                 raise UnsupportedModelError(problem)
@@ -1242,18 +1291,21 @@ class PerSample:
         elif accumulates and not self._cycle_seen and self._params_reached:
             self._cycle.clear_attrs()  # no quantities for this backward: none of an earlier one
 
-    def _on_param_grad(self, state: ParamState, grad: Tensor) -> Tensor | None:
+    def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
         # not while computing: the fallback's own per-sample autograd calls fire it too;
         # recorded before the cycle opens too (autograd may reach a parameter first)
         if self._active and not self._computing:
             self._params_reached = True
             wanted = bool(self._kinds) and not self._passive
             cycle = self._cycle
+            clipping = wanted and self._clip is not None and not in_eager_backward()
+            if clipping and cycle.backward_done and not cycle.open:  # (a penalty's backward)
+                raise UnsupportedModelError(_SECOND_CLIPPED_BACKWARD)
             # (the facade drops a forward's records when another forward follows it; clipping
             # must own every gradient of the model's backward)
             unrecorded = (
                 cycle.n is None or cycle.dropped_n is not None or cycle.discarded_forward
-                or self._clipping is not None
+                or clipping
             )  # fmt: skip
             if (
                 wanted and unrecorded and not cycle.open and not cycle.backward_done
@@ -1269,9 +1321,12 @@ class PerSample:
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
             if wanted:
                 self._complete_calls_of(state.param)
-            if wanted and self._clipping is not None and cycle.open:
-                return torch.zeros_like(grad)  # .grad gets the clipped gradient at the end
-        return None
+            if clipping and cycle.open:
+                self._clip.before_accumulate(state)
+
+    def _on_accumulated(self, state: ParamState, p: nn.Parameter) -> None:
+        if self._active and self._clip is not None:
+            self._clip.after_accumulate(state)
 
     def _complete_calls_of(self, p: nn.Parameter) -> None:
         """``p``'s gradient is computed, so every call that uses it has had all the output
@@ -1352,7 +1407,7 @@ class PerSample:
             k for k, p in call.params.items() if self._states[p].uses > 1 or self._states[p].formed
         )
         single = frozenset(call.params) - multi
-        if self._clipping is not None and call.n:
+        if self._clip is not None and call.n:
             # each single use leaves its reweigher; one without (no rule, or none that gives
             # the summed gradient) keeps its individual gradients for the weighted sum
             reweighed = self._leave_reweighers(call, single)
@@ -1385,7 +1440,7 @@ class PerSample:
             args = tuple(_like(a, g) for a in front_args)
             for k, f in site.rule.factors(site.module, args, g, multi).items():
                 # (clipping: the weighted sum from factors, without individual gradients)
-                keep = l2_only and (norms_are_cheaper(f) or self._clipping is not None)
+                keep = l2_only and (norms_are_cheaper(f) or self._clip is not None)
                 sums[k] = self._states[call.params[k]].add_factors(f, keep, opts.workspace_bytes)
             names -= sums.keys()
         scratch, shared = self._cycle.scratch, frozenset({BatchGrad})
@@ -1543,16 +1598,8 @@ class PerSample:
         try:
             check = self._check or self._cycle.direct_call is not None
             clip = None
-            if self._clipping is not None:
-                clipping = self._clipping
-
-                def clip(states: list[ParamState]) -> None:
-                    self.last_norms = clip_into_grads(states, clipping, n or 0)
-                    self.clipped_backwards += 1
-                    for st in states:
-                        grad = st.param.grad
-                        self._clipped[st.param] = (weakref.ref(grad), grad._version)
-
+            if self._clip is not None:
+                clip = functools.partial(self._clip.finish, n=n or 0)
             self.last_sums = self._cycle.finish(
                 self._asked, check, self._process, self._subsampling, clip
             )
@@ -1564,3 +1611,5 @@ class PerSample:
         """Forget everything about the current forward and its backward passes."""
         self._computing_here = False
         self._cycle.abort()
+        if self._clip is not None:
+            self._clip.abort()

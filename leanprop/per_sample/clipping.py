@@ -1,5 +1,5 @@
 """Per-sample gradient clipping at the end of one backward (the engine side of
-``leanprop.private``).
+:func:`leanprop.clip_per_sample`).
 
 With ``c_n`` sample n's contribution to a parameter's gradient (``quantities.py``), the
 gradient of sample n's own loss is ``s c_n``, ``s = N`` for a mean-reduced loss and ``1`` for
@@ -16,19 +16,24 @@ output gradient, which is every layer: ``sum_n a_n c_n`` is the ordinary gradien
 with its output gradient scaled by ``a_n`` per sample. Each parameter's use therefore leaves a
 *reweigher* in backward (its input and output gradient, kept until the norms of every layer
 are known), or, where no rule offers one (the torch.func fallback, elementwise uses), its
-individual gradients, whose weighted sum is formed directly.
+individual gradients, whose weighted sum is formed directly. Memory: the kept inputs and
+output gradients (about the activations of one forward more, at the end of backward), and no
+individual gradients of linear, convolution or embedding layers.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..errors import LeanpropError
+from .._torch_compat import post_accumulate_hooks
+from ..errors import LeanpropError, LeanpropValueError, UnsupportedModelError
 from .factors import Lookup, Outer, total
 from .quantities import BatchL2Grad
 
@@ -56,12 +61,14 @@ class Clipping:
 
 
 def scale_per_sample(g: Tensor, a: Tensor) -> Tensor:
-    """``g`` (batch first, ``[N, ...]``) with sample n's slice multiplied by ``a[n]``."""
+    """``g`` (batch first, ``[N, ...]``) with sample n's slice multiplied by ``a[n]``
+    (``a: [N]``, cast to ``g``'s dtype)."""
     return g * a.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
 
 
 def scaled_factors(f: Outer | Lookup, a: Tensor) -> Outer | Lookup:
-    """Factors of ``a_n W_n`` (the output-gradient side scaled)."""
+    """Factors of ``a_n W_n`` for ``a: [N]``: the output-gradient side (``left: [N, S, O]``,
+    ``rows: [N, S, D]``) scaled per sample."""
     if isinstance(f, Outer):
         return Outer(scale_per_sample(f.left, a), f.right)
     return Lookup(f.ids, scale_per_sample(f.rows, a), f.num)
@@ -86,19 +93,112 @@ def _weighted_sum(state: ParamState, a: Tensor) -> Tensor:
 
 
 def clip_into_grads(states: list[ParamState], clipping: Clipping, n: int) -> Tensor:
-    """Add each parameter's clipped gradient to its ``.grad`` (to which this backward added
-    nothing), from the individual gradients' squared norms in ``state.results``. Returns the
-    per-sample gradient norms before clipping, over all parameters: ``[N]``."""
+    """Add each parameter's clipped gradient to its ``.grad``.
+
+    Args:
+        states: the parameters whose gradients this backward accumulated, with the squared
+            norms ``[N]`` of their individual gradients in ``state.results``.
+        clipping: the thresholds and the loss's reduction.
+        n: the batch size N.
+
+    Returns:
+        The per-sample gradient norms before clipping, over ``states``: ``[N]``.
+    """
     s = float(n) if clipping.reduction == "mean" else 1.0
     sq = {st: st.results[BatchL2Grad.attr] * s**2 for st in states}
     norms = torch.stack(list(sq.values())).sum(0).sqrt() if sq else torch.zeros(n)
     for st in states:
         if clipping.per_param is not None:
-            own = sq[st].sqrt()
-            a = (clipping.per_param[st.param] / (own + EPS)).clamp(max=1.0)
+            c = clipping.per_param.get(st.param)
+            if c is None:
+                raise LeanpropValueError(
+                    f"per-sample clipping: '{st.name}' has no threshold of its own (it was "
+                    "frozen when the per-parameter thresholds were given); make the clipping "
+                    "context again with a threshold for it."
+                )
+            a = (c / (sq[st].sqrt() + EPS)).clamp(max=1.0)
         else:
             a = (clipping.max_norm / (norms + EPS)).clamp(max=1.0)
         g = _weighted_sum(st, a * s).to(st.param.dtype)
         p = st.param
         p.grad = g if p.grad is None else p.grad.add_(g)
     return norms
+
+
+class ClipState:
+    """What one context's clipping keeps across backward passes: the gradients it left (to
+    tell them from any other), how many backward passes each holds, the last norms.
+
+    A parameter's gradient is handled in three steps in each backward: before autograd
+    accumulates into ``.grad`` (:meth:`before_accumulate`: the gradient found there is kept),
+    after (:meth:`after_accumulate`: it is put back, so autograd's unclipped gradient never
+    stays), and at the end (:meth:`finish`: the clipped gradient is added). ``autograd.grad``
+    accumulates nothing: its parameters are left alone (and it returns their ordinary,
+    unclipped gradients)."""
+
+    def __init__(self, clipping: Clipping) -> None:
+        self.clipping = clipping
+        # parameter -> (its .grad as clipping left it, that tensor's version, backward passes)
+        self._held: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        # this backward: what .grad held before autograd accumulated (a copy, and its count)
+        self._before: dict[ParamState, tuple[Tensor | None, int]] = {}
+        self._accumulated: dict[ParamState, int] = {}  # ... and its count, once put back
+        self.backwards = 0  # backward passes that clipped, since the context was made
+        self.last_norms: Tensor | None = None
+
+    def holds(self, p: nn.Parameter) -> bool:
+        """Whether ``p.grad`` is what the clipping left (nothing added or changed since)."""
+        entry = self._held.get(p)
+        return (
+            entry is not None and p.grad is not None and entry[0]() is p.grad
+            and entry[1] == p.grad._version
+        )  # fmt: skip
+
+    def backwards_in(self, p: nn.Parameter) -> int:
+        """How many clipped backward passes ``p.grad`` adds up (0: none, or not held)."""
+        return self._held[p][2] if self.holds(p) else 0
+
+    def before_accumulate(self, state: ParamState) -> None:
+        """Autograd is about to hand ``state``'s parameter a gradient in a clipped backward."""
+        p = state.param
+        if p.grad is not None and not self.holds(p):
+            raise UnsupportedModelError(
+                f"per-sample clipping: '{state.name}'.grad already holds a gradient that the "
+                "clipping did not leave (a backward outside the clipping, or a gradient set or "
+                "changed by hand); the clipped gradient would be added to it. Call "
+                "optimizer.zero_grad() before the clipped backward."
+            )
+        if post_accumulate_hooks(p) > 1:  # (ours is one)
+            raise UnsupportedModelError(
+                f"per-sample clipping: '{state.name}' has another hook that runs when its "
+                "gradient is accumulated (an optimizer stepping inside backward, such as "
+                "InBackward, or a hook reading the gradient): it would see the unclipped "
+                "gradient. Remove it (InBackward: .remove()) and step after the backward."
+            )
+        before = None if p.grad is None else p.grad.clone()
+        self._before[state] = (before, self.backwards_in(p))
+
+    def after_accumulate(self, state: ParamState) -> None:
+        """Autograd accumulated into ``.grad``: put back what was there."""
+        if state not in self._before:
+            return
+        before, count = self._before.pop(state)
+        state.param.grad = before
+        self._accumulated[state] = count
+
+    def finish(self, states: list[ParamState], n: int) -> None:
+        """End of a backward: add the clipped gradients of the parameters it accumulated
+        (``states``: those with norms)."""
+        counts, self._accumulated, self._before = self._accumulated, {}, {}
+        states = [st for st in states if st in counts]
+        if not states:  # (autograd.grad, or a backward for inputs only)
+            return
+        self.last_norms = clip_into_grads(states, self.clipping, n)
+        self.backwards += 1
+        for st in states:
+            grad = st.param.grad
+            self._held[st.param] = (weakref.ref(grad), grad._version, counts[st] + 1)
+
+    def abort(self) -> None:
+        """A backward raised: forget its partial state (``.grad`` is no longer held)."""
+        self._before, self._accumulated = {}, {}

@@ -24,6 +24,7 @@ from .._torch_compat import current_graph_task_id, foreach_norms
 from ..errors import UnsupportedModelError
 from .batch import BatchDim
 from .chunks import Scratch
+from .clipping import Reweigh
 from .factors import FactoredUses, Factors, add_into, materialize, total
 from .quantities import ALL_QUANTITIES, BatchGrad, BatchL2Grad, Quantity, Variance, subsample
 from .stats import quantities_of, sample_sum
@@ -92,7 +93,7 @@ class ParamState:
     # BatchL2Grad of a weight used several times: its uses as factors, instead of ``batch``
     factored: FactoredUses | None = None
     # clipping: each use's weighted sum of its individual gradients (clipping.py)
-    reweigh: list[Callable[[Tensor], Tensor]] = field(default_factory=list)
+    reweigh: list[Reweigh] = field(default_factory=list)
 
     @property
     def formed(self) -> bool:

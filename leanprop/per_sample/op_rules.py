@@ -125,9 +125,17 @@ def linear_reweigher(
     name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None], position: int,
     g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
 ) -> Callable[[Tensor], Tensor] | None:  # fmt: skip
-    """For clipping (``clipping.py``): ``a -> sum_n a_n c_n`` ``a: [N]`` of the parameter at
-    ``position`` of a linear/matmul/addmm call (the summed gradient with the output gradient
-    scaled per sample), or None for other forms."""
+    """For clipping (``clipping.py``): the function ``a -> sum_n a_n c_n`` (``a: [N]``) of
+    the parameter at ``position`` of a linear/matmul/addmm call: its summed gradient with the
+    output gradient scaled per sample. None for other forms.
+
+    Args:
+        name: the op (``"linear"``, ``"matmul"``, ``"mm"``, ``"addmm"``).
+        tensors: the op's tensors in order; in_batch: where each holds the batch.
+        position: the parameter's place among ``tensors``.
+        g: the output gradient; out_bd: where it holds the batch.
+        n: the batch size N; n_args: how many of ``tensors`` were positional.
+    """
     parts = _linear_rows(name, tensors, in_batch, [position], g, out_bd, n, n_args)
     if parts is None:
         return None

@@ -313,6 +313,8 @@ def _per_sample(
     for (o, _), bd in zip(live, batch, strict=True):
         if bd is None:
             raise _no_batch_error(op, o)
+    if not op.n:  # an empty batch (e.g. Poisson sampling's)
+        return [t.new_zeros(0, *t.shape) for t in inputs]
     per_sample_bytes = sum(g.numel() * g.element_size() for _, g in live)
     parts: list[list[Tensor]] = [[] for _ in inputs]
     outputs = [o for o, _ in live]

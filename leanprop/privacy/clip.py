@@ -2,33 +2,47 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
 from torch import nn
 
-from ..errors import LeanpropValueError, UnsupportedModelError
+from ..errors import LeanpropValueError, UnsupportedModelError, checked_number
 from ..per_sample.capture import ConvAlgorithm, PerSample
 from ..per_sample.clipping import Clipping
 
 MaxGradNorm = float | Sequence[float] | Mapping[str, float]
 
 
-def _threshold(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise LeanpropValueError(
-            f"clip_per_sample() got {what}={value!r}; a clipping threshold must be a positive, "
-            "finite number (e.g. 1.0)."
+def refuse_distributed(model: nn.Module, owner: str) -> None:
+    """Private training is single-process for now: refuse a DDP model or a process group."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) or (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        raise UnsupportedModelError(
+            f"{owner} does not support distributed training yet: each process would clip and "
+            "noise its own share. Train privately in one process."
         )
-    return float(value)
 
 
 def clipping_of(
     model: nn.Module, max_grad_norm: MaxGradNorm, loss_reduction: str
 ) -> Clipping:  # fmt: skip
-    """The clipping ``max_grad_norm`` asks for on ``model``'s trainable parameters (checked)."""
+    """The clipping ``max_grad_norm`` asks for on ``model``'s trainable parameters.
+
+    Args:
+        model: the model (its trainable parameters, for per-parameter thresholds).
+        max_grad_norm: a threshold, or one per trainable parameter (a list in the order of
+            ``model.parameters()``, or a dict by name).
+        loss_reduction: ``"mean"`` or ``"sum"``.
+
+    Raises:
+        LeanpropValueError: a threshold that is not a positive finite number, thresholds that
+            do not match the parameters, or another reduction.
+    """
     if loss_reduction not in ("mean", "sum"):
         raise LeanpropValueError(
             f"clip_per_sample() got loss_reduction={loss_reduction!r}; allowed: 'mean' (the "
@@ -36,7 +50,8 @@ def clipping_of(
             "each sample's own gradient is clipped."
         )
     if not isinstance(max_grad_norm, Sequence | Mapping) or isinstance(max_grad_norm, str):
-        return Clipping(_threshold(max_grad_norm, "max_grad_norm"), None, loss_reduction)
+        c = checked_number("clip_per_sample()", "max_grad_norm", max_grad_norm)
+        return Clipping(c, None, loss_reduction)
     named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
     if isinstance(max_grad_norm, Mapping):
         names = {k for k, _ in named}
@@ -47,7 +62,10 @@ def clipping_of(
                 f"trainable parameters: unknown {sorted(unknown)}, missing {sorted(missing)}. "
                 "Give one threshold per trainable parameter name (model.named_parameters())."
             )
-        per = {p: _threshold(max_grad_norm[k], f"max_grad_norm[{k!r}]") for k, p in named}
+        per = {
+            p: checked_number("clip_per_sample()", f"max_grad_norm[{k!r}]", max_grad_norm[k])
+            for k, p in named
+        }
     else:
         if len(max_grad_norm) != len(named):
             raise LeanpropValueError(
@@ -56,7 +74,7 @@ def clipping_of(
                 "model.parameters() (frozen ones left out), or a dict by parameter name."
             )
         per = {
-            p: _threshold(c, f"max_grad_norm[{i}]")
+            p: checked_number("clip_per_sample()", f"max_grad_norm[{i}]", c)
             for i, ((_, p), c) in enumerate(zip(named, max_grad_norm, strict=True))
         }
     return Clipping(None, per, loss_reduction)
@@ -80,17 +98,26 @@ def clip_per_sample(
         sum_n min(1, C / (||g_n|| + 1e-6)) g_n
 
     instead of ``sum_n g_n`` (or ``mean``): the clipped sum of DP-SGD, before noise
-    (:class:`DPOptimizer` adds the noise and averages). ``||g_n||`` is the norm over all
-    trainable parameters (flat clipping, ``max_grad_norm=C``), or over each parameter alone
-    with its own threshold (per-parameter clipping). The ``1e-6`` is Opacus'.
+    (:class:`DPOptimizer` adds the noise and averages). ``||g_n||`` is the norm over the
+    trainable parameters the backward accumulates into (flat clipping, ``max_grad_norm=C``),
+    or over each parameter alone with its own threshold (per-parameter clipping). The
+    ``1e-6`` is Opacus'. ``torch.autograd.grad`` inside the block returns the ordinary
+    gradients and leaves ``.grad`` alone.
 
     One backward pass: the norms come from each layer's input and output gradient (closed
     forms), and each parameter's clipped gradient is then formed from the same two tensors
     with the output gradient scaled per sample, so Linear, Conv, Embedding layers (and
     parameters used by linear/matmul/addmm ops, such as HF's ``Conv1D``) never hold the
     ``[N, *p.shape]`` individual gradients. Other parameters (norm layers, elementwise uses,
-    modules that go through the ``torch.func`` fallback) do, one parameter at a time. Several
-    backward passes before a step add up (gradient accumulation over micro-batches).
+    modules that go through the ``torch.func`` fallback) do, one parameter at a time. The
+    layers' inputs and output gradients are kept until the end of backward (about one more
+    copy of the activations at that point). Several backward passes before a step add up
+    (gradient accumulation over micro-batches), each through a forward of its own.
+
+    Refused with a clear error, since each would be silently unprivate: a second backward
+    through one forward (a sample would count twice), a ``.grad`` that holds a gradient the
+    clipping did not leave, another hook that sees the gradient as it is accumulated (an
+    optimizer stepping inside backward).
 
     Example:
         >>> import torch, leanprop
@@ -118,15 +145,7 @@ def clip_per_sample(
         LeanpropValueError: a bad threshold or reduction.
         UnsupportedModelError: a model wrapped in DistributedDataParallel (not supported yet).
     """
-    if isinstance(model, nn.parallel.DistributedDataParallel) or (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    ):
-        raise UnsupportedModelError(
-            "clip_per_sample() does not support distributed training yet: each process would "
-            "clip and noise its own share. Train privately in one process."
-        )
+    refuse_distributed(model, "clip_per_sample()")
     clipping = clipping_of(model, max_grad_norm, loss_reduction)
     ctx = PerSample(
         model,
@@ -136,5 +155,5 @@ def clip_per_sample(
         batch_dim=batch_dim,
         batch_dims=batch_dims,
     )
-    ctx.clip_per_sample(clipping)
+    ctx.set_clipping(clipping)
     return ctx

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import LeanpropValueError, UnsupportedModelError
+from .._torch_compat import init_optimizer_hooks
+from ..errors import LeanpropValueError, UnsupportedModelError, checked_number
+from ..optim import InBackward
 from ..per_sample.capture import PerSample
 from .accounting import make_accountant
 
@@ -18,10 +20,17 @@ from .accounting import make_accountant
 def gaussian_noise(
     std: float, like: Tensor, generator: torch.Generator | None, secure_mode: bool
 ) -> Tensor:  # fmt: skip
-    """Gaussian noise of standard deviation ``std`` shaped as ``like``. ``secure_mode``:
-    the sum of four draws halved (Opacus' defence against floating-point attacks,
-    arXiv:2107.10138 section 5.1), from a generator seeded afresh from the operating system's
-    entropy."""
+    """Gaussian noise ``N(0, std²)`` of ``like``'s shape, dtype and device.
+
+    Args:
+        std: the standard deviation (0: zeros).
+        like: the tensor to shape it as.
+        generator: the random generator (None: torch's default one; not with
+            ``secure_mode``).
+        secure_mode: the sum of four draws halved (Opacus' defence against floating-point
+            attacks, arXiv:2107.10138 section 5.1), from a generator seeded afresh from the
+            operating system's entropy.
+    """
     if std == 0:
         return torch.zeros_like(like)
     if not secure_mode:
@@ -36,28 +45,19 @@ def gaussian_noise(
     return total / 2
 
 
-def _positive(value: object, what: str, zero_ok: bool = False) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not zero_ok):
-        raise LeanpropValueError(
-            f"DPOptimizer got {what}={value!r}; it must be a "
-            f"{'non-negative' if zero_ok else 'positive'}, finite number."
-        )
-    return float(value)
-
-
 class DPOptimizer(torch.optim.Optimizer):
     """Wraps an optimizer for DP-SGD on the gradients a :func:`clip_per_sample` context left.
 
-    ``step()`` replaces each parameter's gradient (the clipped sum of the backward passes since
-    the last step) by ``(clipped sum + N(0, σ² C²)) / (expected_batch_size · k)`` (``k`` the
-    number of those backward passes; no division for ``loss_reduction="sum"``), steps the
-    wrapped optimizer, and tells the accountant. ``σ`` is ``noise_multiplier`` and ``C`` the
-    clipping threshold (per-parameter thresholds: their root sum of squares), both as in Opacus,
-    so that the same settings give the same privacy.
+    ``step()`` replaces each parameter's gradient (the clipped sum of the ``k`` backward passes
+    since the gradients were last zeroed) by ``(clipped sum + N(0, σ² C²)) /
+    (expected_batch_size · k)`` (no division for ``loss_reduction="sum"``), steps the wrapped
+    optimizer, and tells the accountant ``sample_rate · k``. ``σ`` is ``noise_multiplier`` and
+    ``C`` the clipping threshold (per-parameter thresholds: their root sum of squares), both as
+    in Opacus, so that the same settings give the same privacy.
 
     It refuses to step a gradient the clipping did not leave (a backward outside the context,
-    a gradient changed after it): the noise would not make it private. A parameter without a
+    a gradient changed after it), where the noise would not make it private, and loss scaling
+    (``GradScaler``: the scaled per-sample gradients would be clipped). A parameter without a
     gradient (an empty Poisson batch: no backward) gets the noise alone.
 
     Example:
@@ -71,20 +71,24 @@ class DPOptimizer(torch.optim.Optimizer):
         >>> opt.step(); opt.zero_grad()
 
     Args:
-        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+        optimizer: any ``torch.optim`` optimizer over the model's parameters (not one that
+            steps inside backward, such as :class:`leanprop.InBackward`).
         clip: the :func:`clip_per_sample` context the backward passes run in.
         noise_multiplier: ``σ``, the noise's standard deviation relative to ``C``.
         expected_batch_size: the batch size averaged by (Poisson sampling: ``sample_rate ·
-            len(dataset)``, not each batch's size). Required for ``loss_reduction="mean"``.
-        sample_rate: the probability of each example in a batch, for the accountant.
+            len(dataset)``, not each batch's size). Required for ``loss_reduction="mean"``,
+            ignored for ``"sum"``.
+        sample_rate: the probability of each example in a batch; required with an accountant.
         accountant: ``"rdp"``, ``"prv"``, ``"gdp"`` (Opacus' accountants), an object with
-            ``step(noise_multiplier=, sample_rate=)``, or None.
+            ``step(noise_multiplier=, sample_rate=)`` and ``get_epsilon(delta)``, or None.
         generator: the noise's random generator (None: torch's default one).
         secure_mode: see :func:`gaussian_noise`. torch's generators are not cryptographic
             random number generators; this seeds one afresh from the OS for each step and
             sums four draws, which resists the known floating-point attacks, but it is not a
             certified secure RNG.
     """
+
+    _step_supports_amp_scaling = True  # (GradScaler then hands itself to step: refused)
 
     def __init__(
         self,
@@ -98,43 +102,55 @@ class DPOptimizer(torch.optim.Optimizer):
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, InBackward):
             raise LeanpropValueError(
-                f"DPOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}."
+                f"DPOptimizer wraps a torch.optim optimizer that steps after backward; got "
+                f"{type(optimizer).__name__}. (An optimizer stepping inside backward would step "
+                "the clipped gradients without noise.)"
             )
-        clipping = getattr(clip, "clipping", None)
-        if not isinstance(clip, PerSample) or clipping is None:
+        clipping = clip.clipping if isinstance(clip, PerSample) else None
+        if clipping is None:
             raise LeanpropValueError(
                 "DPOptimizer needs the context made by leanprop.clip_per_sample(model, "
-                f"max_grad_norm) that the backward passes run in; got {type(clip).__name__}."
+                f"max_grad_norm) that the backward passes run in; got {type(clip).__name__}"
+                f"{' without clipping' if isinstance(clip, PerSample) else ''}."
             )
+        init_optimizer_hooks(self)
         self.optimizer, self.clip = optimizer, clip
-        self.noise_multiplier = _positive(noise_multiplier, "noise_multiplier", zero_ok=True)
+        self.noise_multiplier = checked_number(
+            "DPOptimizer", "noise_multiplier", noise_multiplier, zero_ok=True
+        )
+        self.expected_batch_size: int | None = None
         if clipping.reduction == "mean":
-            if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int):
-                expected_batch_size = 0
-            if expected_batch_size < 1:
+            if expected_batch_size is None:
                 raise LeanpropValueError(
-                    "DPOptimizer needs expected_batch_size (a positive int: the batch size "
-                    "averaged by; with Poisson sampling sample_rate * len(dataset)) for a "
-                    "mean-reduced loss."
+                    "DPOptimizer needs expected_batch_size for a mean-reduced loss: the batch "
+                    "size averaged by (with Poisson sampling, sample_rate * len(dataset))."
                 )
-        self.expected_batch_size = expected_batch_size
+            batch = checked_number("DPOptimizer", "expected_batch_size", expected_batch_size,
+                                   integer=True)  # fmt: skip
+            self.expected_batch_size = int(batch)
         if isinstance(accountant, str):
             accountant = make_accountant(accountant)
         if accountant is not None:
-            sample_rate = _positive(sample_rate, "sample_rate")
-            if sample_rate > 1:
+            if sample_rate is None:
                 raise LeanpropValueError(
-                    f"DPOptimizer got sample_rate={sample_rate}; it must be in (0, 1]."
+                    "DPOptimizer got an accountant but no sample_rate; pass the probability of "
+                    "each example in a batch (expected batch size / len(dataset))."
                 )
+            sample_rate = checked_number("DPOptimizer", "sample_rate", sample_rate, at_most=1.0)
         self.accountant, self.sample_rate = accountant, sample_rate
+        if secure_mode and generator is not None:
+            raise LeanpropValueError(
+                "DPOptimizer got a generator with secure_mode=True; the secure mode seeds its "
+                "own from the operating system for each step. Pass one or the other."
+            )
         self.generator, self.secure_mode = generator, bool(secure_mode)
         if clipping.per_param is not None:
             self.max_grad_norm = math.sqrt(sum(c**2 for c in clipping.per_param.values()))
         else:
             self.max_grad_norm = float(clipping.max_norm)
-        self._backwards_seen = clip.clipped_backwards
+        self._names = {p: k for k, p in clip.model.named_parameters()}
 
     # the wrapped optimizer's state is this one's (schedulers, state_dict, trainers)
     @property
@@ -179,33 +195,44 @@ class DPOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
+    def _iterations(self) -> int:
+        """``k``: the clipped backward passes the gradients add up (1 for none: an empty
+        Poisson batch)."""
+        return max([self.clip.clipped_backwards_in(p) for p in self._params()] + [1])
+
     def noise_and_average(self) -> int:
         """Replace each gradient by its noised average (what :meth:`step` does before the
-        wrapped optimizer steps); returns ``k``, the clipped backward passes it covers."""
+        wrapped optimizer steps); returns ``k``."""
         params = self._params()
         held = self.clip.holds_clipped_grad
-        unclipped = [p for p in params if p.grad is not None and not held(p)]
+        unclipped = [self._names.get(p, "?") for p in params if p.grad is not None and not held(p)]
         if unclipped:
             raise UnsupportedModelError(
-                f"DPOptimizer: {len(unclipped)} parameter(s) of shapes "
-                f"{[tuple(p.shape) for p in unclipped[:3]]} have a gradient that per-sample "
-                "clipping did not leave (a backward outside the clip_per_sample context, or a "
-                "gradient changed after it); adding noise would not make it private. Run "
-                "forward and backward inside `with clip:`, and zero_grad() after each step."
+                f"DPOptimizer: the gradients of {unclipped[:5]} were not left by per-sample "
+                "clipping (a backward outside the clipping, or a gradient changed after it); "
+                "adding noise would not make them private. Run each forward and backward with "
+                "clipping on, and zero the gradients after each step."
             )
-        k = max(1, self.clip.clipped_backwards - self._backwards_seen)
+        k = self._iterations()
         divisor = self.expected_batch_size * k if self.expected_batch_size else 1.0
         std = self.noise_multiplier * self.max_grad_norm
         for p in params:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             noise = gaussian_noise(std, grad, self.generator, self.secure_mode)
             p.grad = (grad + noise) / divisor
-        self._backwards_seen = self.clip.clipped_backwards
         return k
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None
+    ) -> Any:
         """Noise, average and step (``closure``: runs the forward and backward first)."""
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
+            raise UnsupportedModelError(
+                "DPOptimizer: loss scaling (GradScaler) scales each sample's gradient before it "
+                "is clipped, so clipping would bound the scaled gradients. Train in float32 or "
+                "under bf16 autocast without a GradScaler."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from ..errors import LeanpropValueError
+from ..errors import LeanpropValueError, checked_number
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -28,22 +28,11 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self, num_samples: int, sample_rate: float, steps: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:  # fmt: skip
-        def number(v: object) -> bool:
-            return isinstance(v, int | float) and not isinstance(v, bool)
-
-        if not (isinstance(num_samples, int) and number(num_samples) and num_samples >= 1):
-            raise LeanpropValueError(
-                f"PoissonBatchSampler got num_samples={num_samples!r}; it must be a positive int."
-            )
-        if not (number(sample_rate) and 0 < sample_rate <= 1):
-            raise LeanpropValueError(
-                f"PoissonBatchSampler got sample_rate={sample_rate!r}; it must be in (0, 1] "
-                "(the expected batch size divided by the dataset's size)."
-            )
-        if steps is not None and not (isinstance(steps, int) and number(steps) and steps >= 1):
-            raise LeanpropValueError(
-                f"PoissonBatchSampler got steps={steps!r}; it must be a positive int or None."
-            )
+        owner = "PoissonBatchSampler"
+        checked_number(owner, "num_samples", num_samples, integer=True)
+        checked_number(owner, "sample_rate", sample_rate, at_most=1.0)
+        if steps is not None:
+            checked_number(owner, "steps", steps, integer=True)
         self.num_samples, self.sample_rate = num_samples, float(sample_rate)
         self.generator = generator
         self.steps = steps if steps is not None else max(1, round(1 / self.sample_rate))

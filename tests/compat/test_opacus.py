@@ -3,6 +3,8 @@ changed gives Opacus' parameters (noise 0) and Opacus' epsilon."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from torch import nn
 
 from leanprop import LeanpropValueError, UnsupportedModelError
 from leanprop.compat.opacus import PrivacyEngine
+from leanprop.testing import clipped_gradients
 
 from ..helpers import assert_close
 
@@ -102,30 +105,59 @@ def test_poisson_sampling_and_make_private_with_epsilon():
     assert abs(engine.get_epsilon(1e-5) - 3.0) < 0.1
 
 
-def test_virtual_steps_with_opacus_batch_memory_manager():
-    """Opacus' BatchMemoryManager splits each batch; the step happens once per batch, with the
-    clipped sums of its parts: the same parameters as without it."""
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_virtual_steps_with_opacus_batch_memory_manager(reduction):
+    """Opacus' BatchMemoryManager splits each batch of 8 into physical batches of 3: one step
+    per batch, averaged by the batch size and accounted once, as in Opacus (the facade
+    averaged by 8 times the physical batches and accounted their rate)."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    results = []
-    for split in (False, True):
+    def train(engine, noise: float):
         model, optimizer, loader = _setup()
-        model, optimizer, loader = PrivacyEngine().make_private(
-            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.0,
-            max_grad_norm=0.3, poisson_sampling=False, loss_reduction="sum",
+        model, optimizer, loader = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise,
+            max_grad_norm=0.3, poisson_sampling=False, loss_reduction=reduction,
         )  # fmt: skip
-        if split:
-            manager = BatchMemoryManager(
-                data_loader=loader, max_physical_batch_size=3, optimizer=optimizer
-            )
-            loader = manager.__enter__()
-        for x, y in loader:
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y, reduction="sum").backward()
-            optimizer.step()
-        results.append({k: p.detach().clone() for k, p in model.named_parameters()})
-    for k in results[0]:
-        assert_close(results[1][k], results[0][k], k, 1e-5, 1e-6)
+        with BatchMemoryManager(
+            data_loader=loader, max_physical_batch_size=3, optimizer=optimizer
+        ) as physical:
+            for x, y in physical:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y, reduction=reduction).backward()
+                optimizer.step()
+        inner = getattr(model, "_module", model)
+        return {k: p.detach().clone() for k, p in inner.named_parameters()}, engine
+
+    theirs, _ = train(opacus.PrivacyEngine(accountant="rdp"), 0.0)
+    ours, _ = train(PrivacyEngine(accountant="rdp"), 0.0)
+    for k in theirs:
+        assert_close(ours[k], theirs[k], k, 1e-5, 1e-6)
+    _, their_engine = train(opacus.PrivacyEngine(accountant="rdp"), 1.0)
+    _, our_engine = train(PrivacyEngine(accountant="rdp"), 1.0)
+    assert our_engine.accountant.history == their_engine.accountant.history
+    assert our_engine.get_epsilon(1e-5) == their_engine.get_epsilon(1e-5)
+
+
+def test_forward_without_backward_then_another_batch_size_and_make_private_again():
+    """A forward with autograd on and no backward (a validation forward), then the next batch
+    of another size raised a BatchError; make_private twice left the module unusable."""
+    model, optimizer, loader = _setup()
+    engine = PrivacyEngine(accountant="rdp")
+    for norm in (5.0, 0.3):  # the second call's threshold is the one used
+        model, optimizer, loader = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.0,
+            max_grad_norm=norm, poisson_sampling=False,
+        )  # fmt: skip
+    x, y = next(iter(loader))
+    model(x[:5])  # validation forward under grad
+    reference = copy.deepcopy(model)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    expected, _ = clipped_gradients(
+        reference, lambda o, t, r: F.cross_entropy(o, t, reduction=r), x, y, 0.3
+    )
+    for k, p in model.named_parameters():
+        assert_close(p.grad, expected[k], k, 1e-5, 1e-6)
 
 
 def test_what_the_facade_does_not_offer():

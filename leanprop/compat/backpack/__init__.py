@@ -74,21 +74,6 @@ def _covered(module: nn.Module) -> bool:
     return any(any(s is module for s in c.model.modules()) for c in _alive())
 
 
-class _Holder:
-    """A no-op forward pre-hook through which an extended model owns its capture (the capture
-    holds the model weakly and its hooks hold the capture weakly: no reference cycle, so a
-    model dropped every iteration, as in BackPACK's usage, is freed at once)."""
-
-    def __init__(self, capture: PerSample) -> None:
-        self.capture = capture
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        return None
-
-    def __deepcopy__(self, memo: dict) -> _Holder:
-        return self  # a deep copy of the model shares it (not a copy of the capture)
-
-
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
     """Prepare ``module`` (and its sub-modules) for ``backpack(...)``; returns it unchanged.
 
@@ -110,8 +95,7 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
     capture = PerSample(module, BatchGrad(), fuse=False)
     capture.set_quantities(frozenset(), "auto")
     capture.__enter__()
-    _HOLDERS[capture] = module.register_forward_pre_hook(_Holder(capture))
-    capture.owned_by_model()
+    _HOLDERS[capture] = capture.owned_by_model()
     _EXTENDED.add(capture)
     return module
 

@@ -24,16 +24,27 @@ What differs from Opacus:
   the argument and the criterion.
 * Clipping ``"flat"`` and ``"per_layer"`` (a list of thresholds, one per trainable parameter);
   not ``"adaptive"`` or ``"automatic"``. No distributed training, no ``secure_mode`` with
-  torchcsprng (``secure_mode=True`` uses :func:`leanprop.privacy.gaussian_noise`'s secure mode).
+  torchcsprng (``secure_mode=True`` uses :func:`leanprop.privacy.gaussian_noise`'s secure mode
+  for the noise; the Poisson sampling uses the data loader's generator).
 * The model is checked when its backward runs (BatchNorm in training mode is refused then),
   not by Opacus' ``ModuleValidator`` up front; any model :func:`leanprop.per_sample` supports
   works (parameters of modules without a leanprop rule go through the ``torch.func``
   fallback, as in the BackPACK facade).
 * Opacus' ``BatchMemoryManager`` works (it only calls ``optimizer.signal_skip_step``).
+* Without leanprop's op interception (a facade's hooks stay on the model, so the scoped
+  interception of :func:`leanprop.clip_per_sample` is not there), the batch is not followed
+  op by op: a parameter broadcast over the batch (a position embedding looked up with ids of
+  shape ``[1, T]``, as HF GPT-2 does) is refused, dropout inside a module that goes through
+  the ``torch.func`` fallback is not replayed (refused by the sum check), and an op that mixes
+  samples is not detected (as in Opacus). :func:`leanprop.clip_per_sample` has none of these
+  limits.
+* A forward of the model with autograd on between a loss's forward and its backward (a
+  validation forward not under ``torch.no_grad()``) is refused at that backward.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -43,11 +54,14 @@ from torch.utils.data import DataLoader
 from ...errors import LeanpropValueError
 from ...per_sample.capture import PerSample
 from ...privacy.accounting import make_accountant, noise_multiplier_for
-from ...privacy.clip import clipping_of
+from ...privacy.clip import clipping_of, refuse_distributed
 from ...privacy.optimizer import DPOptimizer
 from ...privacy.sampling import poisson_loader
 
 __all__ = ["PrivacyEngine"]
+
+# module -> (its clipping context, the hook through which it owns it)
+_MADE_PRIVATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _LOADER_OPTIONS = (
     "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -55,26 +69,21 @@ _LOADER_OPTIONS = (
 )  # fmt: skip
 
 
-class _Holder:
-    """A no-op forward pre-hook through which the model owns its clipping context (as the
-    BackPACK facade's ``extend``)."""
-
-    def __init__(self, capture: PerSample) -> None:
-        self.capture = capture
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        return None
-
-
 class FacadeOptimizer(DPOptimizer):
     """:class:`leanprop.DPOptimizer` with Opacus' optimizer interface: ``original_optimizer``,
     ``signal_skip_step`` (virtual steps: a skipped step keeps accumulating, and the
-    ``zero_grad`` after it keeps the gradients), ``max_grad_norm``, ``expected_batch_size``."""
+    ``zero_grad`` after it keeps the gradients), ``max_grad_norm``, ``expected_batch_size``,
+    and Opacus' count of accumulated iterations: the backward passes since the last
+    ``zero_grad`` (skipped steps' included), which Opacus averages and accounts by."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._skip_next = False
         self._last_skipped = False
+        self._zeroed_at = self.clip.clipped_backwards
+
+    def _iterations(self) -> int:
+        return max(1, self.clip.clipped_backwards - self._zeroed_at)
 
     @property
     def original_optimizer(self) -> torch.optim.Optimizer:
@@ -95,6 +104,7 @@ class FacadeOptimizer(DPOptimizer):
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._zeroed_at = self.clip.clipped_backwards
         if not self._last_skipped:
             super().zero_grad(set_to_none)
 
@@ -131,7 +141,26 @@ class PrivacyEngine:
         """Return ``(module, optimizer, data_loader)`` for private training, as Opacus does:
         the module clips per sample in backward, the optimizer noises, averages by the
         expected batch size and accounts, the data loader samples batches by Poisson sampling
-        (``poisson_sampling=True``) at ``1 / len(data_loader)``."""
+        (``poisson_sampling=True``) at ``1 / len(data_loader)``.
+
+        Args:
+            module: the model (returned itself, hooked for clipping for its life).
+            optimizer: its optimizer (wrapped).
+            data_loader: the training data (its dataset, batch count and worker options).
+            noise_multiplier: the noise's standard deviation relative to ``max_grad_norm``.
+            max_grad_norm: the clipping threshold, or a list of one per trainable parameter
+                with ``clipping="per_layer"``.
+            batch_first: whether inputs hold the batch in dimension 0 (else 1).
+            loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces over the samples.
+            poisson_sampling: replace the data loader by a Poisson-sampled one.
+            clipping: ``"flat"`` or ``"per_layer"``.
+            noise_generator: the noise's random generator.
+            grad_sample_mode: accepted (every mode computes the same), except ``"ghost"``.
+
+        Raises:
+            LeanpropValueError: an option the facade does not offer.
+            UnsupportedModelError: a distributed model or process group.
+        """
         if grad_sample_mode == "ghost" or "criterion" in kwargs:
             raise LeanpropValueError(
                 "make_private(grad_sample_mode='ghost') returns a wrapped criterion in Opacus; "
@@ -156,12 +185,17 @@ class PrivacyEngine:
             raise LeanpropValueError(
                 "make_private: noise_generator cannot be set with secure_mode=True."
             )
+        refuse_distributed(module, "make_private()")
         spec = clipping_of(module, max_grad_norm, loss_reduction)
         capture = PerSample(module, batch_dim=0 if batch_first else 1, fuse=False)
-        capture.clip_per_sample(spec)
+        capture.set_clipping(spec)
+        previous = _MADE_PRIVATE.pop(module, None)
+        if previous is not None:  # made private again: the new settings replace the old
+            previous[1].remove()
+            previous[0].__exit__(None, None, None)
         capture.__enter__()
-        module.register_forward_pre_hook(_Holder(capture))  # the model owns it
-        capture.owned_by_model()
+        capture.reset_on_forward = True  # a forward without its backward leaves nothing
+        _MADE_PRIVATE[module] = (capture, capture.owned_by_model())
         sample_rate = 1 / len(data_loader)
         if poisson_sampling:
             options = {k: getattr(data_loader, k) for k in _LOADER_OPTIONS}
