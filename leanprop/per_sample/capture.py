@@ -264,6 +264,7 @@ class PerSample:
         self._root_running = False  # between the model's forward pre-hook and forward hook
         self._params_reached = False  # the outermost backward running reached our parameters
         self._backward_depth = 0  # backward passes called through the op interception
+        self._accumulating = False  # the outermost one is a .backward() (not autograd.grad)
         self._passive = 0  # inside a backward that is not for the parameters (backward_scope)
         self._cycle_seen = False  # a cycle was open when the outermost backward_scope began
         self._op_params: set[nn.Parameter] = set()  # of modules without rule: ops.py
@@ -784,7 +785,7 @@ class PerSample:
                 return {}  # (closed: also while a passive backward runs)
             call = Call(
                 site, dict(site.direct), (local[0],), {}, n, [g], 0, in_bd=bd, out_bd=out_bd,
-                forward=forward,
+                forward=forward, replaced=True,
             )  # fmt: skip
             self._open_cycle()
             sums = self._process(call)
@@ -987,7 +988,7 @@ class PerSample:
         site.fused = True
         # the input lives in the replaced op's autograd graph (it saves it), not in the call
         call = Call(site, dict(site.direct), None, {}, n, [None], 1, in_bd=bd, out_bd=bd)
-        call.forward = self._sink()
+        call.forward, call.replaced = self._sink(), True
         for p in call.params.values():
             self._states[p].uses += 1
         return call
@@ -1269,6 +1270,7 @@ class PerSample:
         if outermost:
             self._cycle_seen = self._cycle.open
             self._params_reached = False
+            self._accumulating = accumulates
         self._backward_depth += 1
         self._passive += passive
         try:
@@ -1430,7 +1432,13 @@ class PerSample:
                 self._states[call.params[k]].results[BatchL2Grad.attr] = widen(v)
         if single and kinds == frozenset({SumGradSquared}) and site.rule is not None:
             closed = self._closed_sum_of_squares(call, single)  # (the GGN's diagonal passes)
-        if closed:  # their sums, for the check (and handed to autograd: not computed again)
+        if closed and self._clip is not None and call.replaced and self._accumulating:
+            # clipping puts back what autograd accumulates: hand it zeros, not the summed
+            # gradient (a use that escaped the op still shows in the check)
+            for k in closed:
+                p = call.params[k]
+                sums[k] = self._states[p].total = p.new_zeros(()).expand_as(p)
+        elif closed:  # their sums, for the check (and handed to autograd: not computed again)
             sums.update(self._closed_totals(call, frozenset(closed)))
         names = (single - closed.keys()) | multi
         if multi and site.rule is not None and site.rule.factors is not None:

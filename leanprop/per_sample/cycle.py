@@ -73,6 +73,7 @@ class Call:
     autocast: tuple[str, torch.dtype] | None = None  # fallback roots: autocast of the forward
     packed: bool = False  # an RNN called on a PackedSequence
     forward: Any = None  # replaced ops: the forward they belong to (an ops.Contribute)
+    replaced: bool = False  # a replaced op: autograd's gradient of its parameters is ours
 
 
 @dataclass(eq=False)
