@@ -156,3 +156,22 @@ def test_no_individual_gradients_of_linear_conv_or_embedding_layers():
         step(leanprop.per_sample(model, leanprop.BatchGrad()))
     assert materialised.peak_bytes > largest
     assert clipped.peak_bytes < largest / 4, (clipped.peak_mib, largest / 2**20)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv2d", "sequence", "tied_lm"])
+def test_under_bf16_autocast(name):
+    """bf16 autocast (backward outside it, as usual): within bf16 rounding of the float32
+    clipped sum; norms in float32."""
+    case = build(name, torch.float32)
+    c = _median_norm(case)
+    expected, norms = clipped_gradients(copy.deepcopy(case.model), case.loss, case.x, case.y, c)
+    with leanprop.clip_per_sample(case.model, c, loss_reduction="mean") as clip:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = case.model(case.x)
+        case.loss(out.float(), case.y, "mean").backward()
+    assert clip.last_norms.dtype == torch.float32
+    assert_close(clip.last_norms, norms, "norms", 5e-2, 1e-3)
+    for k, p in case.model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        scale = float(expected[k].abs().max())
+        assert_close(p.grad, expected[k], k, 5e-2, 2e-2 * scale)
