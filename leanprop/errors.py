@@ -8,6 +8,7 @@ subclasses the matching built-in (``ValueError`` / ``RuntimeError``) so existing
 from __future__ import annotations
 
 import math
+import numbers
 
 
 class LeanpropError(Exception):
@@ -30,18 +31,19 @@ def checked_number(
     owner: str, what: str, value: object, *, zero_ok: bool = False, at_most: float | None = None,
     integer: bool = False,
 ) -> float:  # fmt: skip
-    """``value`` if it is a finite number above 0 (or at 0 with ``zero_ok``, at most
-    ``at_most``, an int with ``integer``); else a :class:`LeanpropValueError` that says what
-    came in and what is allowed (``owner``: the function or class, ``what``: the argument)."""
-    kind = "int" if integer else "number"
-    allowed = (int,) if integer else (int, float)
-    ok = isinstance(value, allowed) and not isinstance(value, bool)
-    ok = ok and math.isfinite(value) and (value > 0 or (zero_ok and value == 0))
-    ok = ok and (at_most is None or value <= at_most)
+    """``value`` as a float (an int with ``integer``) if it is a finite number above 0 (or at
+    0 with ``zero_ok``; at most ``at_most``); else a :class:`LeanpropValueError` that says what
+    came in and what is allowed (``owner``: the function or class, ``what``: the argument).
+    numpy scalars count as numbers; bools do not."""
+    kind = numbers.Integral if integer else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > 0 or (zero_ok and value == 0)) and (at_most is None or value <= at_most)
     if not ok:
+        name = "int" if integer else "number"
         if at_most is not None:
-            need = f"a {kind} in ({'[' if zero_ok else ''}0, {at_most}]".replace("([", "[")
+            low = "[0" if zero_ok else "(0"
+            need = f"a {name} in {low}, {at_most}]"
         else:
-            need = f"a {'non-negative' if zero_ok else 'positive'}, finite {kind}"
+            need = f"a {'non-negative' if zero_ok else 'positive'}, finite {name}"
         raise LeanpropValueError(f"{owner} got {what}={value!r}; it must be {need}.")
-    return value
+    return int(value) if integer else float(value)

@@ -52,7 +52,7 @@ from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedM
 from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_in, to_front
 from .chunks import sample_chunks
-from .clipping import Clipping, ClipState, scale_per_sample
+from .clipping import Clipping, ClipState, rule_reweighers
 from .cycle import Call, Cycle, ParamState
 from .factors import norms_are_cheaper, sum_of_squares
 from .factors import total as factors_total
@@ -285,7 +285,6 @@ class PerSample:
         self.last_n: int | None = None
         self.last_sums: dict[nn.Parameter, Tensor] = {}
         self._observers: list[Observer] = []  # see observing()
-        # per-sample gradient norms before clipping in the last backward that clipped ([N])
         self._in_rule: Counter[nn.Parameter] = Counter()  # parameters of rule sites running
 
     @property
@@ -603,6 +602,8 @@ class PerSample:
             recorded = any(s.uses for s in self._states.values())
             self._abort_cycle()
             self._cycle.discarded_forward = recorded  # a backward through it cannot be split
+        if self._clip is not None:
+            self._clip.new_forward()
         # inputs that carry the batch already (an earlier forward's outputs, or the same
         # tensors again: an unrolled model, R-Drop) hold the same samples: one forward's
         # contributions; fresh inputs (another part of the batch, another view) a new one's
@@ -1236,7 +1237,7 @@ class PerSample:
     # ------------------------------------------------------------------ backward
     def _open_cycle(self) -> None:
         if not self._cycle.open:
-            if self._clip is not None and self._cycle.backward_done:
+            if self._clip is not None and self._clip.clipped_this_forward:
                 raise UnsupportedModelError(_SECOND_CLIPPED_BACKWARD)
             if self._cycle.bn_problem is not None:
                 problem, self._cycle.bn_problem = self._cycle.bn_problem, None
@@ -1278,6 +1279,7 @@ class PerSample:
         except BaseException:
             self._backward_depth -= 1
             self._passive -= passive
+            self._accumulating = self._accumulating and not outermost
             ends = outermost and not passive and not in_eager_backward()
             if ends and self._cycle.open:
                 self._abort_cycle()  # the backward is aborted: the next one starts clean
@@ -1286,6 +1288,7 @@ class PerSample:
         self._passive -= passive
         if not outermost or in_eager_backward():
             return
+        self._accumulating = False
         if passive:
             self._cycle.backward_done = self._cycle.backward_done or not self._cycle.open
         elif self._cycle.open:
@@ -1301,7 +1304,7 @@ class PerSample:
             wanted = bool(self._kinds) and not self._passive
             cycle = self._cycle
             clipping = wanted and self._clip is not None and not in_eager_backward()
-            if clipping and cycle.backward_done and not cycle.open:  # (a penalty's backward)
+            if clipping and self._clip.clipped_this_forward and not cycle.open:  # (a penalty's)
                 raise UnsupportedModelError(_SECOND_CLIPPED_BACKWARD)
             # (the facade drops a forward's records when another forward follows it; clipping
             # must own every gradient of the model's backward)
@@ -1323,7 +1326,9 @@ class PerSample:
             state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
             if wanted:
                 self._complete_calls_of(state.param)
-            if clipping and cycle.open:
+            # (autograd.grad accumulates nothing; without the interception it cannot be told)
+            accumulates = self._accumulating or self._intercept is None
+            if clipping and cycle.open and accumulates:
                 self._clip.before_accumulate(state)
 
     def _on_accumulated(self, state: ParamState, p: nn.Parameter) -> None:
@@ -1465,34 +1470,17 @@ class PerSample:
         return sums
 
     def _leave_reweighers(self, call: Call, names: frozenset[str]) -> frozenset[str]:
-        """Clipping: for each parameter ``names`` of a rule call whose rule gives the summed
-        gradient (ordinary backward, or factors), keep the call's input and output gradient
-        to form ``sum_n a_n c_n`` once the norms are known: the summed gradient with the output
-        gradient scaled per sample. Returns the names that got one."""
-        rule, module = call.site.rule, call.site.module
-        if rule is None:
+        """Clipping: each parameter ``names`` of a rule call whose rule gives the summed
+        gradient keeps its reweigher (``clipping.rule_reweighers``). Returns the names that
+        got one (the others keep their individual gradients)."""
+        if call.site.rule is None:
             return frozenset()
         front_args, g = self._fronted(call)
         args = tuple(_like(a, g) for a in front_args)
-
-        def by_backward(k: str, a: Tensor) -> Tensor:
-            return rule.param_grads(module, args[0], scale_per_sample(g, a), frozenset({k}))[k]
-
-        def by_factors(k: str, a: Tensor) -> Tensor:
-            f = rule.factors(module, args, scale_per_sample(g, a), frozenset({k}))[k]
-            return factors_total(f)
-
-        done = set()
-        for k in names:
-            if rule.param_grads is not None:
-                reweigh = functools.partial(by_backward, k)
-            elif rule.factors is not None and k in rule.factors(module, args, g, frozenset({k})):
-                reweigh = functools.partial(by_factors, k)
-            else:
-                continue
+        found = rule_reweighers(call.site.rule, call.site.module, args, g, names)
+        for k, reweigh in found.items():
             self._states[call.params[k]].reweigh.append(reweigh)
-            done.add(k)
-        return frozenset(done)
+        return frozenset(found)
 
     def _closed_sum_of_squares(self, call: Call, names: frozenset[str]) -> dict[str, Tensor]:
         """``SumGradSquared`` of the parameters ``names`` of a rule call whose individual

@@ -23,10 +23,11 @@ individual gradients of linear, convolution or embedding layers.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +40,7 @@ from .quantities import BatchL2Grad
 
 if TYPE_CHECKING:
     from .cycle import ParamState
+    from .registry import Rule
 
 # reweigh(a) -> sum_n a_n c_n of one use of a parameter; a: [N]
 Reweigh = Callable[[Tensor], Tensor]
@@ -72,6 +74,36 @@ def scaled_factors(f: Outer | Lookup, a: Tensor) -> Outer | Lookup:
     if isinstance(f, Outer):
         return Outer(scale_per_sample(f.left, a), f.right)
     return Lookup(f.ids, scale_per_sample(f.rows, a), f.num)
+
+
+def rule_reweighers(
+    rule: Rule, module: nn.Module, args: tuple[Any, ...], g: Tensor, names: frozenset[str]
+) -> dict[str, Reweigh]:
+    """The reweighers of the parameters ``names`` of one call of a rule: the summed gradient
+    (the rule's ordinary backward, or its factors) with the output gradient scaled per sample.
+
+    Args:
+        rule: the layer's rule; module: the layer.
+        args: its inputs, batch first (``[N, ...]``); g: its output gradient, batch first.
+        names: the parameters to weigh.
+
+    Returns:
+        ``{name: reweigh}`` for the names the rule can weigh (the others are left out).
+    """
+
+    def by_backward(k: str, a: Tensor) -> Tensor:
+        return rule.param_grads(module, args[0], scale_per_sample(g, a), frozenset({k}))[k]
+
+    def by_factors(k: str, a: Tensor) -> Tensor:
+        return total(rule.factors(module, args, scale_per_sample(g, a), frozenset({k}))[k])
+
+    found: dict[str, Reweigh] = {}
+    for k in names:
+        if rule.param_grads is not None:
+            found[k] = functools.partial(by_backward, k)
+        elif rule.factors is not None and k in rule.factors(module, args, g, frozenset({k})):
+            found[k] = functools.partial(by_factors, k)
+    return found
 
 
 def _weighted_sum(state: ParamState, a: Tensor) -> Tensor:
@@ -144,6 +176,7 @@ class ClipState:
         self._before: dict[ParamState, tuple[Tensor | None, int]] = {}
         self._accumulated: dict[ParamState, int] = {}  # ... and its count, once put back
         self.backwards = 0  # backward passes that clipped, since the context was made
+        self.clipped_this_forward = False  # the current forward's clipped backward ran
         self.last_norms: Tensor | None = None
 
     def holds(self, p: nn.Parameter) -> bool:
@@ -165,8 +198,9 @@ class ClipState:
             raise UnsupportedModelError(
                 f"per-sample clipping: '{state.name}'.grad already holds a gradient that the "
                 "clipping did not leave (a backward outside the clipping, or a gradient set or "
-                "changed by hand); the clipped gradient would be added to it. Call "
-                "optimizer.zero_grad() before the clipped backward."
+                "changed by hand, or zeroed in place); the clipped gradient would be added to "
+                "it. Set the gradients to None before the clipped backward "
+                "(optimizer.zero_grad(set_to_none=True))."
             )
         if post_accumulate_hooks(p) > 1:  # (ours is one)
             raise UnsupportedModelError(
@@ -195,6 +229,7 @@ class ClipState:
             return
         self.last_norms = clip_into_grads(states, self.clipping, n)
         self.backwards += 1
+        self.clipped_this_forward = True
         for st in states:
             grad = st.param.grad
             self._held[st.param] = (weakref.ref(grad), grad._version, counts[st] + 1)
@@ -202,3 +237,7 @@ class ClipState:
     def abort(self) -> None:
         """A backward raised: forget its partial state (``.grad`` is no longer held)."""
         self._before, self._accumulated = {}, {}
+
+    def new_forward(self) -> None:
+        """A forward of the model starts: its backward may clip."""
+        self.clipped_this_forward = False

@@ -40,12 +40,12 @@ _SUM_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-3}
 
 
 _SEVERAL_FORWARDS = (
-    "per_sample (BackPACK facade): the model ran forward more than once before this backward: "
-    "the loss took several forwards (e.g. f(model(x[:3])) + f(model(x[3:]))), or another "
-    "forward ran after it with autograd on (a logging or validation forward). The facade keeps "
-    "the records of the last forward only, as BackPACK does, so no quantities were computed. "
-    "Run one forward on the whole batch per backward, and other forwards under torch.no_grad() "
-    "or after the backward."
+    "per_sample (a facade's hooks, BackPACK's or Opacus'): the model ran forward more than once "
+    "before this backward: the loss took several forwards (e.g. f(model(x[:3])) + "
+    "f(model(x[3:]))), or another forward ran after it with autograd on (a logging or "
+    "validation forward). The facade keeps the records of the last forward only, so no "
+    "quantities were computed. Run one forward on the whole batch per backward, and other "
+    "forwards under torch.no_grad() or after the backward."
 )
 
 

@@ -27,13 +27,17 @@ def _opacus_accountants() -> Any:
     return accountants, utils
 
 
-def make_accountant(mechanism: str) -> Any:
-    """A fresh accountant by name: ``"rdp"``, ``"prv"`` or ``"gdp"`` (Opacus')."""
+def _check(mechanism: str) -> None:
     if mechanism not in MECHANISMS:
         raise LeanpropValueError(
             f"unknown accountant {mechanism!r}; allowed: {', '.join(map(repr, MECHANISMS))}, "
             "or an object with step(noise_multiplier=, sample_rate=) and get_epsilon(delta)."
         )
+
+
+def make_accountant(mechanism: str) -> Any:
+    """A fresh accountant by name: ``"rdp"``, ``"prv"`` or ``"gdp"`` (Opacus')."""
+    _check(mechanism)
     accountants, _ = _opacus_accountants()
     return accountants.create_accountant(mechanism)
 
@@ -44,10 +48,7 @@ def noise_multiplier_for(
 ) -> float:  # fmt: skip
     """The noise multiplier that spends ``target_epsilon`` at ``target_delta`` in ``steps``
     steps of Poisson sampling at ``sample_rate`` (Opacus' search, to ``epsilon_tolerance``)."""
-    if accountant not in MECHANISMS:
-        raise LeanpropValueError(
-            f"unknown accountant {accountant!r}; allowed: {', '.join(map(repr, MECHANISMS))}."
-        )
+    _check(accountant)
     _, utils = _opacus_accountants()
     sigma = utils.get_noise_multiplier(
         target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate,

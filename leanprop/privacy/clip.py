@@ -145,6 +145,10 @@ def clip_per_sample(
         LeanpropValueError: a bad threshold or reduction.
         UnsupportedModelError: a model wrapped in DistributedDataParallel (not supported yet).
     """
+    if not isinstance(model, nn.Module):
+        raise LeanpropValueError(
+            f"clip_per_sample() needs the model (an nn.Module) first, got {type(model).__name__}."
+        )
     refuse_distributed(model, "clip_per_sample()")
     clipping = clipping_of(model, max_grad_norm, loss_reduction)
     ctx = PerSample(

@@ -86,6 +86,11 @@ class DPOptimizer(torch.optim.Optimizer):
             random number generators; this seeds one afresh from the OS for each step and
             sums four draws, which resists the known floating-point attacks, but it is not a
             certified secure RNG.
+
+    Raises:
+        LeanpropValueError: a bad argument (at construction).
+        UnsupportedModelError: at ``step()``, a gradient the clipping did not leave, or loss
+            scaling.
     """
 
     _step_supports_amp_scaling = True  # (GradScaler then hands itself to step: refused)
@@ -178,16 +183,33 @@ class DPOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's, with the accountant's history (``"dp_accountant"``), so
+        that a resumed run goes on spending from where it was."""
+        state = self.optimizer.state_dict()
+        if self.accountant is not None and hasattr(self.accountant, "state_dict"):
+            state["dp_accountant"] = self.accountant.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        accountant = state_dict.pop("dp_accountant", None)
+        if accountant is not None:
+            if self.accountant is None or not hasattr(self.accountant, "load_state_dict"):
+                raise LeanpropValueError(
+                    "DPOptimizer.load_state_dict: the state holds an accountant's history, and "
+                    "this optimizer has no accountant to load it into; pass the same accountant "
+                    "as the run that saved it."
+                )
+            self.accountant.load_state_dict(accountant)
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
+        """Set the gradients to None (always: a gradient zeroed in place is not one the
+        clipping left, and the next clipped backward would refuse it)."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def __repr__(self) -> str:
         return f"DPOptimizer({self.optimizer!r})"

@@ -3,7 +3,7 @@ independently with probability ``sample_rate`` (so batch sizes vary, and may be 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -47,14 +47,28 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
 
 def _empty(batch: Any) -> Any:
-    """``batch`` (collated) with 0 samples: each tensor's first 0 rows."""
+    """A collated batch of one example, with 0 samples: each tensor's first 0 rows, each list
+    of non-tensor leaves (strings) empty, containers (mappings, named tuples, lists, tuples)
+    kept. Raises on anything else (a custom batch type): an unchanged one-example batch would
+    train on an example that was not sampled."""
     if isinstance(batch, torch.Tensor):
         return batch[:0]
-    if isinstance(batch, dict):
-        return {k: _empty(v) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        emptied = {k: _empty(v) for k, v in batch.items()}
+        try:
+            return type(batch)(emptied)
+        except TypeError:
+            return emptied
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(_empty(v) for v in batch))
     if isinstance(batch, list | tuple):
+        if batch and not any(isinstance(v, torch.Tensor | Mapping | list | tuple) for v in batch):
+            return type(batch)()  # a batch of leaves (one per example): none
         return type(batch)(_empty(v) for v in batch)
-    return batch
+    raise LeanpropValueError(
+        f"poisson_loader() cannot make an empty batch (0 samples) of a batch of type "
+        f"{type(batch).__name__}; pass a collate_fn that handles an empty list of examples."
+    )
 
 
 class _Collate:

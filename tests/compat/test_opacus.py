@@ -179,3 +179,26 @@ def test_what_the_facade_does_not_offer():
     )  # fmt: skip
     with pytest.raises(UnsupportedModelError, match="BatchNorm"):
         bn(next(iter(dl))[0]).sum().backward()
+
+
+def test_zeroing_through_the_model_and_checkpoints(tmp_path):
+    """With model.zero_grad() (HF Trainer's way) each step averaged by one more batch and
+    accounted one more rate than the last; the accountant's history survives a checkpoint."""
+    model, optimizer, loader = _setup()
+    engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+        max_grad_norm=1.0, poisson_sampling=False,
+    )  # fmt: skip
+    for x, y in loader:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert engine.accountant.history == [(1.0, 1 / 3, 3)]
+    engine.save_checkpoint(path=tmp_path / "ckpt.pt", module=model, optimizer=optimizer)
+    fresh_model, fresh_optimizer, _ = _setup()
+    fresh = PrivacyEngine(accountant="rdp")
+    fresh.load_checkpoint(path=tmp_path / "ckpt.pt", module=fresh_model, optimizer=fresh_optimizer)
+    assert fresh.get_epsilon(1e-5) == engine.get_epsilon(1e-5)
+    for a, b in zip(fresh_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)

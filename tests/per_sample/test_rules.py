@@ -104,6 +104,9 @@ def test_linear_gram_norms_equal_materialised_ones():
         assert_close(closed[k], ref, f"Linear.{k} batch_l2", 1e-10, 1e-12)
 
 
+_CHANNELS_LAST = {3: torch.contiguous_format, 4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 @pytest.mark.parametrize(
     "module, x",
     [
@@ -111,16 +114,20 @@ def test_linear_gram_norms_equal_materialised_ones():
         (nn.Conv2d(16, 32, 2, stride=2, dilation=(1, 2), groups=2), (3, 16, 4, 6)),
         (nn.Conv1d(12, 20, 3, padding="same", padding_mode="reflect", groups=2), (4, 12, 3)),
         (nn.Conv3d(6, 10, (1, 2, 2), padding=(0, 1, 0), padding_mode="circular"), (2, 6, 1, 2, 2)),
+        (nn.Conv2d(256, 256, 1, groups=4), (3, 256, 3, 3)),
     ],
-    ids=["2d", "2d-groups-strided-dilated", "1d-same-reflect", "3d-circular"],
+    ids=["2d", "2d-groups-strided-dilated", "1d-same-reflect", "3d-circular", "2d-1x1-groups"],
 )
 @pytest.mark.parametrize("workspace", [2**30, 1], ids=["one-chunk", "per-sample-chunks"])
-def test_conv_gram_norms_equal_materialised_ones(module, x, workspace):
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+def test_conv_gram_norms_equal_materialised_ones(module, x, workspace, channels_last):
     """A convolution with few output positions for its channels (a CNN's late layers) gets
     weight norms from Gram matrices of its patches, in chunks of samples."""
     torch.manual_seed(0)
     module = module.double()
     x = torch.randn(x, dtype=torch.float64)
+    if channels_last:  # (a 1x1 grouped layer's patches are then a view the Gram form reshapes)
+        x = x.contiguous(memory_format=_CHANNELS_LAST[x.dim()])
     g = torch.randn_like(module(x))
     rule, names = rule_for(module), frozenset({"weight", "bias"})
     opts = RuleOptions("unfold", workspace)

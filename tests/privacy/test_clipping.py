@@ -101,6 +101,11 @@ def test_bad_thresholds_and_reduction():
         leanprop.clip_per_sample(model, {"0.weight": 1.0, "0.bias": 1.0, "1.weight": 1.0, "x": 1.0})
     with pytest.raises(LeanpropValueError, match="loss_reduction='none'"):
         leanprop.clip_per_sample(model, 1.0, loss_reduction="none")
+    with pytest.raises(LeanpropValueError, match=r"needs the model \(an nn.Module\) first"):
+        leanprop.clip_per_sample([model], 1.0)
+    import numpy as np
+
+    assert leanprop.clip_per_sample(model, np.float32(0.5)).clipping.max_norm == 0.5
 
 
 def test_batchnorm_in_training_mode_is_refused():

@@ -218,3 +218,80 @@ def test_clipping_nested_with_another_context_is_refused():
         _ce(model(x), y).backward()
     for k, p in model.named_parameters():
         assert_close(p.grad, _expected(model, x, y, 0.1)[k], k, 1e-10, 1e-12)
+
+
+def test_autograd_grad_from_another_thread_after_a_clipped_backward():
+    """After a clipped .backward(), an autograd.grad the interception does not see (another
+    thread) got the zeros handed to autograd for the Linear layers' weights."""
+    import threading
+
+    model, (x, y) = _mlp(), _xy()
+    reference = torch.autograd.grad(_ce(model(x), y), list(model.parameters()))
+    got = {}
+    with leanprop.clip_per_sample(model, 1.0, loss_reduction="sum"):
+        _ce(model(x), y).backward()
+        model.zero_grad()
+        loss = _ce(model(x), y)
+        thread = threading.Thread(
+            target=lambda: got.update(g=torch.autograd.grad(loss, list(model.parameters())))
+        )
+        thread.start()
+        thread.join()
+    for a, b in zip(got["g"], reference, strict=True):
+        assert_close(a, b, "autograd.grad", 1e-12, 1e-14)
+
+
+def test_passes_for_inputs_before_the_backward_of_the_same_forward():
+    """An input-gradient pass (or backward(inputs=[x])) then the training backward of the same
+    forward were refused as a second clipped backward; autograd.grad with a gradient in .grad
+    that the clipping did not leave was refused too (it writes nothing)."""
+    model, (x, y) = _mlp(), _xy()
+    expected = _expected(model, x, y, 0.1)
+    for first in ("grad", "inputs"):
+        model.zero_grad()
+        xr = x.clone().requires_grad_()
+        with leanprop.clip_per_sample(model, 0.1, loss_reduction="sum"):
+            loss = _ce(model(xr), y)
+            if first == "grad":
+                torch.autograd.grad(loss, xr, retain_graph=True)
+            else:
+                loss.backward(inputs=[xr], retain_graph=True)
+            loss.backward()
+        for k, p in model.named_parameters():
+            assert_close(p.grad, expected[k], f"{first}: {k}", 1e-10, 1e-12)
+    model.zero_grad()
+    _ce(model(x), y).backward()  # a foreign gradient in .grad
+    with leanprop.clip_per_sample(model, 0.1, loss_reduction="sum"):
+        torch.autograd.grad(_ce(model(x), y), list(model.parameters()))  # accepted
+
+
+def test_zero_grad_in_place_and_model_zero_grad():
+    """DPOptimizer.zero_grad(set_to_none=False) left zeros the next clipped backward refused."""
+    model, (x, y) = _mlp(), _xy()
+    clip = leanprop.clip_per_sample(model, 0.1)
+    opt = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), clip, noise_multiplier=1.0,
+        expected_batch_size=6,
+    )  # fmt: skip
+    for _ in range(2):
+        opt.zero_grad(set_to_none=False)
+        with clip:
+            _ce(model(x), y, "mean").backward()
+        opt.step()
+
+
+def test_the_accountant_is_saved_with_the_optimizer_state():
+    """A resumed run restarted epsilon at 0."""
+    model, (x, y) = _mlp(), _xy()
+    runs = []
+    for _ in range(2):
+        clip = leanprop.clip_per_sample(model, 0.1)
+        adam = torch.optim.Adam(model.parameters(), lr=0.1)
+        options = {"expected_batch_size": 6, "accountant": "rdp", "sample_rate": 0.1}
+        runs.append(DPOptimizer(adam, clip, noise_multiplier=1.0, **options))
+    with runs[0].clip:
+        _ce(model(x), y, "mean").backward()
+    runs[0].step()
+    runs[1].load_state_dict(runs[0].state_dict())
+    assert runs[1].accountant.history == runs[0].accountant.history == [(1.0, 0.1, 1)]
+    assert runs[1].optimizer.state_dict()["state"].keys() == runs[0].state_dict()["state"].keys()

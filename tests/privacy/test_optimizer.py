@@ -232,3 +232,43 @@ def test_a_private_training_loop_with_empty_batches():
     assert 0 in sizes and any(sizes)
     assert opt.epsilon(1e-5) > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_empty_poisson_batches_of_mappings_named_tuples_and_strings():
+    """A batch type the empty-batch collation did not know (a UserDict such as HF's
+    BatchEncoding) came back as the one-example batch of dataset[0]: an example trained on
+    without being sampled."""
+    import collections
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int) -> dict:
+            return {"ids": torch.tensor([i, i + 1]), "label": i, "text": f"example {i}"}
+
+    Pair = collections.namedtuple("Pair", "ids label")
+    collates = {
+        "user dict": lambda s: collections.UserDict(torch.utils.data.default_collate(s)),
+        "named tuple": lambda s: Pair(torch.stack([e["ids"] for e in s]), [e["label"] for e in s]),
+        "default (with strings)": torch.utils.data.default_collate,
+    }
+    for name, collate in collates.items():
+        loader = leanprop.poisson_loader(Data(), 1e-9, steps=1, collate_fn=collate)
+        (batch,) = list(loader)
+        ids = batch.ids if name == "named tuple" else batch["ids"]
+        assert ids.shape == (0, 2), name
+        if name == "default (with strings)":
+            assert batch["text"] == [] and batch["label"].shape == (0,)
+        if name == "named tuple":
+            assert batch.label == []
+
+    class Custom:
+        def __init__(self, ids: torch.Tensor) -> None:
+            self.ids = ids
+
+    loader = leanprop.poisson_loader(
+        Data(), 1e-9, steps=1, collate_fn=lambda s: Custom(torch.stack([e["ids"] for e in s]))
+    )
+    with pytest.raises(LeanpropValueError, match=r"cannot make an empty batch .* Custom"):
+        list(loader)

@@ -83,7 +83,9 @@ class FacadeOptimizer(DPOptimizer):
         self._zeroed_at = self.clip.clipped_backwards
 
     def _iterations(self) -> int:
-        return max(1, self.clip.clipped_backwards - self._zeroed_at)
+        # the backward passes since optimizer.zero_grad(), but no more than .grad holds (the
+        # model's zero_grad() clears it as well)
+        return max(1, min(self.clip.clipped_backwards - self._zeroed_at, super()._iterations()))
 
     @property
     def original_optimizer(self) -> torch.optim.Optimizer:
@@ -242,3 +244,29 @@ class PrivacyEngine:
     def get_epsilon(self, delta: float) -> float:
         """The privacy spent so far at ``delta``."""
         return float(self.accountant.get_epsilon(delta=delta))
+
+    def save_checkpoint(
+        self, *, path: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+        checkpoint_dict: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        """Save the module's and optimizer's state and the accountant's history (Opacus'
+        ``save_checkpoint``)."""
+        state = dict(checkpoint_dict or {})
+        state["module_state_dict"] = module.state_dict()
+        state["privacy_accountant_state_dict"] = self.accountant.state_dict()
+        if optimizer is not None:
+            state["optimizer_state_dict"] = optimizer.state_dict()
+        torch.save(state, path)
+
+    def load_checkpoint(
+        self, *, path: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """Load what :meth:`save_checkpoint` saved into ``module``, ``optimizer`` and this
+        engine's accountant; returns the rest of the checkpoint."""
+        state = torch.load(path, weights_only=False)
+        module.load_state_dict(state.pop("module_state_dict"))
+        self.accountant.load_state_dict(state.pop("privacy_accountant_state_dict"))
+        optimizer_state = state.pop("optimizer_state_dict", None)
+        if optimizer is not None and optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+        return state

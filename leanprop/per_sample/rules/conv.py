@@ -267,7 +267,7 @@ def conv_batch_l2(
     parts = []
     for start, stop in sample_chunks(n, per_sample * g.element_size(), opts.workspace_bytes):
         m = stop - start
-        u = _patches(module, x[start:stop]).view(m * groups, i_g, positions).mT  # [m*G, L, I/G]
+        u = _patches(module, x[start:stop]).reshape(m * groups, i_g, positions).mT  # [m*G, L, I/G]
         gs = g[start:stop].reshape(m * groups, o_g, positions).mT  # [m*G, L, O/G]
         sq = inner(Outer(gs, u), Outer(gs, u), opts.workspace_bytes)  # [m*G]
         parts.append(sq.view(m, groups).sum(1))
