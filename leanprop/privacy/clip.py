@@ -15,16 +15,26 @@ from ..per_sample.clipping import Clipping
 MaxGradNorm = float | Sequence[float] | Mapping[str, float]
 
 
-def refuse_distributed(model: nn.Module, owner: str) -> None:
-    """Private training is single-process for now: refuse a DDP model or a process group."""
-    if isinstance(model, nn.parallel.DistributedDataParallel) or (
+def refuse_distributed(model: nn.Module, owner: str, process_group: bool = True) -> None:
+    """Refuse a DDP model (its all-reduce would add the unclipped gradients), and with
+    ``process_group`` any process group of several ranks."""
+    in_group = (
         torch.distributed.is_available()
         and torch.distributed.is_initialized()
         and torch.distributed.get_world_size() > 1
-    ):
+    )
+    if isinstance(model, nn.parallel.DistributedDataParallel) or (process_group and in_group):
         raise UnsupportedModelError(
-            f"{owner} does not support distributed training yet: each process would clip and "
-            "noise its own share. Train privately in one process."
+            f"{owner} does not take a DistributedDataParallel model"
+            f"{' or a process group' if process_group else ''}: DDP's all-reduce would add the "
+            "unclipped gradients. "
+            + (
+                "Train privately in one process."
+                if process_group
+                else "Clip the unwrapped model on each rank and use "
+                "DPOptimizer(..., distributed=True), which adds the clipped sums of all ranks "
+                "and the noise once."
+            )
         )
 
 
@@ -143,13 +153,14 @@ def clip_per_sample(
 
     Raises:
         LeanpropValueError: a bad threshold or reduction.
-        UnsupportedModelError: a model wrapped in DistributedDataParallel (not supported yet).
+        UnsupportedModelError: a model wrapped in DistributedDataParallel (clip the model
+            itself on each rank; see :class:`DPOptimizer`'s ``distributed``).
     """
     if not isinstance(model, nn.Module):
         raise LeanpropValueError(
             f"clip_per_sample() needs the model (an nn.Module) first, got {type(model).__name__}."
         )
-    refuse_distributed(model, "clip_per_sample()")
+    refuse_distributed(model, "clip_per_sample()", process_group=False)
     clipping = clipping_of(model, max_grad_norm, loss_reduction)
     ctx = PerSample(
         model,

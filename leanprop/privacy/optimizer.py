@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._torch_compat import init_optimizer_hooks
@@ -43,6 +44,12 @@ def gaussian_noise(
         total += torch.normal(0.0, std, like.shape, generator=seeded, dtype=like.dtype,
                               device=like.device)  # fmt: skip
     return total / 2
+
+
+def _all_reduced(t: Tensor, op: Any = None) -> Tensor:
+    """``t`` summed (or reduced by ``op``) over the process group, in place."""
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op)
+    return t
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -86,6 +93,11 @@ class DPOptimizer(torch.optim.Optimizer):
             random number generators; this seeds one afresh from the OS for each step and
             sums four draws, which resists the known floating-point attacks, but it is not a
             certified secure RNG.
+        distributed: data parallel over a process group, without DDP (whose all-reduce would
+            add the unclipped gradients): each rank clips its own samples, ``step()`` adds
+            the ranks' clipped sums and rank 0's noise (once), and every rank steps with the
+            same result. ``expected_batch_size`` is then the batch over all ranks. The
+            parameters are broadcast from rank 0 at construction.
 
     Raises:
         LeanpropValueError: a bad argument (at construction).
@@ -106,6 +118,7 @@ class DPOptimizer(torch.optim.Optimizer):
         accountant: str | Any | None = None,
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
+        distributed: bool = False,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, InBackward):
             raise LeanpropValueError(
@@ -156,6 +169,23 @@ class DPOptimizer(torch.optim.Optimizer):
         else:
             self.max_grad_norm = float(clipping.max_norm)
         self._names = {p: k for k, p in clip.model.named_parameters()}
+        in_group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if in_group and not distributed:
+            raise LeanpropValueError(
+                "DPOptimizer runs in a process group of several ranks: pass distributed=True, "
+                "so that the clipped sums of all ranks are added and the noise is added once "
+                "(each rank would otherwise step with its own noised gradients)."
+            )
+        if distributed and not in_group:
+            raise LeanpropValueError(
+                "DPOptimizer(distributed=True) needs an initialized process group of several "
+                "ranks (torch.distributed.init_process_group)."
+            )
+        self.distributed = bool(distributed)
+        if self.distributed:  # the replicas start equal (as DDP makes them)
+            with torch.no_grad():
+                for p in self._params():
+                    dist.broadcast(p, src=0)
 
     # the wrapped optimizer's state is this one's (schedulers, state_dict, trainers)
     @property
@@ -228,7 +258,8 @@ class DPOptimizer(torch.optim.Optimizer):
         params = self._params()
         held = self.clip.holds_clipped_grad
         unclipped = [self._names.get(p, "?") for p in params if p.grad is not None and not held(p)]
-        if unclipped:
+        if self.distributed and _all_reduced(torch.tensor(float(len(unclipped)))) and not unclipped:
+            unclipped = ["(another rank's)"]  # every rank refuses, none waits for the others
             raise UnsupportedModelError(
                 f"DPOptimizer: the gradients of {unclipped[:5]} were not left by per-sample "
                 "clipping (a backward outside the clipping, or a gradient changed after it); "
@@ -236,12 +267,18 @@ class DPOptimizer(torch.optim.Optimizer):
                 "clipping on, and zero the gradients after each step."
             )
         k = self._iterations()
+        if self.distributed:  # every rank averages by the same count
+            k = int(_all_reduced(torch.tensor(float(k)), dist.ReduceOp.MAX))
         divisor = self.expected_batch_size * k if self.expected_batch_size else 1.0
         std = self.noise_multiplier * self.max_grad_norm
+        noise_here = not self.distributed or dist.get_rank() == 0  # (noise once, not per rank)
         for p in params:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            noise = gaussian_noise(std, grad, self.generator, self.secure_mode)
-            p.grad = (grad + noise) / divisor
+            if noise_here:
+                grad = grad + gaussian_noise(std, grad, self.generator, self.secure_mode)
+            if self.distributed:  # the clipped sums of every rank's samples, and the noise
+                grad = _all_reduced(grad)
+            p.grad = grad / divisor
         return k
 
     @torch.no_grad()

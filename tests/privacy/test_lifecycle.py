@@ -189,16 +189,18 @@ def test_sum_reduction_is_not_averaged_and_optimizer_hooks_work():
         assert_close(p.grad, expected[k], k, 1e-10, 1e-12)
 
 
-def test_distributed_training_is_refused(monkeypatch):
+def test_ddp_and_a_process_group_without_distributed_are_refused(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    with pytest.raises(UnsupportedModelError, match="does not support distributed training"):
-        leanprop.clip_per_sample(_mlp(), 1.0)
+    model = _mlp()
+    clip = leanprop.clip_per_sample(model, 1.0)  # (a process group is fine for clipping)
+    with pytest.raises(LeanpropValueError, match="pass distributed=True"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), clip, noise_multiplier=1.0,
+                    expected_batch_size=6)  # fmt: skip
     from leanprop.compat.opacus import PrivacyEngine
 
-    model = _mlp()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_xy()), batch_size=3)
-    with pytest.raises(UnsupportedModelError, match="does not support distributed training"):
+    with pytest.raises(UnsupportedModelError, match="or a process group"):
         PrivacyEngine(accountant="rdp").make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
