@@ -260,6 +260,7 @@ class DPOptimizer(torch.optim.Optimizer):
         unclipped = [self._names.get(p, "?") for p in params if p.grad is not None and not held(p)]
         if self.distributed and _all_reduced(torch.tensor(float(len(unclipped)))) and not unclipped:
             unclipped = ["(another rank's)"]  # every rank refuses, none waits for the others
+        if unclipped:
             raise UnsupportedModelError(
                 f"DPOptimizer: the gradients of {unclipped[:5]} were not left by per-sample "
                 "clipping (a backward outside the clipping, or a gradient changed after it); "
