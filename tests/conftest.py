@@ -6,3 +6,12 @@ import torch
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype float64 for the test (models built from configs)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)

@@ -32,12 +32,7 @@ def check(build, seed: int = 0) -> None:
             assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-8, 1e-10 * scale)
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

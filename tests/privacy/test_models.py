@@ -42,12 +42,7 @@ def check(build, seed: int = 0) -> None:
         assert_close(p.grad, expected, f"{k} clipped", 1e-8, 1e-10 * scale)
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
