@@ -1313,7 +1313,8 @@ class PerSample:
                 or clipping
             )  # fmt: skip
             if (
-                wanted and unrecorded and not cycle.open and not cycle.backward_done
+                wanted and unrecorded and not cycle.open
+                and (not cycle.backward_done or clipping)  # (clipping: after a passive pass)
                 and not in_eager_backward()
             ):  # fmt: skip
                 # the first backward since the last forward reaches the parameters, and that
