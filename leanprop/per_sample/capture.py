@@ -313,6 +313,11 @@ class PerSample:
         """The quantities asked for (written to the parameters after each backward)."""
         return self._asked
 
+    @property
+    def subsampling(self) -> tuple[int, ...] | None:
+        """The samples whose individual gradients ``BatchGrad`` keeps (None: all)."""
+        return self._subsampling
+
     def _ask(self, kinds: frozenset[type[Quantity]]) -> None:
         self._asked, self._kinds = kinds, computed_kinds(kinds)  # (_kinds: what is computed)
         if self._clip is not None:  # (its norms)

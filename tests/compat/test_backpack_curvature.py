@@ -311,3 +311,31 @@ def test_a_child_extended_before_its_parent():
         facade.unextend(model[0])
         facade.unextend(model)
         facade.unextend(lf)
+
+
+def test_nested_blocks_the_inner_one_acts():
+    """Inside a block, an inner block's backward passes are its own (as in BackPACK): the outer
+    block's curvature check raised a false error for them, its extension_hook ran for them, and
+    its BatchGrad(subsampling=...) was lost after the inner block."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    seen: list[nn.Module] = []
+    with backpack(extensions.BatchGrad(subsampling=[0, 1]), extension_hook=seen.append):
+        with backpack(extensions.DiagGGNExact()):
+            loss_fn(model(x), y).backward()
+        assert hasattr(model[0].weight, "diag_ggn_exact") and not seen
+        assert not hasattr(model[0].weight, "grad_batch")
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+    assert model[0].weight.grad_batch.shape == (2, 4, 3) and seen
+    model.zero_grad()
+    with backpack(extensions.DiagGGNExact()):
+        with backpack(extensions.BatchGrad()):
+            model(x).sum().backward()  # (not from the loss: the inner block has no curvature)
+        assert model[0].weight.grad_batch.shape == (5, 4, 3)
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+    assert hasattr(model[0].weight, "diag_ggn_exact")
+    facade.unextend(model)

@@ -63,6 +63,7 @@ _LOSS_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loss mod
 _CURVATURE: list[dict[int | None, list[CurvatureQuantity]]] = []
 _CURVATURE_RUNNING: list[bool] = []  # non-empty while its backward passes run
 _CURVATURE_DONE: set[int] = set()  # backward passes (graph tasks) whose curvature ran
+_OPEN_BLOCKS: list[object] = []  # open backpack(...) blocks, innermost last (the one that acts)
 
 
 def _alive() -> list[PerSample]:
@@ -183,15 +184,16 @@ def _leaves_of(t: Tensor) -> set[int]:
 
 @contextmanager
 def _after_each_backward(
-    captures: list[PerSample], fn: Callable[[int, list[PerSample]], object]
+    block: object, captures: list[PerSample], fn: Callable[[int, list[PerSample]], object]
 ) -> Iterator[None]:
     """Call ``fn(task, models)`` when each backward in the block that reached parameters of
     the extended models has ended (after the quantities are written): ``task`` the backward,
-    ``models`` the captures of the models it reached."""
+    ``models`` the captures of the models it reached. Only while ``block`` is the innermost
+    open block (an inner block's backward passes are its own, as in BackPACK)."""
     reached: dict[int, list[PerSample]] = {}  # backward (graph task) -> models it reached
 
     def on_grad(capture: PerSample, p: Tensor) -> None:
-        if _CURVATURE_RUNNING:
+        if _CURVATURE_RUNNING or _OPEN_BLOCKS[-1] is not block:
             return
         task = current_graph_task_id()
         if task not in reached:
@@ -261,7 +263,7 @@ def backpack(
     kinds = validate_quantities(first) if first or not curvature else frozenset()
     by_mc = validate_curvature(curvature) if curvature else {}
     captures = _alive()
-    before = [(c.kinds, c.conv_algorithm) for c in captures]
+    before = [(c.kinds, c.conv_algorithm, c.subsampling) for c in captures]
     subsampling = subsampling_of(first)
     for c in captures:
         c.set_quantities(kinds, _algorithm(), subsampling)
@@ -271,6 +273,8 @@ def backpack(
                     if hasattr(p, attr):
                         delattr(p, attr)
     _CURVATURE.append(by_mc)
+    block = object()
+    _OPEN_BLOCKS.append(block)
     try:
         with ExitStack() as stack:
             if retain_graph:
@@ -279,15 +283,16 @@ def backpack(
             if by_mc:
                 names = [f"{type(e).__name__}()" for e in curvature]
                 check = functools.partial(_curvature_computed, names)
-                stack.enter_context(_after_each_backward(captures, check))
+                stack.enter_context(_after_each_backward(block, captures, check))
             if extension_hook is not None:
                 run = functools.partial(_run_extension_hook, extension_hook)
-                stack.enter_context(_after_each_backward(captures, run))
+                stack.enter_context(_after_each_backward(block, captures, run))
             yield
     finally:
         _CURVATURE.pop()
-        for c, (k, algo) in zip(captures, before, strict=True):
-            c.set_quantities(k, algo)
+        _OPEN_BLOCKS.remove(block)
+        for c, (k, algo, samples) in zip(captures, before, strict=True):
+            c.set_quantities(k, algo, samples)
 
 
 @contextmanager
