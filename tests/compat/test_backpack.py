@@ -341,3 +341,25 @@ def test_batch_grad_of_rnns_with_an_initial_state(kind, batch_first, explicit):
             loss = nn.functional.cross_entropy(oracle(xi), y[i : i + 1]) / 5  # the mean's share
             expected.append(torch.autograd.grad(loss, q)[0])
         torch.testing.assert_close(p.grad_batch, torch.stack(expected), msg=k)
+
+
+def test_a_model_extended_inside_an_open_block_gets_its_quantities():
+    """It got curvature (computed at backward) but none of the block's first-order quantities,
+    with no error."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    with backpack(extensions.BatchGrad(), extensions.BatchL2Grad()):
+        model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+        nn.functional.cross_entropy(model(x), y).backward()
+    expected = individual_gradients(
+        model, lambda o, t, r: nn.functional.cross_entropy(o, t, reduction=r), x, y, "mean"
+    )
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-5, 1e-7)
+        assert p.batch_l2.shape == (5,)
+    model.zero_grad()
+    for p in model.parameters():
+        del p.grad_batch, p.batch_l2
+    model(x).sum().backward()  # after the block: idle again
+    assert not any(hasattr(p, "grad_batch") for p in model.parameters())
+    unextend(model)

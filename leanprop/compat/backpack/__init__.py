@@ -39,6 +39,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
@@ -63,7 +64,17 @@ _LOSS_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loss mod
 _CURVATURE: list[dict[int | None, list[CurvatureQuantity]]] = []
 _CURVATURE_RUNNING: list[bool] = []  # non-empty while its backward passes run
 _CURVATURE_DONE: set[int] = set()  # backward passes (graph tasks) whose curvature ran
-_OPEN_BLOCKS: list[object] = []  # open backpack(...) blocks, innermost last (the one that acts)
+_OPEN_BLOCKS: list[_Block] = []  # open backpack(...) blocks, innermost last (the one that acts)
+
+
+@dataclass(eq=False)
+class _Block:
+    """One open ``backpack(...)`` block: what its backward passes compute, and the models
+    extended while it is open (set to compute it too, and idle again when it closes)."""
+
+    kinds: frozenset[type[Quantity]]
+    subsampling: tuple[int, ...] | None
+    extended_inside: list[PerSample] = field(default_factory=list)
 
 
 def _alive() -> list[PerSample]:
@@ -95,6 +106,10 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
     # no op swap: a TorchFunctionMode cannot stay on torch's mode stack for the model's life
     capture = PerSample(module, BatchGrad(), fuse=False)
     capture.set_quantities(frozenset(), "auto")
+    if _OPEN_BLOCKS:  # extended inside an open block: its backward passes compute that block's
+        block = _OPEN_BLOCKS[-1]
+        capture.set_quantities(block.kinds, _algorithm(), block.subsampling)
+        block.extended_inside.append(capture)
     capture.__enter__()
     _HOLDERS[capture] = capture.owned_by_model()
     _EXTENDED.add(capture)
@@ -184,7 +199,7 @@ def _leaves_of(t: Tensor) -> set[int]:
 
 @contextmanager
 def _after_each_backward(
-    block: object, captures: list[PerSample], fn: Callable[[int, list[PerSample]], object]
+    block: _Block, captures: list[PerSample], fn: Callable[[int, list[PerSample]], object]
 ) -> Iterator[None]:
     """Call ``fn(task, models)`` when each backward in the block that reached parameters of
     the extended models has ended (after the quantities are written): ``task`` the backward,
@@ -273,7 +288,7 @@ def backpack(
                     if hasattr(p, attr):
                         delattr(p, attr)
     _CURVATURE.append(by_mc)
-    block = object()
+    block = _Block(kinds, subsampling)
     _OPEN_BLOCKS.append(block)
     try:
         with ExitStack() as stack:
@@ -293,6 +308,9 @@ def backpack(
         _OPEN_BLOCKS.remove(block)
         for c, (k, algo, samples) in zip(captures, before, strict=True):
             c.set_quantities(k, algo, samples)
+        for c in block.extended_inside:
+            if c.model_alive:
+                c.set_quantities(frozenset(), "auto")
 
 
 @contextmanager
