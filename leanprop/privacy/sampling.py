@@ -46,33 +46,40 @@ class PoissonBatchSampler(Sampler[list[int]]):
             yield mask.nonzero().flatten().tolist()
 
 
-def _empty(batch: Any) -> Any:
-    """A collated batch of one example, with 0 samples: each tensor's first 0 rows, each list
-    of non-tensor leaves (strings) empty, containers (mappings, named tuples, lists, tuples)
-    kept. Raises on anything else (a custom batch type): an unchanged one-example batch would
-    train on an example that was not sampled."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, Mapping):
-        emptied = {k: _empty(v) for k, v in batch.items()}
+def _empty(one: Any, two: Any) -> Any:
+    """The batch of 0 examples, from the collated batches of one example (``one``) and of
+    that example twice (``two``): what grows from one to two is per example and is emptied
+    (a tensor's first dimension, a list's entries); the rest is the structure and is kept
+    (mappings, named tuples, lists and tuples of fields). Raises where it cannot tell (a
+    custom batch type): a one-example batch passed off as empty would train on an example
+    that was not sampled."""
+    if isinstance(one, torch.Tensor) and isinstance(two, torch.Tensor):
+        if one.dim() and two.dim() and (one.shape[0], two.shape[0]) == (1, 2):
+            return one[:0]
+        if one.shape == two.shape and torch.equal(one, two):
+            return one  # (not per example: the same for any batch)
+    elif isinstance(one, Mapping) and isinstance(two, Mapping) and one.keys() == two.keys():
+        emptied = {k: _empty(one[k], two[k]) for k in one}
         try:
-            return type(batch)(emptied)
+            return type(one)(emptied)
         except TypeError:
             return emptied
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(_empty(v) for v in batch))
-    if isinstance(batch, list | tuple):
-        if batch and not any(isinstance(v, torch.Tensor | Mapping | list | tuple) for v in batch):
-            return type(batch)()  # a batch of leaves (one per example): none
-        return type(batch)(_empty(v) for v in batch)
+    elif isinstance(one, list | tuple) and type(one) is type(two):
+        if (len(one), len(two)) == (1, 2):
+            return type(one)()  # one entry per example: none
+        if len(one) == len(two):
+            fields = [_empty(a, b) for a, b in zip(one, two, strict=True)]
+            return type(one)(*fields) if hasattr(one, "_fields") else type(one)(fields)
+    elif type(one) is type(two) and one == two:
+        return one
     raise LeanpropValueError(
         f"poisson_loader() cannot make an empty batch (0 samples) of a batch of type "
-        f"{type(batch).__name__}; pass a collate_fn that handles an empty list of examples."
+        f"{type(one).__name__}; pass a collate_fn that handles an empty list of examples."
     )
 
 
 class _Collate:
-    """``collate_fn`` that also collates an empty batch (from the shapes of one example)."""
+    """``collate_fn`` that also collates an empty batch (from the batches of one example)."""
 
     def __init__(self, dataset: Dataset, collate_fn: Any) -> None:
         self.dataset, self.collate_fn = dataset, collate_fn
@@ -80,7 +87,8 @@ class _Collate:
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
             return self.collate_fn(samples)
-        return _empty(self.collate_fn([self.dataset[0]]))
+        example = self.dataset[0]
+        return _empty(self.collate_fn([example]), self.collate_fn([example, example]))
 
 
 def poisson_loader(
