@@ -202,3 +202,20 @@ def test_zeroing_through_the_model_and_checkpoints(tmp_path):
     assert fresh.get_epsilon(1e-5) == engine.get_epsilon(1e-5)
     for a, b in zip(fresh_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_loss_scaling_is_refused_with_its_reason():
+    """The facade's optimizer took no grad_scaler: GradScaler.step raised a raw TypeError."""
+    model, optimizer, loader = _setup()
+    model, optimizer, loader = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+        max_grad_norm=1.0, poisson_sampling=False,
+    )  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = next(iter(loader))
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    with (
+        pytest.warns(FutureWarning, match="GradScaler is going to stop passing"),
+        pytest.raises(UnsupportedModelError, match="loss scaling"),
+    ):
+        scaler.step(optimizer)

@@ -95,15 +95,15 @@ class FacadeOptimizer(DPOptimizer):
         """The next ``step()`` only accumulates (Opacus' virtual steps)."""
         self._skip_next = do_skip
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        if self._skip_next:
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
+        if self._skip_next and grad_scaler is None:
             if closure is not None:
                 with torch.enable_grad():
                     closure()
             self._skip_next, self._last_skipped = False, True
             return None
         self._last_skipped = False
-        return super().step(closure)
+        return super().step(closure, grad_scaler)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zeroed_at = self.clip.clipped_backwards
