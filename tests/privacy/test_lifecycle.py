@@ -32,6 +32,12 @@ def _ce(out, y, reduction="sum"):
     return F.cross_entropy(out, y, reduction=reduction)
 
 
+def _dp(model, clip, lr=0.1, noise=1.0, **options):
+    """A DPOptimizer over SGD, averaging by the 6 samples of ``_xy()``."""
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    return DPOptimizer(sgd, clip, noise_multiplier=noise, expected_batch_size=6, **options)
+
+
 def _expected(model, x, y, c):
     return clipped_gradients(copy.deepcopy(model), _ce, x, y, c)[0]
 
@@ -97,10 +103,7 @@ def test_zero_grad_without_a_step_starts_the_count_again():
     """A backward, zero_grad (a skipped step), a backward, a step: averaged over 1, not 2."""
     model, (x, y) = _mlp(), _xy()
     clip = leanprop.clip_per_sample(model, 0.1)
-    opt = DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0), clip, noise_multiplier=0.0,
-        expected_batch_size=6, accountant="rdp", sample_rate=0.1,
-    )  # fmt: skip
+    opt = _dp(model, clip, lr=0.0, noise=0.0, accountant="rdp", sample_rate=0.1)
     for _ in range(2):
         opt.zero_grad()
         with clip:
@@ -115,10 +118,7 @@ def test_zero_grad_without_a_step_starts_the_count_again():
 def test_loss_scaling_is_refused():
     model, (x, y) = _mlp(), _xy()
     clip = leanprop.clip_per_sample(model, 0.1)
-    opt = DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), clip, noise_multiplier=1.0,
-        expected_batch_size=6,
-    )  # fmt: skip
+    opt = _dp(model, clip)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     with clip:
         scaler.scale(_ce(model(x), y, "mean")).backward()
@@ -173,10 +173,7 @@ def test_per_parameter_thresholds_and_a_parameter_unfrozen_later():
 def test_sum_reduction_is_not_averaged_and_optimizer_hooks_work():
     model, (x, y) = _mlp(), _xy()
     clip = leanprop.clip_per_sample(model, 0.1, loss_reduction="sum")
-    opt = DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0), clip, noise_multiplier=0.0,
-        expected_batch_size=6,
-    )  # fmt: skip
+    opt = _dp(model, clip, lr=0.0, noise=0.0)
     seen = []
     opt.register_step_pre_hook(lambda *a: seen.append("pre"))
     opt.register_step_post_hook(lambda *a: seen.append("post"))
@@ -195,8 +192,7 @@ def test_ddp_and_a_process_group_without_distributed_are_refused(monkeypatch):
     model = _mlp()
     clip = leanprop.clip_per_sample(model, 1.0)  # (a process group is fine for clipping)
     with pytest.raises(LeanpropValueError, match="pass distributed=True"):
-        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), clip, noise_multiplier=1.0,
-                    expected_batch_size=6)  # fmt: skip
+        _dp(model, clip)
     from leanprop.compat.opacus import PrivacyEngine
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_xy()), batch_size=3)
@@ -267,14 +263,11 @@ def test_passes_for_inputs_before_the_backward_of_the_same_forward():
         torch.autograd.grad(_ce(model(x), y), list(model.parameters()))  # accepted
 
 
-def test_zero_grad_in_place_and_model_zero_grad():
+def test_zero_grad_in_place():
     """DPOptimizer.zero_grad(set_to_none=False) left zeros the next clipped backward refused."""
     model, (x, y) = _mlp(), _xy()
     clip = leanprop.clip_per_sample(model, 0.1)
-    opt = DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), clip, noise_multiplier=1.0,
-        expected_batch_size=6,
-    )  # fmt: skip
+    opt = _dp(model, clip)
     for _ in range(2):
         opt.zero_grad(set_to_none=False)
         with clip:
