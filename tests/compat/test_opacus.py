@@ -3,6 +3,7 @@ changed gives Opacus' parameters (noise 0) and Opacus' epsilon."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -46,17 +47,30 @@ def _setup(seed: int = 0):
     return model, torch.optim.SGD(model.parameters(), lr=0.5), loader
 
 
-def _train(engine, reduction: str = "mean", noise: float = 0.0, **options):
+def _train(
+    engine, reduction: str = "mean", noise: float = 0.0, epochs: int = 2,
+    physical_batch: int | None = None, **options,
+):  # fmt: skip
+    """An Opacus loop (``physical_batch``: through Opacus' BatchMemoryManager); returns the
+    trained parameters and the engine."""
     model, optimizer, loader = _setup()
     model, optimizer, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise,
         poisson_sampling=False, loss_reduction=reduction, **options,
     )  # fmt: skip
-    for _ in range(2):
-        for x, y in loader:
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y, reduction=reduction).backward()
-            optimizer.step()
+    with contextlib.ExitStack() as stack:
+        if physical_batch is not None:
+            from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+            manager = BatchMemoryManager(
+                data_loader=loader, max_physical_batch_size=physical_batch, optimizer=optimizer
+            )
+            loader = stack.enter_context(manager)
+        for _ in range(epochs):
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y, reduction=reduction).backward()
+                optimizer.step()
     inner = getattr(model, "_module", model)
     return {k: p.detach().clone() for k, p in inner.named_parameters()}, engine
 
@@ -110,23 +124,9 @@ def test_virtual_steps_with_opacus_batch_memory_manager(reduction):
     """Opacus' BatchMemoryManager splits each batch of 8 into physical batches of 3: one step
     per batch, averaged by the batch size and accounted once, as in Opacus (the facade
     averaged by 8 times the physical batches and accounted their rate)."""
-    from opacus.utils.batch_memory_manager import BatchMemoryManager
 
     def train(engine, noise: float):
-        model, optimizer, loader = _setup()
-        model, optimizer, loader = engine.make_private(
-            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise,
-            max_grad_norm=0.3, poisson_sampling=False, loss_reduction=reduction,
-        )  # fmt: skip
-        with BatchMemoryManager(
-            data_loader=loader, max_physical_batch_size=3, optimizer=optimizer
-        ) as physical:
-            for x, y in physical:
-                optimizer.zero_grad()
-                F.cross_entropy(model(x), y, reduction=reduction).backward()
-                optimizer.step()
-        inner = getattr(model, "_module", model)
-        return {k: p.detach().clone() for k, p in inner.named_parameters()}, engine
+        return _train(engine, reduction, noise, epochs=1, physical_batch=3, max_grad_norm=0.3)
 
     theirs, _ = train(opacus.PrivacyEngine(accountant="rdp"), 0.0)
     ours, _ = train(PrivacyEngine(accountant="rdp"), 0.0)
