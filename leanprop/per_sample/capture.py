@@ -138,6 +138,8 @@ def _check_dim(what: str, d: object) -> None:
 
 
 def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
+    if stop - start == n:  # the whole batch in one chunk
+        return x
     if isinstance(x, Tensor) and x.dim() > dim and x.shape[dim] == n:
         return x.narrow(dim, start, stop - start)
     return x
@@ -971,12 +973,11 @@ class PerSample:
                 self._abort_cycle()  # that a model call taking its output does not drop it
             self._cycle.direct_call = site.name
 
-    def begin_fused(self, args: tuple[Any, ...]) -> Call | None:
+    def begin_fused(self, x: Any, weight: Any) -> Call | None:
         """Called by the op interceptor: record a call of a running fusable site whose own
-        weight is ``args[1]``; None to leave the op alone."""
-        if self._computing or not self._active or not torch.is_grad_enabled() or len(args) < 2:
+        weight is ``weight``; None to leave the op alone."""
+        if self._computing or not self._active or not torch.is_grad_enabled():
             return None
-        x, weight = args[0], args[1]
         candidates = self._fusable_by_weight.get(id(weight), ())
         site = next((s for s in candidates if s.running and s.module.weight is weight), None)
         if (

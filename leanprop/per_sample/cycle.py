@@ -341,10 +341,14 @@ class Cycle:
                 "checkpoint(use_reentrant=True) before the block it wraps). Run the forward "
                 "inside the block; prefer checkpoint(use_reentrant=False)."
             )
+        # (a total that autograd took as the whole gradient, the same tensor, adds up)
         pairs = [
             (s, s.total.detach(), s.autograd_grad.detach())
             for s in self.states.values()
-            if s.total is not None and s.autograd_grad is not None and not s.autograd_grad.is_sparse
+            if s.total is not None
+            and s.autograd_grad is not None
+            and s.autograd_grad is not s.total
+            and not s.autograd_grad.is_sparse
         ]
         if not pairs:
             return

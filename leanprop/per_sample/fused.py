@@ -4,7 +4,8 @@ twice.
 An ordinary backward computes ``p.grad`` itself, and per-sample methods then compute the
 individual gradients again (whose sum *is* ``p.grad``). While a :class:`PerSample` context is
 active, a ``TorchFunctionMode`` swaps the op call made by a fusable rule module's own forward
-(``F.linear`` in ``nn.Linear``, ``F.convNd`` in ``nn.ConvNd``) for :class:`FusedOp`, whose
+(``F.linear`` in ``nn.Linear``, ``F.convNd`` in ``nn.ConvNd``, ``F.layer_norm`` and
+``F.group_norm`` in ``nn.LayerNorm`` and ``nn.GroupNorm``) for :class:`FusedOp`, whose
 backward computes the input gradient, hands the output gradient to the capture, and returns the
 sums of the individual gradients as the parameter gradients. Nothing on the user's modules
 changes; only calls made while the module runs its forward are swapped.
@@ -28,7 +29,32 @@ if TYPE_CHECKING:
     from .capture import PerSample
     from .cycle import Call
 
-FUSABLE_OPS = frozenset({F.linear, F.conv1d, F.conv2d, F.conv3d})
+
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, shape: Any, eps: float) -> Tensor:
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+def _group_norm(x: Tensor, weight: Tensor, bias: Tensor | None, groups: int, eps: float) -> Tensor:
+    return F.group_norm(x, groups, weight, bias, eps)
+
+
+# the ops replaced, each called as ``op(x, weight, bias, *extra)``: linear and convolutions
+# are so; the norms are called ``F.layer_norm(x, shape, weight=, bias=, eps=)``
+FUSABLE_OPS = {F.linear: F.linear, F.conv1d: F.conv1d, F.conv2d: F.conv2d, F.conv3d: F.conv3d,
+               F.layer_norm: _layer_norm, F.group_norm: _group_norm}  # fmt: skip
+_NORMS = frozenset({F.layer_norm, F.group_norm})
+_NORM_ARGS = ("input", "arg", "weight", "bias", "eps")
+
+
+def _as_fused(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
+    """``(x, weight, bias, *extra)`` of a fusable op's call as the modules make it, or None
+    for other forms (left to torch)."""
+    if func in _NORMS:
+        bound = dict(zip(_NORM_ARGS, args, strict=False)) | kwargs
+        if len(bound) != len(_NORM_ARGS) or not set(bound) <= set(_NORM_ARGS):
+            return None
+        return bound["input"], bound["weight"], bound["bias"], bound["arg"], bound["eps"]
+    return args if len(args) >= 3 and not kwargs else None
 
 
 class FusedOp(torch.autograd.Function):
@@ -160,10 +186,11 @@ class Intercept(TorchFunctionMode):
                     return func(*args, **kwargs)
                 with self:
                     return engine_grad(*call)
-        if func in FUSABLE_OPS and not kwargs:
-            call = capture.begin_fused(args)
+        fused = _as_fused(func, args, kwargs) if func in FUSABLE_OPS else None
+        if fused is not None:
+            call = capture.begin_fused(fused[0], fused[1])
             if call is not None:
-                out = FusedOp.apply(capture, call, func, *args)
+                out = FusedOp.apply(capture, call, FUSABLE_OPS[func], *fused)
                 capture.after_op(func, args, kwargs, out)
                 return out
         if not capture.follows(args, kwargs):

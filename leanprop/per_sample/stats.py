@@ -25,6 +25,7 @@ from .quantities import (
 )
 
 _BLOCK_BYTES = 2**20
+_SMALL = 2**14  # elements below which a plain reduction beats a matrix-vector product
 
 
 def _recording(b: Tensor) -> bool:
@@ -47,6 +48,8 @@ def sample_sum(b: Tensor) -> Tensor:
     dimension)."""
     n = b.shape[0]
     if not (b.dtype in (torch.float32, torch.float64) and b.is_contiguous() and b.numel()):
+        return b.sum(0)
+    if b.numel() < _SMALL:  # (a kernel call dearer than the reduction)
         return b.sum(0)
     return torch.mv(b.reshape(n, -1).t(), b.new_ones(n)).view(b.shape[1:])
 
@@ -181,7 +184,8 @@ class Reducer:
         return self.full[start:stop]
 
     def add(self, b: Tensor) -> None:
-        b = b.to(self.like.dtype)  # a 16-bit layer's (autocast) in the parameter's dtype
+        if b.dtype != self.like.dtype:  # a 16-bit layer's (autocast) in the parameter's dtype
+            b = b.to(self.like.dtype)
         k = b.shape[0]
         if BatchGrad in self.kinds:
             if k == self.n or _recording(b):
@@ -224,7 +228,7 @@ class Reducer:
             return quantities_from_batch(self.like.new_zeros(0, *self.like.shape), self.kinds)
         out: dict[str, Tensor] = {}
         if BatchL2Grad in self.kinds:
-            out[BatchL2Grad.attr] = torch.cat(self.l2)
+            out[BatchL2Grad.attr] = self.l2[0] if len(self.l2) == 1 else torch.cat(self.l2)
         if SumGradSquared in self.kinds:
             out[SumGradSquared.attr] = self.sgs
         if Variance in self.kinds:

@@ -21,15 +21,21 @@ per shape, device and dtype in this process; not while autograd records) and kee
 All run over chunks of samples chosen by the caller to bound scratch memory.
 
 Squared norms alone (``BatchL2Grad``) of a layer with few output positions ``L`` (the late,
-low-resolution layers of a CNN, which hold most of its parameters) come from the patches
-without ``W_n``: per group, ``W_n = sum_s g_n[:, s] ⊗ u_n[:, s]`` is a sum of ``L`` outer
-products, so ``||W_n||² = sum_{s,t} (g_s·g_t)(u_s·u_t)`` (``factors.py``'s Gram form), used
-where it is cheaper than materialising ``W_n`` (the linear layer's criterion, with ``L`` for
-the sequence length).
+low-resolution layers of a CNN, which hold most of its parameters) come without ``W_n``: per
+group, ``W_n = sum_s g_n[:, s] ⊗ u_n[:, s]`` (``u_n[:, s]`` the patch of output position s) is
+a sum of ``L`` outer products, so ``||W_n||² = sum_{s,t} (g_s·g_t)(u_s·u_t)`` (``factors.py``'s
+Gram form), used where it is cheaper than materialising ``W_n`` (the linear layer's criterion,
+with ``L`` for the sequence length). The patches' Gram ``u_s·u_t = sum_k <x_{p(s)+k},
+x_{p(t)+k}>`` (``p(s)``: where window s starts in the padded input, ``k`` over the kernel's
+offsets) comes either from the patches themselves (im2col: a strided copy, slow where windows
+are small) or, where that is no more work (stride 1: about as many input pixels as windows),
+from the Gram of the padded input's pixels ``A = x_padᵀ x_pad`` ``[P, P]``, summed over the
+``K`` shifted ``[L, L]`` blocks: no patches at all.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any
@@ -249,30 +255,90 @@ def conv_batch_l2(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str],
     opts: RuleOptions,
 ) -> dict[str, Tensor]:  # fmt: skip
-    """Squared norms ``[N]`` of the individual gradients where a closed form is cheaper: the
-    bias always, the weight by the Gram form where the layer has few output positions."""
+    """Squared norms ``[N]`` of the weight's individual gradients by the Gram form, where the
+    layer has few output positions (the bias's, ``[N, O]``, cost less than a closed form)."""
     x = inputs[0]
     n, groups = x.shape[0], module.groups
     out: dict[str, Tensor] = {}
-    if "bias" in names:
-        out["bias"] = g.flatten(2).sum(2).pow(2).sum(1)  # [N]
     o_g = module.out_channels // groups
     i_g = module.weight[0].numel()  # C/G * prod(K)
     positions = g[0, 0].numel()  # L
     if "weight" not in names or not gram_is_cheaper(positions, i_g, o_g):
         return out
-    # the patches of a chunk of samples at a time: [n, C*K, L] (no more than the individual
-    # gradients would take: the criterion bounds L (C/G*K) by W's size)
-    per_sample = x[0].numel() + module.in_channels * math.prod(module.kernel_size) * positions
+    pixels = _pixel_gram_is_cheaper(module, x, g)
+    k = math.prod(module.kernel_size)
+    if pixels:  # the padded input, its pixel Gram, the patches' blocks: [n, P(+P²)], [n, K L²]
+        p = math.prod(s + 2 * q for s, q in zip(x.shape[2:], _padding_of(module), strict=True))
+        per_sample = module.in_channels * p + groups * (p * p + (k + 2) * positions**2)
+    else:  # the patches: [n, C*K, L] (no more than the individual gradients would take: the
+        per_sample = x[0].numel() + module.in_channels * k * positions  # criterion bounds them)
     parts = []
     for start, stop in sample_chunks(n, per_sample * g.element_size(), opts.workspace_bytes):
         m = stop - start
-        u = _patches(module, x[start:stop]).reshape(m * groups, i_g, positions).mT  # [m*G, L, I/G]
-        gs = g[start:stop].reshape(m * groups, o_g, positions).mT  # [m*G, L, O/G]
-        sq = inner(Outer(gs, u), Outer(gs, u), opts.workspace_bytes)  # [m*G]
+        if pixels:
+            sq = _pixel_gram_norms(module, x[start:stop], g[start:stop])  # [m*G]
+        else:
+            u = _patches(module, x[start:stop]).reshape(m * groups, i_g, positions).mT
+            gs = g[start:stop].reshape(m * groups, o_g, positions).mT  # [m*G, L, O/G]
+            sq = inner(Outer(gs, u), Outer(gs, u), opts.workspace_bytes)  # [m*G]
         parts.append(sq.view(m, groups).sum(1))
     out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else g.new_zeros(0)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _shifted_blocks(
+    padded: tuple[int, ...], out: tuple[int, ...], kernel: tuple[int, ...],
+    stride: tuple[int, ...], dilation: tuple[int, ...], device: torch.device,
+) -> Tensor:  # fmt: skip
+    """Flat indices ``[K * L * L]`` into a ``[P, P]`` pixel Gram (``P`` padded input pixels,
+    ``L`` output positions, ``K`` kernel offsets) of ``A[p(s) + k, p(t) + k]``: for each
+    offset k, the block of window pairs (s, t)."""
+    steps = [math.prod(padded[i + 1 :]) for i in range(len(padded))]  # flat stride of each dim
+
+    def flat(sizes: tuple[int, ...], scale: tuple[int, ...]) -> Tensor:
+        grids = torch.meshgrid(*(torch.arange(k) for k in sizes), indexing="ij")
+        return sum(g.flatten() * a * b for g, a, b in zip(grids, scale, steps, strict=True))
+
+    starts, offsets = flat(out, stride), flat(kernel, dilation)  # [L], [K]
+    rows = starts[None, :, None] + offsets[:, None, None]  # [K, L, 1]
+    cols = starts[None, None, :] + offsets[:, None, None]  # [K, 1, L]
+    return (rows * math.prod(padded) + cols).flatten().to(device)
+
+
+def _pixel_gram_is_cheaper(module: nn.Module, x: Tensor, g: Tensor) -> bool:
+    """Whether the patches' Gram costs no more from the padded input's pixel Gram (``P²`` per
+    channel) than from the patches (``K L²`` per channel, plus their copy)."""
+    padded = [s + 2 * p for s, p in zip(x.shape[2:], _padding_of(module), strict=True)]
+    return math.prod(padded) ** 2 <= math.prod(module.kernel_size) * g[0, 0].numel() ** 2
+
+
+def _padding_of(module: nn.Module) -> tuple[int, ...]:
+    """Padding on each side of each spatial dim (at most: ``"same"`` may pad one less)."""
+    if isinstance(module.padding, str):
+        if module.padding == "valid":
+            return (0,) * _dims(module)
+        pairs = zip(module.kernel_size, module.dilation, strict=True)
+        return tuple(dil * (k - 1) // 2 + 1 for k, dil in pairs)
+    return tuple(module.padding)
+
+
+def _pixel_gram_norms(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    """``||W_n||²`` per sample and group ``[n * G]`` from the pixel Gram of the padded input."""
+    n, groups = x.shape[0], module.groups
+    xp = _pad(module, x)
+    padded, out = tuple(xp.shape[2:]), tuple(g.shape[2:])
+    p, positions = math.prod(padded), math.prod(out)
+    xf = xp.reshape(n * groups, -1, p)  # [nG, C/G, P]
+    pixels = torch.bmm(xf.mT, xf).view(n * groups, p * p)  # [nG, P²]
+    index = _shifted_blocks(
+        padded, out, module.kernel_size, module.stride, module.dilation, x.device
+    )
+    k = math.prod(module.kernel_size)
+    patch_gram = pixels.index_select(1, index).view(n * groups, k, -1).sum(1)  # [nG, L²]
+    gf = g.reshape(n * groups, -1, positions)  # [nG, O/G, L]
+    grad_gram = torch.bmm(gf.mT, gf).view(n * groups, -1)  # [nG, L²]
+    return (patch_gram * grad_gram).sum(1)
 
 
 @register_rule(

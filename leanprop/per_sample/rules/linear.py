@@ -46,7 +46,8 @@ def linear_batch_l2(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str],
     options: RuleOptions,
 ) -> dict[str, Tensor]:  # fmt: skip
-    """Squared norms ``[N]`` of the individual gradients, where a closed form is cheaper."""
+    """Squared norms ``[N]`` of the weight's individual gradients, where a closed form is
+    cheaper (the bias's, ``[N, O]``, cost less than their norms' closed form and its sum)."""
     x = inputs[0]
     out: dict[str, Tensor] = {}
     if "weight" in names:
@@ -57,8 +58,6 @@ def linear_batch_l2(
             t, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
             if gram_is_cheaper(t, i, o):  # the factors' own inner product
                 out["weight"] = inner(Outer(gs, xs), Outer(gs, xs), options.workspace_bytes)
-    if "bias" in names:
-        out["bias"] = (g if g.dim() == 2 else _as_sequence(x, g)[1].sum(1)).pow(2).sum(1)
     return out
 
 
