@@ -55,15 +55,31 @@ def _setup(kind: type[nn.Module]):
     return module, x.detach(), g, names, expected
 
 
+def _one_at_a_time(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """Each sample's gradients on its own (autograd on ``<module(x[n]), g[n]>``)."""
+    params = dict(module.named_parameters())
+    rows = [
+        torch.autograd.grad(module(x[n : n + 1]), list(params.values()), g[n : n + 1])
+        for n in range(x.shape[0])
+    ]
+    return {k: torch.stack([r[i] for r in rows]) for i, k in enumerate(params)}
+
+
+@pytest.mark.parametrize("recording", [False, True], ids=["no-grad", "create-graph"])
 @pytest.mark.parametrize("algorithm", ["unfold", "grouped", "weight_backward"])
 @pytest.mark.parametrize("kind", list(_cases()), ids=lambda k: k.__name__)
-def test_individual_gradients_add_up_to_autograds(kind, algorithm):
+def test_individual_gradients_equal_one_sample_at_a_time(kind, algorithm, recording):
+    """Each individual gradient is its sample's own (so they also add up to autograd's), in
+    a plain backward (autograd not recording) and under create_graph (recording)."""
     module, x, g, names, expected = _setup(kind)
     rule = rule_for(module)
-    batch = rule.batch_grads(module, (x,), g, names, RuleOptions(algorithm, 2**30))
+    with torch.set_grad_enabled(recording):
+        batch = rule.batch_grads(module, (x,), g, names, RuleOptions(algorithm, 2**30))
+    own = _one_at_a_time(module, x, g)
     for k in names:
         assert batch[k].shape == (x.shape[0], *expected[k].shape)
-        assert_close(batch[k].sum(0), expected[k], f"{kind.__name__}.{k}", 1e-10, 1e-12)
+        assert_close(batch[k], own[k], f"{kind.__name__}.{k}", 1e-10, 1e-12)
+        assert_close(batch[k].sum(0), expected[k], f"{kind.__name__}.{k} sum", 1e-10, 1e-12)
 
 
 @pytest.mark.parametrize("kind", list(_cases()), ids=lambda k: k.__name__)

@@ -121,9 +121,34 @@ def _group_norm_check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
 def group_norm_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:
-    """Individual gradients ``[N, C]`` of weight and bias."""
+    """Individual gradients ``[N, C]`` of weight and bias.
+
+    With each sample's groups taken as groups of their own (``[1, N*C, ...]`` in ``N*G``
+    groups: the same statistics), torch's backward kernel sums over the one "sample" only, so
+    its weight and bias gradients ``[N*C]`` are the individual ones; where autograd records
+    (``create_graph``: that kernel has no derivative) or the dtypes differ, by formula."""
     x = inputs[0]
     n, c = x.shape[0], x.shape[1]
+    if not torch.is_grad_enabled() and x.dtype == g.dtype and x.numel():
+        rows, groups = n * c, n * module.num_groups
+        hw = x[0, 0].numel()
+        xs, gs = x.reshape(1, rows, hw), g.reshape(1, rows, hw)
+        _, mean, rstd = torch.native_group_norm(xs, None, None, 1, rows, hw, groups, module.eps)
+        mask = [False, "weight" in names, "bias" in names]
+        _, weight, bias = torch.ops.aten.native_group_norm_backward(
+            gs.contiguous(),
+            xs.contiguous(),
+            mean,
+            rstd,
+            g.new_ones(rows),
+            1,
+            rows,
+            hw,
+            groups,
+            mask,
+        )
+        found = (("weight", weight), ("bias", bias))
+        return {k: v.view(n, c) for k, v in found if v is not None}
     out: dict[str, Tensor] = {}
     if "weight" in names:
         x_hat = F.group_norm(x, module.num_groups, eps=module.eps).to(g.dtype)
