@@ -1436,6 +1436,10 @@ class PerSample:
             return sums
         closed: dict[str, Tensor] = {}
         l2_only = kinds == frozenset({BatchL2Grad})
+        # clipping hands autograd zeros for a replaced op (see below): norms alone are wanted
+        hands_zeros = self._clip is not None and call.replaced and self._accumulating
+        if hands_zeros:
+            opts = replace(opts, sums_wanted=False)
         if single and l2_only and site.rule is not None and site.rule.batch_l2 is not None:
             front_args, g = self._fronted(call)
             args = tuple(_like(a, g) for a in front_args)
@@ -1444,7 +1448,7 @@ class PerSample:
                 self._states[call.params[k]].results[BatchL2Grad.attr] = widen(v)
         if single and kinds == frozenset({SumGradSquared}) and site.rule is not None:
             closed = self._closed_sum_of_squares(call, single)  # (the GGN's diagonal passes)
-        if closed and self._clip is not None and call.replaced and self._accumulating:
+        if closed and hands_zeros:
             # clipping puts back what autograd accumulates: hand it zeros, not the summed
             # gradient (a use that escaped the op still shows in the check)
             for k in closed:
@@ -1478,11 +1482,17 @@ class PerSample:
 
     def _leave_reweighers(self, call: Call, names: frozenset[str]) -> frozenset[str]:
         """Clipping: each parameter ``names`` of a rule call whose rule gives the summed
-        gradient keeps its reweigher (``clipping.rule_reweighers``). Returns the names that
-        got one (the others keep their individual gradients)."""
+        gradient keeps its reweigher (``clipping.rule_reweighers``), which holds the call's
+        input and output gradient until the end of backward: where they are larger than the
+        individual gradients (a norm layer's on sequences, an early convolution's), these
+        are kept instead. Returns the names that got one (the others keep their individual
+        gradients)."""
         if call.site.rule is None:
             return frozenset()
         front_args, g = self._fronted(call)
+        held = g.numel() + sum(a.numel() for a in front_args if isinstance(a, Tensor))
+        if call.n * sum(call.params[k].numel() for k in names) <= held:
+            return frozenset()
         args = tuple(_like(a, g) for a in front_args)
         found = rule_reweighers(call.site.rule, call.site.module, args, g, names)
         for k, reweigh in found.items():

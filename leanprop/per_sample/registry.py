@@ -39,10 +39,14 @@ class RuleOptions:
     Attributes:
         conv_algorithm: ``"auto"``, ``"unfold"``, ``"grouped"`` or ``"weight_backward"``.
         workspace_bytes: scratch memory a rule may use for one chunk of samples.
+        sums_wanted: ``batch_l2`` is asked for the norms and, after them, the summed gradient
+            (which materialised individual gradients give for free); False under clipping,
+            which forms a weighted sum instead, so closed-form norms pay off sooner.
     """
 
     conv_algorithm: str = "auto"
     workspace_bytes: int = 256 * 2**20
+    sums_wanted: bool = True
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ the registry, and what it refuses."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 
 import pytest
 import torch
@@ -161,6 +163,61 @@ def test_no_individual_gradients_of_linear_conv_or_embedding_layers():
         step(leanprop.per_sample(model, leanprop.BatchGrad()))
     assert materialised.peak_bytes > largest
     assert clipped.peak_bytes < largest / 4, (clipped.peak_mib, largest / 2**20)
+
+
+def test_norm_layers_on_sequences_keep_their_small_individual_gradients():
+    """A LayerNorm's individual gradients [N, D] are kept for the clipped sum, not its input
+    and output gradient [N, T, D] (which held 1 MiB per layer until the end of backward)."""
+    torch.manual_seed(0)
+    n, t, d = 16, 256, 32
+    blocks = [nn.Sequential(nn.LayerNorm(d), nn.Tanh()) for _ in range(8)]
+    model = nn.Sequential(*blocks, nn.Flatten(1), nn.Linear(t * d, 2))
+    x, y = torch.randn(n, t, d), torch.randint(0, 2, (n,))
+
+    def step(ctx):
+        with ctx:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    step(leanprop.clip_per_sample(model, 1.0))
+    with leanprop.track_memory() as plain:
+        step(contextlib.nullcontext())
+    with leanprop.track_memory() as clipped:
+        step(leanprop.clip_per_sample(model, 1.0))
+    held_by_one_layer = 2 * n * t * d * 4
+    assert clipped.peak_bytes - plain.peak_bytes < held_by_one_layer / 2, (
+        clipped.peak_mib,
+        plain.peak_mib,
+    )
+
+
+def test_clipping_takes_gram_norms_where_they_beat_materialising_without_the_sum(monkeypatch):
+    """Clipping needs the norms, not the summed gradient (it forms a weighted sum): a linear
+    layer on sequences with T (I + O) < I O < 2 T (I + O) gets Gram norms under clipping
+    (BatchL2Grad alone materialises: its sum then comes for free), exact."""
+    linear = importlib.import_module("leanprop.per_sample.rules.linear")
+    calls = []
+    real = linear.inner
+    monkeypatch.setattr(linear, "inner", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Flatten(1), nn.Linear(24 * 64, 3))
+    model.double()
+    x, y = torch.randn(5, 24, 64, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(out, target, reduction):
+        return torch.nn.functional.cross_entropy(out, target, reduction=reduction)
+
+    with leanprop.per_sample(model, leanprop.BatchL2Grad()):
+        loss(model(x), y, "mean").backward()
+    assert not calls  # (the sum wanted too: materialised)
+    model.zero_grad(set_to_none=True)
+    expected, norms = clipped_gradients(copy.deepcopy(model), loss, x, y, 1.0)
+    with leanprop.clip_per_sample(model, 1.0) as clip:
+        loss(model(x), y, "mean").backward()
+    assert calls, "the Gram form was not used under clipping"
+    assert_close(clip.last_norms, norms, "norms", 1e-10, 1e-12)
+    for name, p in model.named_parameters():
+        assert_close(p.grad, expected[name], f"{name} clipped", 1e-10, 1e-12)
 
 
 @pytest.mark.parametrize("name", ["mlp", "conv2d", "sequence", "tied_lm"])

@@ -263,7 +263,7 @@ def conv_batch_l2(
     o_g = module.out_channels // groups
     i_g = module.weight[0].numel()  # C/G * prod(K)
     positions = g[0, 0].numel()  # L
-    if "weight" not in names or not gram_is_cheaper(positions, i_g, o_g):
+    if "weight" not in names or not gram_is_cheaper(positions, i_g, o_g, opts.sums_wanted):
         return out
     pixels = _pixel_gram_is_cheaper(module, x, g)
     k = math.prod(module.kernel_size)

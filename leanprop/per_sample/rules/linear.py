@@ -30,12 +30,13 @@ def _check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
     return None
 
 
-def gram_is_cheaper(t: int, i: int, o: int) -> bool:
+def gram_is_cheaper(t: int, i: int, o: int, sums_wanted: bool = True) -> bool:
     """Whether the Gram form of the norms (``T² (I + O)`` per sample, plus the ordinary
     ``T I O`` gradient it still needs) beats materialising ``W_n`` (``T I O`` per sample, whose
     sum is the gradient): only where ``T (I + O)`` is well below ``I O`` (measured on CPU:
-    about even at a half, materialising wins above, the Gram form far below)."""
-    return 2 * t * (i + o) < i * o
+    about even at a half, materialising wins above, the Gram form far below). Without the
+    summed gradient (``sums_wanted=False``): where ``T (I + O)`` is below ``I O``."""
+    return (2 if sums_wanted else 1) * t * (i + o) < i * o
 
 
 def _as_sequence(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
@@ -56,7 +57,7 @@ def linear_batch_l2(
         else:
             xs, gs = _as_sequence(x, g)
             t, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
-            if gram_is_cheaper(t, i, o):  # the factors' own inner product
+            if gram_is_cheaper(t, i, o, options.sums_wanted):  # the factors' inner product
                 out["weight"] = inner(Outer(gs, xs), Outer(gs, xs), options.workspace_bytes)
     return out
 
