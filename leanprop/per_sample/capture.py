@@ -1483,15 +1483,16 @@ class PerSample:
     def _leave_reweighers(self, call: Call, names: frozenset[str]) -> frozenset[str]:
         """Clipping: each parameter ``names`` of a rule call whose rule gives the summed
         gradient keeps its reweigher (``clipping.rule_reweighers``), which holds the call's
-        input and output gradient until the end of backward: where they are larger than the
-        individual gradients (a norm layer's on sequences, an early convolution's), these
-        are kept instead. Returns the names that got one (the others keep their individual
-        gradients)."""
+        input and output gradient until the end of backward: a parameter whose individual
+        gradients take well less (at most half: a bias, a norm layer's weight on sequences,
+        an early convolution's) keeps those instead (less memory, and no second pass).
+        Returns the names that got one (the others keep their individual gradients)."""
         if call.site.rule is None:
             return frozenset()
         front_args, g = self._fronted(call)
         held = g.numel() + sum(a.numel() for a in front_args if isinstance(a, Tensor))
-        if call.n * sum(call.params[k].numel() for k in names) <= held:
+        names = frozenset(k for k in names if 2 * call.n * call.params[k].numel() > held)
+        if not names:
             return frozenset()
         args = tuple(_like(a, g) for a in front_args)
         found = rule_reweighers(call.site.rule, call.site.module, args, g, names)
