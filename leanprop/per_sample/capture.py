@@ -851,6 +851,7 @@ class PerSample:
             self._cycle.contributions = ops.Contribute(
                 _Weakly(self._contribute), _Weakly(self.own_work), _Weakly(self._is_passive),
                 _Weakly(self._norms_only), _Weakly(self._store_norms), self._cycle.scratch,
+                _Weakly(self._sums_wanted),
             )  # fmt: skip
         return self._cycle.contributions
 
@@ -877,6 +878,11 @@ class PerSample:
         finally:
             self._computing_here = before
             ops.WORKING.depth -= 1
+
+    def _sums_wanted(self) -> bool:
+        """Whether a replaced op's summed gradients go into ``.grad``: not in a clipped
+        ``.backward()`` (the clipping puts back what autograd accumulates)."""
+        return not (self._clip is not None and self._accumulating)
 
     def _norms_only(self, t: Tensor) -> bool:
         state = self._states.get(t) if isinstance(t, nn.Parameter) else None
@@ -1437,7 +1443,7 @@ class PerSample:
         closed: dict[str, Tensor] = {}
         l2_only = kinds == frozenset({BatchL2Grad})
         # clipping hands autograd zeros for a replaced op (see below): norms alone are wanted
-        hands_zeros = self._clip is not None and call.replaced and self._accumulating
+        hands_zeros = call.replaced and not self._sums_wanted()
         if hands_zeros:
             opts = replace(opts, sums_wanted=False)
         if single and l2_only and site.rule is not None and site.rule.batch_l2 is not None:

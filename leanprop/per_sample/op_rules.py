@@ -93,23 +93,28 @@ def closed_form(
 def closed_norms(
     name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
     positions: Sequence[int], g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
-    workspace_bytes: int, scratch: Scratch,
+    workspace_bytes: int, scratch: Scratch, sums_wanted: bool = True,
 ) -> dict[int, tuple[Tensor, Tensor]] | None:  # fmt: skip
     """``{position: (||c_n||² [N], summed gradient)}`` without keeping the individual
     gradients, for linear/matmul/addmm: from Gram matrices ``[N, S, S]`` where
     ``gram_is_cheaper``, else materialised a chunk of samples at a time (at most
     ``workspace_bytes``) in the ``scratch`` buffer. None for other ops (and for the
-    materialised form while autograd records)."""
+    materialised form while autograd records). ``sums_wanted=False`` (clipping): zeros
+    (a stride-0 view) for the summed gradient of the Gram form, which then pays off sooner."""
     parts = _linear_rows(name, tensors, in_batch, positions, g, out_bd, n, n_args)
     if parts is None:
         return None
     xs, gs, w_at, b_at, bias = parts
     s, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
     out: dict[int, tuple[Tensor, Tensor]] = {}
-    if w_at in positions and gram_is_cheaper(s, i, o):
+    if w_at in positions and gram_is_cheaper(s, i, o, sums_wanted):
         norms = (torch.bmm(xs, xs.mT) * torch.bmm(gs, gs.mT)).sum((1, 2))
         x2, g2 = xs.reshape(-1, i), gs.reshape(-1, o)
-        out[w_at] = (norms, g2.mT @ x2 if name == "linear" else x2.mT @ g2)
+        w = tensors[w_at]
+        if not sums_wanted:
+            out[w_at] = (norms, w.new_zeros(()).expand_as(w))
+        else:
+            out[w_at] = (norms, g2.mT @ x2 if name == "linear" else x2.mT @ g2)
     elif w_at in positions:
         if torch.is_grad_enabled():  # create_graph: the per-sample path keeps them in the graph
             return None

@@ -59,6 +59,7 @@ class Contribute:
         norms_only: Callable[[Tensor], bool],
         norms: Callable[..., None],
         scratch: Scratch,
+        sums_wanted: Callable[[], bool],
     ) -> None:
         self.sink = sink  # sink(batch, compute_dtype, source): source is this object
         self.computing = computing  # marks the per-sample work (its autograd calls) as ours
@@ -68,6 +69,9 @@ class Contribute:
         # its results (reweigher() makes its weighted sum for clipping, or None)
         self.norms_only, self.norms = norms_only, norms
         self.scratch = scratch  # temporaries of the per-sample work, reused by each op
+        # sums_wanted(): the summed gradients go into .grad (False under clipping, which puts
+        # back what autograd accumulates and forms its own weighted sums: zeros will do)
+        self.sums_wanted = sums_wanted
         self._closed = False
         self.dropped_n: int | None = None  # samples, if a later forward dropped this one
 
@@ -237,7 +241,7 @@ class OpCapture(torch.autograd.Function):
             norms = closed_norms(
                 op_name(op.func), local, op.in_batch, captured, live[0][2],
                 op.out_batch[live[0][0]], op.n, op.n_args, op.workspace_bytes,
-                op.contribute.scratch,
+                op.contribute.scratch, op.contribute.sums_wanted(),
             ) or {}  # fmt: skip
             for i, (sq, total) in norms.items():  # BatchL2Grad alone: norms, not gradients
                 summed[i] = total

@@ -220,6 +220,45 @@ def test_clipping_takes_gram_norms_where_they_beat_materialising_without_the_sum
         assert_close(p.grad, expected[name], f"{name} clipped", 1e-10, 1e-12)
 
 
+class _AddmmLayer(nn.Module):
+    """HF ``Conv1D``'s pattern: ``addmm`` on the module's own weight (op-level capture)."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(i, o) / i**0.5)
+        self.bias = nn.Parameter(torch.zeros(o))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return out.view(*x.shape[:-1], -1)
+
+
+def test_op_level_uses_take_gram_norms_under_clipping(monkeypatch):
+    """The op-level closed form (HF Conv1D's addmm) under clipping: Gram norms where they beat
+    materialising without the summed gradient (T (I + O) < I O < 2 T (I + O)), which then is
+    not computed (autograd gets zeros; the clipping forms the weighted sum), exact."""
+    op_rules = importlib.import_module("leanprop.per_sample.op_rules")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("materialised norms under clipping, where Gram norms are cheaper")
+
+    monkeypatch.setattr(op_rules, "_materialised_norms", refuse)
+    torch.manual_seed(0)
+    model = nn.Sequential(_AddmmLayer(64, 64), nn.Tanh(), nn.Flatten(1), nn.Linear(24 * 64, 3))
+    model.double()
+    x, y = torch.randn(5, 24, 64, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(out, target, reduction):
+        return torch.nn.functional.cross_entropy(out, target, reduction=reduction)
+
+    expected, norms = clipped_gradients(copy.deepcopy(model), loss, x, y, 1.0)
+    with leanprop.clip_per_sample(model, 1.0) as clip:
+        loss(model(x), y, "mean").backward()
+    assert_close(clip.last_norms, norms, "norms", 1e-10, 1e-12)
+    for name, p in model.named_parameters():
+        assert_close(p.grad, expected[name], f"{name} clipped", 1e-10, 1e-12)
+
+
 @pytest.mark.parametrize("name", ["mlp", "conv2d", "sequence", "tied_lm"])
 def test_under_bf16_autocast(name):
     """bf16 autocast (backward outside it, as usual): within bf16 rounding of the float32
