@@ -174,3 +174,42 @@ def ggn_blocks(
         per = torch.einsum("nkp,nkl,nlp->np", j, h_nn, j)
         blocks[name] = (full, per)
     return blocks
+
+
+def hessian_diagonals(
+    model: nn.Module, x: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], y: Tensor
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """The Hessian's diagonal by brute force (autograd's full Hessian of the loss with respect
+    to each parameter), and each sample's share (the Hessian of the loss with every other
+    sample's output held fixed at its value), for checking ``DiagHessian`` on small problems
+    whose model keeps samples apart (no BatchNorm in training mode, no dropout).
+
+    Returns:
+        ``name -> (diagonal p.shape, per-sample diagonals [N, *p.shape])`` for each trainable
+        parameter.
+    """
+    from torch.func import functional_call
+
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        fixed = functional_call(model, params, (x,))
+    n = x.shape[0]
+    out = {}
+    for name, p in params.items():
+
+        def loss_of(w: Tensor, only: int | None = None, name: str = name) -> Tensor:
+            o = functional_call(model, {**params, name: w}, (x,))
+            if only is not None:  # sample `only`'s output live, the others' fixed
+                keep = torch.zeros(n, dtype=torch.bool, device=o.device)
+                keep[only] = True
+                o = torch.where(keep.view(-1, *[1] * (o.dim() - 1)), o, fixed)
+            return loss_fn(o, y)
+
+        def diag(f: Callable[[Tensor], Tensor], p: Tensor = p) -> Tensor:
+            h = torch.autograd.functional.hessian(f, p)
+            return h.reshape(p.numel(), p.numel()).diagonal().view_as(p)
+
+        full = diag(loss_of)
+        per = torch.stack([diag(lambda w, i=i: loss_of(w, i)) for i in range(n)])
+        out[name] = (full, per)
+    return out

@@ -171,6 +171,33 @@ def resnet_batchnorm_eval() -> Built:
     return m, lambda: F.cross_entropy(m(x), y, reduction="none"), {}
 
 
+class _TokensGroupNorm(nn.Module):
+    """GroupNorm over tokens turned to channels: ``[N, T, C] -> [N, C, T]``, a transposed
+    (non-contiguous) input, as in audio and time-series models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(3, 6), nn.GroupNorm(3, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(self.lin(x).transpose(1, 2))
+
+
+@model
+def groupnorm_transposed_input() -> Built:
+    m = _TokensGroupNorm()
+    x = torch.randn(N, N, 3)  # T == N
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+@model
+def groupnorm_channels_last() -> Built:
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Flatten())
+    m = m.to(memory_format=torch.channels_last)
+    x = torch.randn(N, 3, 5, 5).contiguous(memory_format=torch.channels_last)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
 class InvertedResidual(nn.Module):
     """MobileNetV2: pointwise expand, depthwise (strided), pointwise project."""
 

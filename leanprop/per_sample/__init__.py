@@ -8,8 +8,8 @@ One backward, followed through this folder:
   backward, computes each call's individual gradients over chunks of samples; ends the cycle
   (write results, sum check) when the backward ends, or aborts it on an exception.
 * ``fused.py``: the op interception (one ``TorchFunctionMode``, also kept on during backward so
-  checkpoints recompute through it); swaps Linear/Conv ops so autograd does not compute their
-  parameter gradients twice.
+  checkpoints recompute through it); swaps Linear/Conv/LayerNorm/GroupNorm ops so autograd
+  does not compute their parameter gradients twice.
 * ``batch.py``: which tensors carry the batch, and in which dimension (model inputs at
   ``batch_dim``, followed op by op).
 * ``broadcast.py``: parameters whose output is broadcast over the batch (position embeddings,
@@ -21,7 +21,8 @@ One backward, followed through this folder:
 * ``stats.py``: statistics over samples (cache-blocked, centred variance); ``quantities.py``:
   what can be requested; ``distributed.py``: :func:`all_reduce_quantities` over ranks.
 * ``curvature/``: the generalized Gauss-Newton matrix (:func:`ggn`): one backward per column
-  of the loss Hessian's factor through the same recorded forward.
+  of the loss Hessian's factor through the same recorded forward; the Hessian's diagonal adds
+  the curved activations' terms (``hessian.py``), backpropagated from their inputs.
 """
 
 from .api import per_sample
@@ -32,8 +33,10 @@ from .curvature import (
     KFLR,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
+    BatchDiagHessian,
     DiagGGNExact,
     DiagGGNMC,
+    DiagHessian,
     SqrtGGNExact,
     SqrtGGNMC,
     ggn,
@@ -45,11 +48,13 @@ from .registry import register_rule
 __all__ = [
     "BatchDiagGGNExact",
     "BatchDiagGGNMC",
+    "BatchDiagHessian",
     "BatchDotGrad",
     "BatchGrad",
     "BatchL2Grad",
     "DiagGGNExact",
     "DiagGGNMC",
+    "DiagHessian",
     "GGNMP",
     "KFAC",
     "KFLR",

@@ -390,6 +390,13 @@ def _matmul(a: Tensor, b: Tensor, which: int, bd: BatchDim, out_ndim: int) -> In
     return BatchDim(out_ndim - (x.dim() - bd.dim), bd.inner)
 
 
+# elementwise ops with a second derivative (the Hessian's residual terms), by op name
+CURVED_ELEMENTWISE = frozenset({
+    "tanh", "sigmoid", "exp", "gelu", "silu", "softplus", "elu", "selu", "celu",
+    "log_sigmoid", "mish", "sin", "cos", "log", "sqrt", "pow", "square", "hardswish",
+})  # fmt: skip
+
+
 def result_dim(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
     bd: BatchDim, out: Tensor, k: int, n: int, tracker: BatchTracker,
@@ -624,6 +631,9 @@ class BatchTracker:
         self._info = _ByTensor()  # tensor -> Info
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
         self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
+        # autograd node of each curved elementwise op's batched output -> where its batch is
+        # (the Hessian's residual terms: the output itself is gone by then, its node is not)
+        self.curved: dict[Any, Info] = {}
 
     def clear(self) -> None:
         """Forget every tensor (a new forward/backward cycle)."""
@@ -631,6 +641,7 @@ class BatchTracker:
         self._info = _ByTensor()
         self._derived = _ByTensor()
         self._lookups = _ByTensor()
+        self.curved = {}
 
     def lookup(self, t: Any) -> Lookup | None:
         """How ``t`` was computed, if it is rows of one tracked parameter looked up with
@@ -730,6 +741,8 @@ class BatchTracker:
                         results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
+            if name in CURVED_ELEMENTWISE and o.grad_fn is not None:
+                self.curved[o.grad_fn] = res
 
 
 @dataclass(frozen=True, eq=False)

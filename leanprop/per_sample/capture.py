@@ -420,6 +420,22 @@ class PerSample:
             return f"its dimension {info.dim} holds the samples flattened with another one"
         return info.dim
 
+    def batch_dim_of_node(self, node: Any) -> int | str | None:
+        """Where the output of autograd node ``node`` holds the samples, for a curved
+        elementwise op of the recorded forward (``tanh``, ``sigmoid``, ...; see
+        :meth:`batch_dim_of`); None where leanprop did not record it. Without the op
+        interception (``fuse=False``), ``batch_dim``: every layer's documented layout."""
+        if self._intercept is None:
+            return self._batch_dim
+        info = self._tracker.curved.get(node)
+        if info is None:
+            return None
+        if isinstance(info, Lost):
+            return info.reason
+        if info.inner != 1:
+            return f"its dimension {info.dim} holds the samples flattened with another one"
+        return info.dim
+
     @property
     def samples(self) -> int | None:
         """Samples in the recorded forward (None before one)."""
@@ -1005,6 +1021,23 @@ class PerSample:
         for p in call.params.values():
             self._states[p].uses += 1
         return call
+
+    def end_fused(
+        self, call: Call, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor
+    ) -> None:
+        """Called by the op interceptor after a replaced op: where the batch went in its
+        output; an op that mixed the samples (a LayerNorm normalising over the batch, a linear
+        layer summing over it) has no per-sample gradients: refused."""
+        self.after_op(func, args, kwargs, out)
+        info = self._tracker.info(out) if self._tracking() else None
+        if isinstance(info, Lost):
+            site = call.site
+            raise BatchError(
+                f"per_sample: {type(site.module).__name__} '{site.name}' mixes the samples "
+                f"({info.reason}): each sample's gradient depends on the others, so per-sample "
+                "quantities are undefined. Keep the batch out of the dimensions the layer acts "
+                "on (batch_dim=, or the layer's configuration)."
+            )
 
     def fused_backward(self, call: Call, x: Tensor, grad: Tensor) -> dict[str, Tensor] | None:
         """Output gradient of a replaced op: process the call, return its summed gradients

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
 from .._torch_compat import engine_backward, engine_grad, function_modes
@@ -124,9 +125,12 @@ def _grad_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
     if bound.get("materialize_grads") or "outputs" not in bound or "inputs" not in bound:
         return None
     outputs, inputs = bound["outputs"], bound["inputs"]
-    outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+    # (an output may be a GradientEdge, a NamedTuple: the Hessian's passes start at one)
+    outputs = (outputs,) if isinstance(outputs, Tensor | GradientEdge) else tuple(outputs)
     inputs = (inputs,) if isinstance(inputs, Tensor) else inputs
-    if isinstance(inputs, dict) or not all(isinstance(t, Tensor) for t in (*outputs, *inputs)):
+    if isinstance(inputs, dict) or not all(isinstance(t, Tensor) for t in inputs):
+        return None
+    if not all(isinstance(t, Tensor | GradientEdge) for t in outputs):
         return None
     grads = bound.get("grad_outputs")
     grads = (grads,) if grads is None or isinstance(grads, Tensor) else tuple(grads)
@@ -191,7 +195,7 @@ class Intercept(TorchFunctionMode):
             call = capture.begin_fused(fused[0], fused[1])
             if call is not None:
                 out = FusedOp.apply(capture, call, FUSABLE_OPS[func], *fused)
-                capture.after_op(func, args, kwargs, out)
+                capture.end_fused(call, func, args, kwargs, out)
                 return out
         if not capture.follows(args, kwargs):
             return func(*args, **kwargs)

@@ -183,7 +183,7 @@ def test_against_backpack(name, loss):
     else:
         model = nn.Sequential(
             nn.Conv2d(2, 4, 3, stride=2, padding=1),
-            nn.ReLU(),
+            nn.Tanh(),
             nn.Flatten(),
             nn.Linear(4 * 4 * 4, k),
         )
@@ -193,7 +193,8 @@ def test_against_backpack(name, loss):
         loss
     ]
     y = torch.randint(0, 3, (x.shape[0],)) if loss == "ce" else torch.rand(x.shape[0], k).double()
-    exts = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "KFLR")
+    exts = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "KFLR", "DiagHessian",
+            "BatchDiagHessian")  # fmt: skip
     exts += ("GGNMP",) if loss != "bce" else ()  # (BackPACK's GGNMP has no BCE)
     ours = extend(model)
     ours_loss = extend(loss_fn)

@@ -1124,3 +1124,16 @@ def test_modules_called_on_their_own_over_several_steps():
                 expected = [torch.autograd.grad(loss(xi), q)[0] for xi in x]
                 torch.testing.assert_close(p.grad_batch, torch.stack(expected), msg=k)
             parent.zero_grad()
+
+
+def test_a_layer_norm_over_the_batch_dimension_is_refused():
+    """``batch_dim=1`` and a LayerNorm normalising ``[N, D]``: it mixes the samples (T == N
+    silently gave a wrong ``.grad``, T != N a raw error from inside the rule)."""
+    for t in (4, 3):
+        model = nn.Sequential(nn.Linear(3, 5), nn.LayerNorm((4, 5)), nn.Linear(5, 2)).double()
+        x = torch.randn(t, 4, 3, dtype=torch.float64)
+        ctx = leanprop.per_sample(model, BatchGrad(), batch_dim=1)
+        with ctx, pytest.raises(BatchError, match="LayerNorm '1' mixes the samples"):
+            model(x)
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+        model(x).sum().backward()  # (nothing left behind)

@@ -284,3 +284,24 @@ def test_a_registered_rule_owns_derived_uses_inside_its_module():
     ref = individual_gradients(model, lambda o, t, r: o.square().sum(), x, torch.zeros(6), "sum")
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad_batch, ref[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_conv_pixel_gram_norms_in_float16_neither_overflow_nor_underflow():
+    """16-bit inputs: the Grams in float32, as the patches' form does (in float16 the pixel
+    form gave inf for output gradients near 1 and 0 for ones near 1e-5)."""
+    torch.manual_seed(0)
+    module = nn.Conv2d(128, 128, 3, padding=1)
+    x = torch.randn(2, 128, 6, 6)
+    for scale in (1.0, 1e-5):
+        g = torch.randn(2, 128, 6, 6) * scale
+        exact = rule_for(module).batch_grads(
+            module.double(), (x.double(),), g.double(), frozenset({"weight"}), RuleOptions()
+        )["weight"].flatten(1).square().sum(1)  # fmt: skip
+        module.half()
+        opts = RuleOptions("auto", 2**30)
+        conv = importlib.import_module("leanprop.per_sample.rules.conv")
+        assert conv._pixel_gram_is_cheaper(module, x.half(), g.half())
+        got = rule_for(module).batch_l2(module, (x.half(),), g.half(), frozenset({"weight"}), opts)
+        assert got["weight"].dtype == torch.float32
+        assert_close(got["weight"].double(), exact, f"scale {scale}", 2e-2, 0)
+        module.float()

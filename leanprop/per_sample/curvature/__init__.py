@@ -3,6 +3,7 @@ square root, exact or Monte-Carlo) through the per-sample engine.
 
 * ``loss_hessian.py``: symmetric factors of the loss's Hessian with respect to the output.
 * ``ggn.py``: :func:`ggn`, one backward per factor column through one recorded forward.
+* ``hessian.py``: the Hessian's diagonal: the curved activations' terms added to the GGN's.
 * ``quantities.py``: what can be requested (BackPACK's names and attributes).
 """
 
@@ -13,9 +14,11 @@ from .quantities import (
     KFLR,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
+    BatchDiagHessian,
     CurvatureQuantity,
     DiagGGNExact,
     DiagGGNMC,
+    DiagHessian,
     SqrtGGNExact,
     SqrtGGNMC,
 )
@@ -23,9 +26,11 @@ from .quantities import (
 __all__ = [
     "BatchDiagGGNExact",
     "BatchDiagGGNMC",
+    "BatchDiagHessian",
     "CurvatureQuantity",
     "DiagGGNExact",
     "DiagGGNMC",
+    "DiagHessian",
     "GGNMP",
     "KFAC",
     "KFLR",

@@ -1,4 +1,5 @@
-"""The generalized Gauss-Newton matrix through the per-sample engine.
+"""The generalized Gauss-Newton matrix (and the Hessian's diagonal) through the per-sample
+engine.
 
 One forward recorded by a :func:`leanprop.per_sample` context; the loss's Hessian factor
 ``V`` ``[M, N, *S]`` (``loss_hessian.py``); then one backward pass through the retained graph
@@ -22,6 +23,7 @@ from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
 from ..stats import widen
+from .hessian import Curved, activation_gradients, curved_activations, residual_columns
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
@@ -98,12 +100,15 @@ def ggn(
         target: the loss's targets.
         *quantities: ``DiagGGNExact()``, ``DiagGGNMC(mc_samples)``, ``BatchDiagGGNExact()``,
             ``BatchDiagGGNMC(mc_samples)``, ``SqrtGGNExact()``, ``SqrtGGNMC(mc_samples)``,
-            ``GGNMP()``, ``KFLR()``, ``KFAC(mc_samples)``.
+            ``GGNMP()``, ``KFLR()``, ``KFAC(mc_samples)``, ``DiagHessian()``,
+            ``BatchDiagHessian()`` (the Hessian's: ``hessian.py``).
         generator: random numbers of the Monte-Carlo targets.
 
     Raises:
         LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
             that is not entered.
+        UnsupportedModelError: ``DiagHessian`` of a model whose Hessian has terms besides the
+            GGN and the curved activations' (refused before any pass).
     """
     by_mc = validate_curvature(quantities)
     if not isinstance(context, PerSample) or not context.active:
@@ -135,10 +140,18 @@ def compute_ggn(
     # the factor is formed with the samples first, then laid out as the output
     output_front = output.movedim(bd, 0)
     target_front = target.movedim(bd, 0) if target.dim() > bd else target
+    hessian = [q for q in by_mc.get(None, []) if q.hessian]
+    curved = curved_activations(contexts, output, params) if hessian else []
     try:
         for mc, qs in by_mc.items():
             front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
             _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
+        if curved:
+            # (the BackPACK facade runs this inside a backward, and hooks its loss modules'
+            # calls: its forward alone)
+            with torch.enable_grad():
+                loss = loss_fn.forward(output, target)
+            _residual_passes(contexts, loss, curved, params, hessian, results)
     finally:  # the passes' first-order results are not the loss's: back to what was there
         for p, attrs in zip(params, saved_attrs, strict=True):
             for a in names:
@@ -196,6 +209,41 @@ def ggn_matrix_product(root: Tensor, mat: Tensor) -> Tensor:
         )
     s = root.flatten(2).flatten(0, 1)  # [M N, P]
     return ((mat.flatten(1) @ s.mT) @ s).reshape(mat.shape)
+
+
+def _residual_passes(
+    contexts: Sequence[PerSample],
+    loss: Tensor,
+    curved: list[Curved],
+    params: list[nn.Parameter],
+    quantities: list[CurvatureQuantity],
+    results: list[dict[str, object]],
+) -> None:
+    """Add the curved activations' terms to the Hessian quantities in ``results`` (which hold
+    the GGN's): one backward per column of each activation's residual, from its input."""
+    per_sample = any(q.per_sample for q in quantities)
+    kind = BatchGrad if per_sample else SumGradSquared
+    with ExitStack() as stack:
+        for c in contexts:  # (also for the first pass: without the op interception, as in the
+            # BackPACK facade, it cannot be told from the model's backward, and must keep the
+            # inputs of modules hooked as a whole for the passes after it)
+            stack.enter_context(c.computing(frozenset({kind})))
+        deltas = activation_gradients(loss, curved)
+        for act, delta in zip(curved, deltas, strict=True):
+            for sign in (1.0, -1.0):
+                for column in residual_columns(act, delta, sign):
+                    torch.autograd.grad(
+                        [act.z], params, [column], retain_graph=True, allow_unused=True
+                    )
+                    for i, p in enumerate(params):
+                        value = getattr(p, kind.attr, None)
+                        if value is None:
+                            continue
+                        sq = widen(value).square() if per_sample else value
+                        for q in quantities:
+                            if q.attr in results[i]:
+                                add = sq if q.per_sample or not per_sample else sq.sum(0)
+                                results[i][q.attr] = results[i][q.attr] + sign * add
 
 
 def _passes(

@@ -28,6 +28,7 @@ class CurvatureQuantity:
     root: ClassVar[bool] = False  # the factor itself [M, N, ...] (else squares)
     kronecker: ClassVar[bool] = False  # Kronecker factors of linear and conv layers
     product: ClassVar[bool] = False  # a function multiplying by the parameter's GGN block
+    hessian: ClassVar[bool] = False  # the Hessian's (GGN plus the activations' terms)
 
     @property
     def mc(self) -> int | None:
@@ -148,7 +149,25 @@ class KFAC(_MC):
     kronecker: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class DiagHessian(CurvatureQuantity):
+    """Diagonal of the Hessian, ``p.shape``: the GGN's plus the terms of the model's curved
+    elementwise activations (``hessian.py``: which models it covers)."""
+
+    attr: ClassVar[str] = "diag_h"
+    hessian: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class BatchDiagHessian(CurvatureQuantity):
+    """Each sample's share of the Hessian's diagonal, ``[N, *p.shape]``."""
+
+    attr: ClassVar[str] = "diag_h_batch"
+    per_sample: ClassVar[bool] = True
+    hessian: ClassVar[bool] = True
+
+
 ALL_CURVATURE: tuple[type[CurvatureQuantity], ...] = (
     DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP,
-    KFLR, KFAC,
+    KFLR, KFAC, DiagHessian, BatchDiagHessian,
 )  # fmt: skip

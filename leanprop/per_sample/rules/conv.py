@@ -35,7 +35,7 @@ from the Gram of the padded input's pixels ``A = x_padᵀ x_pad`` ``[P, P]``, su
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
 import time
 from typing import Any
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from ..chunks import sample_chunks
 from ..factors import Outer, inner
 from ..registry import RuleOptions, register_rule
+from ..stats import widen
 from .linear import gram_is_cheaper
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -267,9 +268,9 @@ def conv_batch_l2(
         return out
     pixels = _pixel_gram_is_cheaper(module, x, g)
     k = math.prod(module.kernel_size)
-    if pixels:  # the padded input, its pixel Gram, the patches' blocks: [n, P(+P²)], [n, K L²]
+    if pixels:  # the padded input, its pixel Gram, the [L, L] Grams: [n, C P], [n, G (P² + 3 L²)]
         p = math.prod(s + 2 * q for s, q in zip(x.shape[2:], _padding_of(module), strict=True))
-        per_sample = module.in_channels * p + groups * (p * p + (k + 2) * positions**2)
+        per_sample = module.in_channels * p + groups * (p * p + 3 * positions**2)
     else:  # the patches: [n, C*K, L] (no more than the individual gradients would take: the
         per_sample = x[0].numel() + module.in_channels * k * positions  # criterion bounds them)
     parts = []
@@ -284,26 +285,6 @@ def conv_batch_l2(
         parts.append(sq.view(m, groups).sum(1))
     out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else g.new_zeros(0)
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _shifted_blocks(
-    padded: tuple[int, ...], out: tuple[int, ...], kernel: tuple[int, ...],
-    stride: tuple[int, ...], dilation: tuple[int, ...], device: torch.device,
-) -> Tensor:  # fmt: skip
-    """Flat indices ``[K * L * L]`` into a ``[P, P]`` pixel Gram (``P`` padded input pixels,
-    ``L`` output positions, ``K`` kernel offsets) of ``A[p(s) + k, p(t) + k]``: for each
-    offset k, the block of window pairs (s, t)."""
-    steps = [math.prod(padded[i + 1 :]) for i in range(len(padded))]  # flat stride of each dim
-
-    def flat(sizes: tuple[int, ...], scale: tuple[int, ...]) -> Tensor:
-        grids = torch.meshgrid(*(torch.arange(k) for k in sizes), indexing="ij")
-        return sum(g.flatten() * a * b for g, a, b in zip(grids, scale, steps, strict=True))
-
-    starts, offsets = flat(out, stride), flat(kernel, dilation)  # [L], [K]
-    rows = starts[None, :, None] + offsets[:, None, None]  # [K, L, 1]
-    cols = starts[None, None, :] + offsets[:, None, None]  # [K, 1, L]
-    return (rows * math.prod(padded) + cols).flatten().to(device)
 
 
 def _pixel_gram_is_cheaper(module: nn.Module, x: Tensor, g: Tensor) -> bool:
@@ -324,21 +305,27 @@ def _padding_of(module: nn.Module) -> tuple[int, ...]:
 
 
 def _pixel_gram_norms(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
-    """``||W_n||²`` per sample and group ``[n * G]`` from the pixel Gram of the padded input."""
+    """``||W_n||²`` per sample and group ``[n * G]`` from the pixel Gram of the padded input
+    (16-bit values in float32)."""
     n, groups = x.shape[0], module.groups
     xp = _pad(module, x)
     padded, out = tuple(xp.shape[2:]), tuple(g.shape[2:])
     p, positions = math.prod(padded), math.prod(out)
-    xf = xp.reshape(n * groups, -1, p)  # [nG, C/G, P]
-    pixels = torch.bmm(xf.mT, xf).view(n * groups, p * p)  # [nG, P²]
-    index = _shifted_blocks(
-        padded, out, module.kernel_size, module.stride, module.dilation, x.device
-    )
-    k = math.prod(module.kernel_size)
-    patch_gram = pixels.index_select(1, index).view(n * groups, k, -1).sum(1)  # [nG, L²]
-    gf = g.reshape(n * groups, -1, positions)  # [nG, O/G, L]
-    grad_gram = torch.bmm(gf.mT, gf).view(n * groups, -1)  # [nG, L²]
-    return (patch_gram * grad_gram).sum(1)
+    xf = widen(xp.reshape(n * groups, -1, p))  # [nG, C/G, P]
+    pixels = torch.bmm(xf.mT, xf)  # [nG, P, P]
+    # the block A[p(s) + k, p(t) + k] of window pairs (s, t) for each kernel offset k: a view
+    # of A with the windows' strides (stride x the padded input's steps) along rows and columns
+    steps = [math.prod(padded[i + 1 :]) for i in range(len(padded))]
+    walk = [st * step for st, step in zip(module.stride, steps, strict=True)]
+    size, strides = (n * groups, *out, *out), (p * p, *(w * p for w in walk), *walk)
+    patch_gram = None
+    for k in itertools.product(*(range(k) for k in module.kernel_size)):
+        off = sum(i * d * step for i, d, step in zip(k, module.dilation, steps, strict=True))
+        block = pixels.as_strided(size, strides, pixels.storage_offset() + off * (p + 1))
+        patch_gram = block if patch_gram is None else patch_gram + block
+    gf = widen(g.reshape(n * groups, -1, positions))  # [nG, O/G, L]
+    grad_gram = torch.bmm(gf.mT, gf)  # [nG, L, L]
+    return (patch_gram.reshape(n * groups, positions, positions) * grad_gram).sum((1, 2))
 
 
 @register_rule(

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry import RuleOptions, register_rule
+from ..stats import widen
 
 
 def _layer_norm_check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
@@ -29,14 +30,6 @@ def _layer_norm_check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
     return None
 
 
-def _affine(module: nn.Module, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    weight, bias = module.weight, module.bias
-    return (
-        None if weight is None else weight.to(g.dtype),
-        None if bias is None else bias.to(g.dtype),
-    )
-
-
 def _norm_backward(module: nn.Module, x: Tensor, g: Tensor, mask: list[bool]) -> tuple:
     """``(grad_x, grad_weight, grad_bias)`` of the module's op at ``x`` (those in ``mask``;
     the others None), by torch's backward kernel (under ``create_graph``: by autograd on the
@@ -46,24 +39,25 @@ def _norm_backward(module: nn.Module, x: Tensor, g: Tensor, mask: list[bool]) ->
             t if t is None or not m or t.requires_grad else t.detach().requires_grad_()
             for t, m in zip((x, module.weight, module.bias), mask, strict=True)
         ]
-        x_, weight, bias = leaves
         with torch.enable_grad():
-            out = _op(module, x_, *(None if t is None else t.to(g.dtype) for t in (weight, bias)))
+            out = _op(module, *leaves)
         wrt = [t for t, m in zip(leaves, mask, strict=True) if m]
         found = iter(torch.autograd.grad(out, wrt, g, create_graph=True))
         return tuple(next(found) if m else None for m in mask)
-    weight, bias = _affine(module, g)
+    weight, bias = module.weight, module.bias  # (in their own dtype, as torch's kernels take)
     if isinstance(module, nn.LayerNorm):
         shape = tuple(module.normalized_shape)
-        _, mean, rstd = torch.native_layer_norm(x, shape, None, None, module.eps)
+        # (with the affine parameters: mixed dtypes keep their statistics in float32)
+        _, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, module.eps)
         return torch.ops.aten.native_layer_norm_backward(
             g, x, shape, mean, rstd, weight, bias, mask
         )
     n, c, groups = x.shape[0], x.shape[1], module.num_groups
     hw = math.prod(x.shape[2:])
-    _, mean, rstd = torch.native_group_norm(x, None, None, n, c, hw, groups, module.eps)
+    x, g = x.contiguous(), g.contiguous()  # (the kernels' layout, as F.group_norm makes it)
+    _, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, groups, module.eps)
     return torch.ops.aten.native_group_norm_backward(
-        g.contiguous(), x.contiguous(), mean, rstd, weight, n, c, hw, groups, mask
+        g, x, mean, rstd, weight, n, c, hw, groups, mask
     )
 
 
@@ -132,20 +126,14 @@ def group_norm_batch_grads(
     if not torch.is_grad_enabled() and x.dtype == g.dtype and x.numel():
         rows, groups = n * c, n * module.num_groups
         hw = x[0, 0].numel()
-        xs, gs = x.reshape(1, rows, hw), g.reshape(1, rows, hw)
+        # (16-bit values in float32; the kernels' contiguous layout)
+        xs = widen(x.reshape(1, rows, hw)).contiguous()
+        gs = widen(g.reshape(1, rows, hw)).contiguous()
         _, mean, rstd = torch.native_group_norm(xs, None, None, 1, rows, hw, groups, module.eps)
         mask = [False, "weight" in names, "bias" in names]
+        ones = gs.new_ones(rows)  # (the weight only scales the input gradient, not asked for)
         _, weight, bias = torch.ops.aten.native_group_norm_backward(
-            gs.contiguous(),
-            xs.contiguous(),
-            mean,
-            rstd,
-            g.new_ones(rows),
-            1,
-            rows,
-            hw,
-            groups,
-            mask,
+            gs, xs, mean, rstd, ones, 1, rows, hw, groups, mask
         )
         found = (("weight", weight), ("bias", bias))
         return {k: v.view(n, c) for k, v in found if v is not None}

@@ -1,7 +1,8 @@
 """BackPACK's extensions, as leanprop quantities (same names, same attributes:
 ``grad_batch``, ``batch_l2``, ``batch_dot``, ``sum_grad_squared``, ``variance``, and the
 curvature ones ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_ggn_exact_batch``,
-``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``, ``ggnmp``, ``kflr``, ``kfac``).
+``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``, ``ggnmp``, ``kflr``, ``kfac``,
+``diag_h``, ``diag_h_batch``).
 
 ``BatchGrad().set_module_extension(MyModule, MyModuleBatchGrad())`` adds a custom module for
 every quantity (see ``module_extension.py``); the other extensions say so.
@@ -74,14 +75,22 @@ class KFLR(_OnlyBatchGradExtends, _curvature.KFLR): ...
 class KFAC(_OnlyBatchGradExtends, _curvature.KFAC): ...
 
 
+class DiagHessian(_OnlyBatchGradExtends, _curvature.DiagHessian): ...
+
+
+class BatchDiagHessian(_OnlyBatchGradExtends, _curvature.BatchDiagHessian): ...
+
+
 __all__ = [
     "BatchDiagGGNExact",
     "BatchDiagGGNMC",
+    "BatchDiagHessian",
     "BatchDotGrad",
     "BatchGrad",
     "BatchL2Grad",
     "DiagGGNExact",
     "DiagGGNMC",
+    "DiagHessian",
     "GGNMP",
     "KFAC",
     "KFLR",

@@ -1,0 +1,241 @@
+"""The Hessian's diagonal: the GGN's, plus the terms of the model's curved activations.
+
+For a loss ``L = sum_n l(f(x_n, θ), y_n)`` whose model is built from ops linear in each of their
+inputs (linear and convolution layers, poolings, reshapes, additions, dropout's mask) and
+elementwise activations ``a = σ(z)``, the Hessian is (Dangel et al., 2020: BackPACK's
+``DiagHessian``)::
+
+    H = G + sum_activations sum_n sum_k r_nk ∇_θ z_nk ∇_θ z_nkᵀ,   r = δ ⊙ σ''(z),  δ = ∂L/∂a.
+
+Each activation's term is a GGN of its own: its diagonal "loss Hessian" ``r`` at ``z`` is split
+as ``r₊ - r₋``, and each part's square root, at one unit ``k`` of every sample, is a column
+backpropagated from ``z`` like the loss factor's columns from the output (``ggn.py``): at most
+``2 K`` passes for ``K`` units per sample. Other second-order terms come from an op whose
+parameter-dependent inputs it does not act on linearly: a product whose operands share a
+parameter (a weight used twice, ``x * x``, attention's ``q kᵀ``), LayerNorm, softmax. The
+autograd graph is checked for them first; a model with one is refused (its GGN is available).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
+
+from ...errors import UnsupportedModelError
+from ..batch import op_name
+from ..capture import PerSample
+
+# autograd nodes linear in their inputs taken together (sums, reshapes, selections, poolings
+# by averages), or piecewise linear (second derivative zero almost everywhere)
+_LINEAR = frozenset({
+    "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "NegBackward0",
+    "MulBackward1", "DivBackward1", "ViewBackward0", "UnsafeViewBackward0",
+    "ReshapeAliasBackward0", "TBackward0", "TransposeBackward0", "TransposeBackward1",
+    "PermuteBackward0", "ExpandBackward0", "SqueezeBackward0", "SqueezeBackward1",
+    "SqueezeBackward2", "SqueezeBackward3", "SqueezeBackward4", "UnsqueezeBackward0",
+    "CloneBackward0", "CatBackward0", "StackBackward0", "SliceBackward0", "SelectBackward0",
+    "IndexBackward0", "SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1",
+    "AvgPool1DBackward0", "AvgPool2DBackward0", "AvgPool3DBackward0",
+    "AdaptiveAvgPool1DBackward0", "AdaptiveAvgPool2DBackward0", "AdaptiveAvgPool3DBackward0",
+    "ConstantPadNdBackward0", "ToCopyBackward0", "AliasBackward0", "SplitBackward0",
+    "SplitWithSizesBackward0", "UnbindBackward0", "RepeatBackward0", "NativeDropoutBackward0",
+    "EmbeddingBackward0", "BroadcastCaptureBackward", "ReluBackward0", "LeakyReluBackward0",
+    "HardtanhBackward0", "ThresholdBackward0", "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0", "AdaptiveMaxPool2DBackward0", "AdaptiveMaxPool3DBackward0",
+    "AbsBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0",
+})  # fmt: skip
+
+# nodes linear in each input on its own (products): exact where no parameter reaches two
+# of their inputs
+_MULTILINEAR = frozenset({
+    "MulBackward0", "MmBackward0", "BmmBackward0", "MvBackward0", "DotBackward0",
+    "AddmmBackward0", "AddmvBackward0", "BaddbmmBackward0", "ConvolutionBackward0",
+})  # fmt: skip
+_MULTILINEAR_OPS = frozenset({
+    "linear", "addmm", "mm", "bmm", "matmul", "mul", "conv1d", "conv2d", "conv3d", "einsum",
+})  # fmt: skip
+
+
+def _generic(fn: Callable[[Tensor, Any], Tensor]) -> Callable[[Any], Tensor]:
+    """``σ''(z)`` of an elementwise op whose node saved its input ``z``, by differentiating
+    ``fn(z, node)`` twice."""
+
+    def second(node: Any) -> Tensor:
+        z = node._saved_self.detach()
+        with torch.enable_grad():
+            z = z.requires_grad_()
+            (d1,) = torch.autograd.grad(fn(z, node).sum(), z, create_graph=True)
+            (d2,) = torch.autograd.grad(d1.sum(), z)
+        return d2
+
+    return second
+
+
+def _from_result(fn: Callable[[Tensor], Tensor]) -> Callable[[Any], Tensor]:
+    return lambda node: fn(node._saved_result.detach())
+
+
+# σ''(z) of each curved elementwise node, from what it saved
+_CURVED: dict[str, Callable[[Any], Tensor]] = {
+    "TanhBackward0": _from_result(lambda a: -2 * a * (1 - a * a)),
+    "SigmoidBackward0": _from_result(lambda s: s * (1 - s) * (1 - 2 * s)),
+    "ExpBackward0": _from_result(lambda e: e),
+    "SqrtBackward0": _from_result(lambda r: -0.25 / r**3),
+    "GeluBackward0": _generic(lambda z, n: F.gelu(z, approximate=n._saved_approximate)),
+    "SiluBackward0": _generic(lambda z, n: F.silu(z)),
+    "MishBackward0": _generic(lambda z, n: F.mish(z)),
+    "HardswishBackward0": _generic(lambda z, n: F.hardswish(z)),
+    "SoftplusBackward0": _generic(lambda z, n: F.softplus(z, n._saved_beta, n._saved_threshold)),
+    "EluBackward0": _generic(
+        lambda z, n: torch.ops.aten.elu(z, n._saved_alpha, n._saved_scale, n._saved_input_scale)
+    ),
+    "CeluBackward0": _generic(lambda z, n: F.celu(z, n._saved_alpha)),
+    "LogSigmoidBackward0": _generic(lambda z, n: F.logsigmoid(z)),
+    "SinBackward0": _generic(lambda z, n: torch.sin(z)),
+    "CosBackward0": _generic(lambda z, n: torch.cos(z)),
+    "LogBackward0": _generic(lambda z, n: torch.log(z)),
+    "PowBackward0": _generic(lambda z, n: z**n._saved_exponent),
+}
+
+
+@dataclass
+class Curved:
+    """A curved activation of the recorded forward whose input depends on parameters.
+
+    Attributes:
+        node: its autograd node (``a = σ(z)``).
+        z: the edge of its input ``z``, where its columns start.
+        dim: where ``z`` holds the samples.
+    """
+
+    node: Any
+    z: GradientEdge
+    dim: int
+
+
+def _kind(node: Any) -> tuple[str, str]:
+    """The node's name for the tables above, and for messages."""
+    name = type(node).__name__
+    if name == "FusedOpBackward":  # a layer's op replaced during capture (fused.py)
+        layer = type(node.module).__name__
+        if isinstance(node.module, nn.LayerNorm | nn.GroupNorm):
+            return "Norm", layer  # (nonlinear in its input, linear in weight and bias)
+        return "MulBackward0", layer  # linear and convolution: bilinear in (input, weight)
+    if name == "OpCaptureBackward":  # an op using parameters directly (ops.py)
+        op = op_name(node.op.func)
+        return ("MulBackward0" if op in _MULTILINEAR_OPS else op), f"'{op}'"
+    op = re.sub(r"Backward\d*$", "", name)
+    return name, f"{op} (autograd node {name})"
+
+
+def _reached(root: Any, params: set[nn.Parameter]) -> dict[Any, frozenset[nn.Parameter]]:
+    """The parameters each node of ``root``'s graph leads to (its inputs depend on)."""
+    memo: dict[Any, frozenset[nn.Parameter]] = {}
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node in memo:
+            continue
+        nexts = [f for f, _ in node.next_functions if f is not None]
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((f, False) for f in nexts if f not in memo)
+            continue
+        own = getattr(node, "variable", None)
+        found = frozenset({own}) if own is not None and own in params else frozenset()
+        memo[node] = found.union(*(memo[f] for f in nexts))
+    return memo
+
+
+def _refuse(what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"DiagHessian: {what}, so the Hessian has terms leanprop does not form (it covers "
+        "linear and convolution layers, poolings, reshapes, dropout and elementwise "
+        "activations such as tanh, sigmoid, GELU, SiLU, ELU, softplus; no parameter used "
+        "twice along one path). DiagGGNExact (the Hessian without the activations' terms) "
+        "covers this model."
+    )
+
+
+def curved_activations(
+    contexts: Sequence[PerSample], output: Tensor, params: list[nn.Parameter]
+) -> list[Curved]:
+    """The curved activations between ``params`` and ``output``; refuses a graph with other
+    second-order terms (see the module docstring)."""
+    if output.grad_fn is None:
+        return []
+    reached = _reached(output.grad_fn, set(params))
+    found: list[Curved] = []
+    for node in reached:
+        inputs = [reached[f] for f, _ in node.next_functions if f is not None]
+        live = [r for r in inputs if r]
+        if not live or type(node).__name__ == "AccumulateGrad":
+            continue
+        name, shown = _kind(node)
+        if name in _LINEAR:
+            continue
+        first = reached.get(node.next_functions[0][0], frozenset()) if node.next_functions else 0
+        if name == "DivBackward0" and not reached.get(node.next_functions[1][0], frozenset()):
+            continue  # (a divisor that depends on no parameter: linear)
+        if name in _MULTILINEAR or (name == "Norm" and not first):
+            for i, a in enumerate(live):
+                if any(a & b for b in live[i + 1 :]):
+                    raise _refuse(
+                        f"a parameter reaches two operands of one product ({shown}: a weight "
+                        "used twice along one path, or a product of activations)"
+                    )
+            continue
+        if name in _CURVED:
+            dims = {c.batch_dim_of_node(node) for c in contexts} - {None}
+            ints = [d for d in dims if isinstance(d, int)]
+            if len(dims) != 1 or not ints:
+                raise _refuse(
+                    f"leanprop did not follow the samples to the input of {name} "
+                    f"({next(iter(dims - set(ints)), 'not recorded in the block')})"
+                )
+            shape = _saved(node).shape
+            samples = {c.samples for c in contexts} - {None}
+            if ints[0] >= len(shape) or any(shape[ints[0]] != n for n in samples):
+                raise _refuse(
+                    f"the input of {name} {tuple(shape)} does not hold the forward's "
+                    f"{sorted(samples)} samples in dimension {ints[0]}"
+                )
+            found.append(Curved(node, GradientEdge(*node.next_functions[0]), ints[0]))
+            continue
+        raise _refuse(f"the model computes {shown} of a parameter-dependent input")
+    return found
+
+
+def residual_columns(curved: Curved, delta: Tensor, sign: float) -> Iterator[Tensor]:
+    """The columns of one part of an activation's residual term: ``sqrt(max(0, sign * r))``
+    at unit k of every sample (zero elsewhere), for each unit k where any sample has one;
+    ``delta``: ``∂L/∂a``, the shape of ``z``."""
+    r = delta * _CURVED[type(curved.node).__name__](curved.node).to(delta.dtype)
+    root = (sign * r).clamp(min=0).sqrt().movedim(curved.dim, 0)  # [N, *unit dims]
+    flat = root.reshape(root.shape[0], -1)  # [N, K]
+    for k in flat.any(0).nonzero().flatten().tolist():
+        column = torch.zeros_like(flat)
+        column[:, k] = flat[:, k]
+        yield column.view_as(root).movedim(0, curved.dim)
+
+
+def _saved(node: Any) -> Tensor:
+    """What a curved node saved: its output or its input (the same shape)."""
+    return node._saved_result if hasattr(node, "_saved_result") else node._saved_self
+
+
+def activation_gradients(loss: Tensor, curved: list[Curved]) -> list[Tensor]:
+    """``δ = ∂L/∂a`` at each curved activation's output (one pass, nothing accumulates)."""
+    edges = [GradientEdge(c.node, 0) for c in curved]
+    found = torch.autograd.grad(loss, edges, retain_graph=True, allow_unused=True)
+    return [
+        torch.zeros_like(_saved(c.node)) if d is None else d
+        for c, d in zip(curved, found, strict=True)
+    ]

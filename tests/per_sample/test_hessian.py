@@ -1,0 +1,166 @@
+"""DiagHessian and BatchDiagHessian (float64) against autograd's full Hessian, and what they
+refuse: models whose Hessian has terms besides the GGN and the activations' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import leanprop
+from leanprop import UnsupportedModelError
+from leanprop.testing import hessian_diagonals
+
+from ..helpers import assert_close
+
+ACTIVATIONS = {
+    "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "gelu": nn.GELU,
+    "gelu-tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU, "elu": nn.ELU,
+    "selu": nn.SELU, "celu": nn.CELU, "softplus": lambda: nn.Softplus(beta=2.0),
+    "logsigmoid": nn.LogSigmoid, "mish": nn.Mish, "relu": nn.ReLU,
+}  # fmt: skip
+
+
+def _check(model, x, loss_fn, y, **options):
+    with leanprop.per_sample(model, **options) as ctx:
+        out = model(x)
+        leanprop.ggn(
+            ctx, out, loss_fn, y, leanprop.DiagHessian(), leanprop.BatchDiagHessian(),
+            leanprop.DiagGGNExact(),
+        )  # fmt: skip
+    ref = hessian_diagonals(model, x, loss_fn, y)
+    for k, p in model.named_parameters():
+        full, per = ref[k]
+        assert_close(p.diag_h, full, f"{k}.diag_h", 1e-10, 1e-12)
+        assert_close(p.diag_h_batch, per, f"{k}.diag_h_batch", 1e-10, 1e-12)
+        assert p.diag_ggn_exact.shape == p.shape  # (the GGN's own, asked in the same call)
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_mlp_against_autograd(activation):
+    torch.manual_seed(0)
+    act = ACTIVATIONS[activation]
+    model = nn.Sequential(nn.Linear(3, 5), act(), nn.Linear(5, 4), act(), nn.Linear(4, 3))
+    x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    _check(model.double(), x.double(), nn.CrossEntropyLoss(), y)
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        nn.CrossEntropyLoss(reduction="sum"),
+        nn.MSELoss(),
+        nn.MSELoss(reduction="sum"),
+        nn.BCEWithLogitsLoss(),
+    ],
+    ids=["ce-sum", "mse-mean", "mse-sum", "bce"],
+)
+def test_cnn_against_autograd(loss_fn):
+    """Convolutions, a curved activation before max-pooling, dropout-free; each loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.Sigmoid(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 4),
+        nn.Tanh(), nn.Linear(4, 3),
+    ).double()  # fmt: skip
+    x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
+        y = torch.randint(0, 3, (4,))
+    else:
+        y = torch.rand(4, 3, dtype=torch.float64)
+    _check(model, x, loss_fn, y)
+
+
+class _SequenceFirst(nn.Module):
+    """``[T, N, D]`` inputs (``batch_dim=1``): the activations hold the samples in dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, 3] -> [N, 2]
+        return self.out(torch.tanh(self.inp(x)).mean(0))
+
+
+def test_activations_with_the_samples_in_another_dimension():
+    """T == N: taking the activation's first dimension for the samples would be silently
+    wrong; batch tracking says where they are."""
+    torch.manual_seed(0)
+    model = _SequenceFirst().double()
+    x, y = torch.randn(4, 4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    _check(model, x, nn.CrossEntropyLoss(), y, batch_dim=1)
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class _Product(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * h
+
+
+class _NormInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)))
+
+
+class _Softmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.softmax(self.a(x), -1))
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        (_Shared, "two operands"),
+        (_Product, "two operands"),
+        (_NormInside, "LayerNorm"),
+        (_Softmax, "Softmax"),
+    ],
+    ids=["weight-used-twice", "product-of-activations", "layernorm", "softmax"],
+)
+def test_models_with_other_second_order_terms_are_refused(model, says):
+    torch.manual_seed(0)
+    m = model().double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with leanprop.per_sample(m) as ctx:
+        out = m(x)
+        with pytest.raises(UnsupportedModelError, match=says) as err:
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagHessian())
+        assert "DiagGGNExact" in str(err.value)
+        leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())  # works
+    assert not any(hasattr(p, "diag_h") for p in m.parameters())
+
+
+class _NormFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.norm(x)))
+
+
+def test_a_norm_layer_on_the_inputs_is_linear_in_its_parameters():
+    torch.manual_seed(0)
+    model = _NormFirst().double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 3, (5,))
+    _check(model, x, nn.CrossEntropyLoss(), y)
