@@ -40,10 +40,16 @@ ALL = (
         "backpack_save_memory.py",
         "backpack_gradient_of_variance.py",
         "backpack_diag_ggn_optimizer.py",
+        "backpack_diag_hessian.py",
     ],
 )
 def test_documentation_examples_run(script):
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+
+
+def test_the_diag_hessian_example_agrees_with_autograd():
+    error = runpy.run_path(str(EXAMPLES / "backpack_diag_hessian.py"))["main"]()
+    assert error < 1e-12
 
 
 @pytest.mark.parametrize("name", ["mlp", "residual", "shared", "conv2d", "tied_lm", "attention"])
