@@ -182,7 +182,8 @@ def hessian_diagonals(
     """The Hessian's diagonal by brute force (autograd's full Hessian of the loss with respect
     to each parameter), and each sample's share (the Hessian of the loss with every other
     sample's output held fixed at its value), for checking ``DiagHessian`` on small problems
-    whose model keeps samples apart (no BatchNorm in training mode, no dropout).
+    whose model keeps samples apart (no BatchNorm in training mode, no dropout) and whose
+    output holds them in dimension 0.
 
     Returns:
         ``name -> (diagonal p.shape, per-sample diagonals [N, *p.shape])`` for each trainable

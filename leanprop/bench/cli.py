@@ -66,8 +66,8 @@ SUITES: dict[str, Suite] = {
         {"small": (8,), "large": (32,)},
     ),
     "curvature": Suite(
-        "the GGN diagonal (DiagGGNExact) on the reference CNN and an MLP: plain, leanprop, "
-        "BackPACK",
+        "DiagGGNExact, DiagHessian and KFAC on the reference CNN and an MLP (ReLU, sigmoid): "
+        "plain, leanprop, BackPACK",
         curvature_suite.run,
         {"small": (32,), "large": (32, 128)},
     ),

@@ -1,9 +1,11 @@
-"""The GGN diagonal (DiagGGNExact) on the reference CNN and an MLP: plain step, leanprop's
-:func:`leanprop.ggn` and BackPACK side by side (BackPACK where it is installed).
+"""Curvature on the reference CNN and an MLP: ``DiagGGNExact``, ``DiagHessian`` and
+``KFAC`` by leanprop's :func:`leanprop.ggn` and by BackPACK (where it is installed), side by
+side with a plain step.
 
 Each method runs one training step: forward, the curvature, and the loss's backward (the
-plain step: forward and backward only). leanprop's diagonal is checked against BackPACK's
-(float32, relative tolerance 1e-4). Time in rounds, peak tensor memory of one step.
+plain step: forward and backward only). leanprop's exact quantities are checked against
+BackPACK's (float32, relative tolerance 1e-4; KFAC's Monte-Carlo draws differ: not compared).
+Time in rounds, peak tensor memory of one step. Rows are ``model/quantity: method``.
 """
 
 from __future__ import annotations
@@ -29,10 +31,34 @@ def mlp() -> nn.Sequential:
     )  # fmt: skip
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "cnn": cnn}
+def mlp_sigmoid() -> nn.Sequential:
+    """The MLP with sigmoids: curved activations, whose terms the Hessian adds to the GGN
+    (one backward per unit and sign for leanprop: 768 more passes)."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 256), nn.Sigmoid(), nn.Linear(256, 128), nn.Sigmoid(),
+        nn.Linear(128, 10),
+    )  # fmt: skip
 
 
-def _variants(name: str, batch: int, device: str) -> tuple[dict[str, Callable[[], object]], list]:
+MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "mlp_sigmoid": mlp_sigmoid, "cnn": cnn}
+
+
+QUANTITIES = ("DiagGGNExact", "DiagHessian", "KFAC")
+
+
+def _results(model: nn.Module, attr: str) -> list[Tensor]:
+    """The quantity of each parameter (its Kronecker factors flattened), or ``.grad``."""
+    out: list[Tensor] = []
+    for p in model.parameters():
+        value = getattr(p, attr, p.grad)
+        out.extend(value if isinstance(value, list) else [value])
+        p.grad = None
+    return out
+
+
+def _variants(
+    name: str, quantity: str, batch: int, device: str
+) -> tuple[dict[str, Callable[[], object]], list]:
     torch.manual_seed(0)
     models = [MODELS[name]().to(device) for _ in range(3)]
     for m in models[1:]:
@@ -40,26 +66,19 @@ def _variants(name: str, batch: int, device: str) -> tuple[dict[str, Callable[[]
     x = torch.randn(batch, 1, 28, 28, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     loss_fn = nn.CrossEntropyLoss()
-
-    def result(model: nn.Module) -> list[Tensor]:
-        out = [
-            p.diag_ggn_exact if hasattr(p, "diag_ggn_exact") else p.grad for p in model.parameters()
-        ]
-        for p in model.parameters():
-            p.grad = None
-        return out
+    q = getattr(leanprop, quantity)()
 
     def plain() -> list[Tensor]:
         loss_fn(models[0](x), y).backward()
-        return result(models[0])
+        return _results(models[0], "grad")
 
     def ours() -> list[Tensor]:
         model = models[1]
         with leanprop.per_sample(model, check=False) as ctx:
             out = model(x)
-            leanprop.ggn(ctx, out, loss_fn, y, leanprop.DiagGGNExact())
+            leanprop.ggn(ctx, out, loss_fn, y, q)
             loss_fn(out, y).backward()
-        return result(model)
+        return _results(model, q.attr)
 
     variants: dict[str, Callable[[], object]] = {"plain": plain, "leanprop": ours}
     if importlib.util.find_spec("backpack") is not None:
@@ -69,36 +88,38 @@ def _variants(name: str, batch: int, device: str) -> tuple[dict[str, Callable[[]
 
         def theirs() -> list[Tensor]:
             loss = theirs_loss(theirs_model(x), y)
-            with backpack(extensions.DiagGGNExact()):
+            with backpack(getattr(extensions, quantity)()):
                 loss.backward()
-            return result(theirs_model)
+            return _results(theirs_model, q.attr)
 
         variants["backpack"] = theirs
     return variants, models
 
 
 def run(device: str = "cpu", batches: tuple[int, ...] = (32,), reps: int = 5) -> list[dict]:
-    """One row per model, batch size and method; ratios to the plain step."""
+    """One row per model, quantity, batch size and method; ratios to the plain step."""
     rows = []
     for name in MODELS:
-        for batch in batches:
-            variants, models = _variants(name, batch, device)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # (BackPACK's notes on full backward hooks)
-                res = leanprop.compare(
-                    variants, device=device, reps=reps, check=False, existing=tuple(models),
-                    show=False,
-                )  # fmt: skip
-                ours, theirs = variants["leanprop"](), variants.get("backpack", lambda: None)()
-            agrees = None
-            if theirs is not None:
-                agrees = all(
-                    torch.allclose(a, b, rtol=1e-4, atol=1e-6 * b.abs().max().item())
-                    for a, b in zip(ours, theirs, strict=True)
-                )
-            for r in res:
-                row = as_dict(r, batch=batch, method=f"{name}: {r.name}")
-                if r.name == "leanprop":
-                    row["agrees"] = agrees
-                rows.append(row)
+        for quantity in QUANTITIES:
+            for batch in batches:
+                variants, models = _variants(name, quantity, batch, device)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # (BackPACK's notes on full backward hooks)
+                    res = leanprop.compare(
+                        variants, device=device, reps=reps, check=False, existing=tuple(models),
+                        show=False,
+                    )  # fmt: skip
+                    ours = variants["leanprop"]()
+                    theirs = variants.get("backpack", lambda: None)()
+                agrees = None
+                if theirs is not None and quantity != "KFAC":
+                    agrees = all(
+                        torch.allclose(a, b, rtol=1e-4, atol=1e-6 * b.abs().max().item())
+                        for a, b in zip(ours, theirs, strict=True)
+                    )
+                for r in res:
+                    row = as_dict(r, batch=batch, method=f"{name}/{quantity}: {r.name}")
+                    if r.name == "leanprop":
+                        row["agrees"] = agrees
+                    rows.append(row)
     return rows

@@ -393,7 +393,8 @@ def _matmul(a: Tensor, b: Tensor, which: int, bd: BatchDim, out_ndim: int) -> In
 # elementwise ops with a second derivative (the Hessian's residual terms), by op name
 CURVED_ELEMENTWISE = frozenset({
     "tanh", "sigmoid", "exp", "gelu", "silu", "softplus", "elu", "selu", "celu",
-    "log_sigmoid", "mish", "sin", "cos", "log", "sqrt", "pow", "square", "hardswish",
+    "log_sigmoid", "mish", "sin", "cos", "log", "sqrt", "pow", "square", "hardswish", "expit",
+    "special_expit",
 })  # fmt: skip
 
 

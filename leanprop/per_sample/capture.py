@@ -288,6 +288,8 @@ class PerSample:
         self.last_sums: dict[nn.Parameter, Tensor] = {}
         self._observers: list[Observer] = []  # see observing()
         self._in_rule: Counter[nn.Parameter] = Counter()  # parameters of rule sites running
+        # module calls made during a backward: a checkpoint recomputing part of the forward
+        self.recomputed = 0
 
     @property
     def model(self) -> nn.Module:
@@ -722,6 +724,12 @@ class PerSample:
             self._root_running or (self._tracker.n is not None and current_graph_task_id() != -1)
         )
 
+    @property
+    def follows_the_batch(self) -> bool:
+        """Whether the op interception follows the samples through the forward (else each
+        module's input holds them at ``batch_dim``)."""
+        return self._intercept is not None
+
     def tracks(self, t: Any) -> bool:
         """Whether ``t`` is one of the parameters this context computes quantities of."""
         return isinstance(t, Tensor) and t in self._states
@@ -974,10 +982,12 @@ class PerSample:
         if not self._computing:
             self._note_direct_call(site)  # (first: it may start a new cycle)
             site.calls_before = [s.calls for s in site.inner]
+            self.recomputed += current_graph_task_id() != -1
 
     def _on_rule_enter(self, site: Site, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self._computing:
             self._note_direct_call(site)  # (first: it may start a new cycle)
+            self.recomputed += current_graph_task_id() != -1
         site.running = not self._computing
         site.fused = False
         if site.running and not site.rule.at_op_level(module):
@@ -1659,6 +1669,11 @@ class PerSample:
             self.last_n = n
         finally:
             self._computing_here = False
+
+    def forget_forward(self) -> None:
+        """Drop the recorded forward (its backward then computes no quantities and says so):
+        for work on it that failed midway and left its records unusable."""
+        self._abort_cycle()
 
     def _abort_cycle(self) -> None:
         """Forget everything about the current forward and its backward passes."""

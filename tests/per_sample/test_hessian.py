@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import leanprop
-from leanprop import UnsupportedModelError
+from leanprop import BatchGrad, UnsupportedModelError
 from leanprop.testing import hessian_diagonals
 
 from ..helpers import assert_close
@@ -164,3 +165,100 @@ def test_a_norm_layer_on_the_inputs_is_linear_in_its_parameters():
     model = _NormFirst().double()
     x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 3, (5,))
     _check(model, x, nn.CrossEntropyLoss(), y)
+
+
+class _Dense(nn.Module):
+    """``tanh(W x)`` in one module with a rule of its own (hooked as a whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.nn.functional.linear(x, self.weight))
+
+
+def _dense_batch_grads(module, inputs, g, names, options):
+    x = inputs[0]
+    a = torch.tanh(torch.nn.functional.linear(x, module.weight))
+    return {"weight": torch.einsum("no,ni->noi", g * (1 - a * a), x)}
+
+
+def test_an_activation_inside_a_module_hooked_as_a_whole_is_refused():
+    """A pass from inside the module reaches its parameters without its rule firing: their
+    values were read stale from the pass before (silently wrong), now refused."""
+    leanprop.register_rule(_Dense)(_dense_batch_grads)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), _Dense(), nn.Linear(3, 3)).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with leanprop.per_sample(model, BatchGrad()) as ctx:
+        out = model(x)
+        with pytest.raises(UnsupportedModelError, match="hooked as a whole"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagHessian())
+        nn.CrossEntropyLoss()(out, y).backward()  # (the block's first-order results still come)
+    assert all(p.grad_batch.shape[0] == 5 for p in model.parameters())
+
+
+def test_embeddings_and_op_level_layers_natively():
+    """Parameters used in ops without a module rule (an embedding's lookup, a transposed
+    convolution) are linear in them: covered."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Tanh(), nn.Flatten(), nn.Linear(6, 3)).double()
+    ids, y = torch.randint(0, 7, (5, 2)), torch.randint(0, 3, (5,))
+    _check(model, ids, nn.CrossEntropyLoss(), y)
+    conv = nn.Sequential(
+        nn.ConvTranspose2d(1, 2, 2), nn.Sigmoid(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)
+    ).double()
+    _check(conv, torch.randn(4, 1, 3, 3, dtype=torch.float64), nn.CrossEntropyLoss(), y[:4])
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = lambda t: torch.tanh(self.b(torch.sigmoid(t)))  # noqa: E731
+        return self.c(checkpoint(block, self.a(x), use_reentrant=False))
+
+
+@pytest.mark.parametrize("quantity", [leanprop.DiagGGNExact(), leanprop.DiagHessian()])
+def test_curvature_through_a_checkpoint_is_refused(quantity):
+    """Non-reentrant checkpointing recomputes part of the forward in each pass: the GGN's
+    diagonal was off by up to 0.18 and the block's next backward computed nothing, silently."""
+    torch.manual_seed(0)
+    model = _Checkpointed().double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with leanprop.per_sample(model, BatchGrad()) as ctx:
+        out = model(x)
+        with pytest.raises(UnsupportedModelError, match="recomputed part of the forward"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, quantity)
+        with pytest.raises(UnsupportedModelError, match="no per-sample quantities"):
+            nn.CrossEntropyLoss()(out, y).backward()  # (says so, not silently nothing)
+    assert not any(hasattr(p, quantity.attr) for p in model.parameters())
+
+
+def test_the_facade_refuses_activations_whose_samples_it_cannot_place():
+    """Without batch tracking, an activation on ``[T, N, H]`` with T == N looked batch-first:
+    silently wrong; now refused (the native API follows the samples)."""
+    from leanprop.compat.backpack import backpack, extend, extensions, unextend
+
+    class SequenceFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, T, 3]
+            return self.b(torch.tanh(self.a(x).transpose(0, 1)).mean(0))
+
+    torch.manual_seed(0)
+    model = extend(SequenceFirst().double())
+    loss_fn = extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(4, 4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    try:
+        refused = pytest.raises(UnsupportedModelError, match="without batch tracking")
+        with refused, backpack(extensions.DiagHessian()):
+            loss_fn(model(x), y).backward()
+    finally:
+        unextend(model)
+        unextend(loss_fn)

@@ -142,16 +142,30 @@ def compute_ggn(
     target_front = target.movedim(bd, 0) if target.dim() > bd else target
     hessian = [q for q in by_mc.get(None, []) if q.hessian]
     curved = curved_activations(contexts, output, params) if hessian else []
+    recomputed = sum(c.recomputed for c in contexts)
+
+    def refuse_recomputation() -> None:
+        if sum(c.recomputed for c in contexts) != recomputed:
+            for c in contexts:  # (the recomputation left records a backward cannot use)
+                c.forget_forward()
+            raise UnsupportedModelError(
+                "leanprop.ggn: the passes recomputed part of the forward (a checkpoint, "
+                "torch.utils.checkpoint): its curvature is not supported through one; run the "
+                "forward without checkpointing to compute curvature."
+            )
+
     try:
         for mc, qs in by_mc.items():
             front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
             _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
+        refuse_recomputation()
         if curved:
             # (the BackPACK facade runs this inside a backward, and hooks its loss modules'
             # calls: its forward alone)
             with torch.enable_grad():
                 loss = loss_fn.forward(output, target)
             _residual_passes(contexts, loss, curved, params, hessian, results)
+            refuse_recomputation()
     finally:  # the passes' first-order results are not the loss's: back to what was there
         for p, attrs in zip(params, saved_attrs, strict=True):
             for a in names:
@@ -211,6 +225,10 @@ def ggn_matrix_product(root: Tensor, mat: Tensor) -> Tensor:
     return ((mat.flatten(1) @ s.mT) @ s).reshape(mat.shape)
 
 
+def _name_of(contexts: Sequence[PerSample], p: nn.Parameter) -> str:
+    return next((f"{k}" for c in contexts for k, q in c.model.named_parameters() if q is p), "?")
+
+
 def _residual_passes(
     contexts: Sequence[PerSample],
     loss: Tensor,
@@ -232,11 +250,32 @@ def _residual_passes(
         for act, delta in zip(curved, deltas, strict=True):
             for sign in (1.0, -1.0):
                 for column in residual_columns(act, delta, sign):
-                    torch.autograd.grad(
-                        [act.z], params, [column], retain_graph=True, allow_unused=True
-                    )
+                    for p in params:  # (a value after the pass is that pass's)
+                        if hasattr(p, kind.attr):
+                            delattr(p, kind.attr)
+                    try:
+                        reached = torch.autograd.grad(
+                            [act.z], params, [column], retain_graph=True, allow_unused=True
+                        )
+                    except UnsupportedModelError as e:
+                        raise UnsupportedModelError(
+                            f"DiagHessian: a pass from the input of "
+                            f"{type(act.node).__name__} (its term of the Hessian) failed; the "
+                            "activation may lie inside a module hooked as a whole (a custom "
+                            f"or recurrent module), which such a pass cannot start in: {e}"
+                        ) from e
                     for i, p in enumerate(params):
                         value = getattr(p, kind.attr, None)
+                        if value is None and reached[i] is not None:
+                            raise UnsupportedModelError(
+                                f"DiagHessian: the curved activation "
+                                f"{type(act.node).__name__} lies inside a module hooked as a "
+                                f"whole (a custom or recurrent module, or a module with a "
+                                f"rule of its own), whose parameters ('{_name_of(contexts, p)}') "
+                                "get no per-sample values from a pass starting inside it. Use "
+                                "the module's parts (layers with rules, activations) directly, "
+                                "or DiagGGNExact."
+                            )
                         if value is None:
                             continue
                         sq = widen(value).square() if per_sample else value

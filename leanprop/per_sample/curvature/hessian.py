@@ -49,7 +49,11 @@ _LINEAR = frozenset({
     "EmbeddingBackward0", "BroadcastCaptureBackward", "ReluBackward0", "LeakyReluBackward0",
     "HardtanhBackward0", "ThresholdBackward0", "MaxPool2DWithIndicesBackward0",
     "MaxPool3DWithIndicesBackward0", "AdaptiveMaxPool2DBackward0", "AdaptiveMaxPool3DBackward0",
-    "AbsBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0",
+    "AbsBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0", "RsubBackward0",
+    "RsubBackward1", "UpsampleNearest1DBackward0", "UpsampleNearest2DBackward0",
+    "UpsampleNearest3DBackward0", "UpsampleBilinear2DBackward0", "ReflectionPad1DBackward0",
+    "ReflectionPad2DBackward0", "ReplicationPad1DBackward0", "ReplicationPad2DBackward0",
+    "FlipBackward0", "RollBackward0",
 })  # fmt: skip
 
 # nodes linear in each input on its own (products): exact where no parameter reaches two
@@ -60,7 +64,9 @@ _MULTILINEAR = frozenset({
 })  # fmt: skip
 _MULTILINEAR_OPS = frozenset({
     "linear", "addmm", "mm", "bmm", "matmul", "mul", "conv1d", "conv2d", "conv3d", "einsum",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding", "embedding_bag",
 })  # fmt: skip
+_NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm"})
 
 
 def _generic(fn: Callable[[Tensor, Any], Tensor]) -> Callable[[Any], Tensor]:
@@ -130,14 +136,20 @@ def _kind(node: Any) -> tuple[str, str]:
         return "MulBackward0", layer  # linear and convolution: bilinear in (input, weight)
     if name == "OpCaptureBackward":  # an op using parameters directly (ops.py)
         op = op_name(node.op.func)
+        if op in _NORM_OPS:
+            return "Norm", f"'{op}'"
         return ("MulBackward0" if op in _MULTILINEAR_OPS else op), f"'{op}'"
     op = re.sub(r"Backward\d*$", "", name)
     return name, f"{op} (autograd node {name})"
 
 
-def _reached(root: Any, params: set[nn.Parameter]) -> dict[Any, frozenset[nn.Parameter]]:
-    """The parameters each node of ``root``'s graph leads to (its inputs depend on)."""
+def _reached(
+    root: Any, params: set[nn.Parameter]
+) -> tuple[dict[Any, frozenset[nn.Parameter]], set[Any]]:
+    """The parameters each node of ``root``'s graph leads to (its inputs depend on), and the
+    nodes whose inputs also take a tensor that autograd does not follow (the data)."""
     memo: dict[Any, frozenset[nn.Parameter]] = {}
+    data: set[Any] = set()
     stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
         node, expanded = stack.pop()
@@ -151,7 +163,9 @@ def _reached(root: Any, params: set[nn.Parameter]) -> dict[Any, frozenset[nn.Par
         own = getattr(node, "variable", None)
         found = frozenset({own}) if own is not None and own in params else frozenset()
         memo[node] = found.union(*(memo[f] for f in nexts))
-    return memo
+        if len(nexts) < len(node.next_functions) or any(f in data for f in nexts):
+            data.add(node)
+    return memo, data
 
 
 def _refuse(what: str) -> UnsupportedModelError:
@@ -171,7 +185,9 @@ def curved_activations(
     second-order terms (see the module docstring)."""
     if output.grad_fn is None:
         return []
-    reached = _reached(output.grad_fn, set(params))
+    reached, from_data = _reached(output.grad_fn, set(params))
+    n = {c.samples for c in contexts} - {None}
+    followed = all(c.follows_the_batch for c in contexts)
     found: list[Curved] = []
     for node in reached:
         inputs = [reached[f] for f, _ in node.next_functions if f is not None]
@@ -200,12 +216,21 @@ def curved_activations(
                     f"leanprop did not follow the samples to the input of {name} "
                     f"({next(iter(dims - set(ints)), 'not recorded in the block')})"
                 )
-            shape = _saved(node).shape
-            samples = {c.samples for c in contexts} - {None}
-            if ints[0] >= len(shape) or any(shape[ints[0]] != n for n in samples):
+            shape, dim = _saved(node).shape, ints[0]
+            if dim >= len(shape) or any(shape[dim] != k for k in n):
                 raise _refuse(
-                    f"the input of {name} {tuple(shape)} does not hold the forward's "
-                    f"{sorted(samples)} samples in dimension {ints[0]}"
+                    f"the input of {shown} {tuple(shape)} does not hold the forward's "
+                    f"{sorted(n)} samples in dimension {dim}"
+                )
+            input_node = node.next_functions[0][0]
+            if not followed and (
+                input_node not in from_data or any(i != dim and s in n for i, s in enumerate(shape))
+            ):  # (no op interception: the samples' dimension is the documented one)
+                raise _refuse(
+                    f"without batch tracking (the BackPACK facade), leanprop cannot tell which "
+                    f"dimension of the input of {shown} {tuple(shape)} holds the samples, or "
+                    "whether it holds them at all (leanprop.ggn inside leanprop.per_sample "
+                    "follows them)"
                 )
             found.append(Curved(node, GradientEdge(*node.next_functions[0]), ints[0]))
             continue
