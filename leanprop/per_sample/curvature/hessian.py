@@ -197,7 +197,7 @@ def curved_activations(
         name, shown = _kind(node)
         if name in _LINEAR:
             continue
-        first = reached.get(node.next_functions[0][0], frozenset()) if node.next_functions else 0
+        first = reached.get(node.next_functions[0][0], frozenset())  # (the node's input x)
         if name == "DivBackward0" and not reached.get(node.next_functions[1][0], frozenset()):
             continue  # (a divisor that depends on no parameter: linear)
         if name in _MULTILINEAR or (name == "Norm" and not first):
@@ -213,7 +213,7 @@ def curved_activations(
             ints = [d for d in dims if isinstance(d, int)]
             if len(dims) != 1 or not ints:
                 raise _refuse(
-                    f"leanprop did not follow the samples to the input of {name} "
+                    f"leanprop did not follow the samples to the input of {shown} "
                     f"({next(iter(dims - set(ints)), 'not recorded in the block')})"
                 )
             shape, dim = _saved(node).shape, ints[0]
