@@ -137,6 +137,17 @@ def _check_dim(what: str, d: object) -> None:
         )
 
 
+def _where(info: Any) -> int | str | None:
+    """A tracked tensor's batch dimension, or why it has none (see ``batch_dim_of``)."""
+    if info is None:
+        return None
+    if isinstance(info, Lost):
+        return info.reason
+    if info.inner != 1:
+        return f"its dimension {info.dim} holds the samples flattened with another one"
+    return info.dim
+
+
 def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
     if stop - start == n:  # the whole batch in one chunk
         return x
@@ -413,14 +424,7 @@ class PerSample:
         ``N`` samples, each whole), a description of why none does (the samples were mixed,
         or flattened with another dimension), or None where leanprop did not follow ``t``
         (not computed from the model's inputs inside the block, or not op by op)."""
-        info = self._tracker.info(t)
-        if info is None:
-            return None
-        if isinstance(info, Lost):
-            return info.reason
-        if info.inner != 1:
-            return f"its dimension {info.dim} holds the samples flattened with another one"
-        return info.dim
+        return _where(self._tracker.info(t))
 
     def batch_dim_of_node(self, node: Any) -> int | str | None:
         """Where the output of autograd node ``node`` holds the samples, for a curved
@@ -429,14 +433,7 @@ class PerSample:
         interception (``fuse=False``), ``batch_dim``: every layer's documented layout."""
         if self._intercept is None:
             return self._batch_dim
-        info = self._tracker.curved.get(node)
-        if info is None:
-            return None
-        if isinstance(info, Lost):
-            return info.reason
-        if info.inner != 1:
-            return f"its dimension {info.dim} holds the samples flattened with another one"
-        return info.dim
+        return _where(self._tracker.curved.get(node))
 
     @property
     def samples(self) -> int | None:
