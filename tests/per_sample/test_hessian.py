@@ -262,3 +262,24 @@ def test_the_facade_refuses_activations_whose_samples_it_cannot_place():
     finally:
         unextend(model)
         unextend(loss_fn)
+
+
+def test_the_facade_takes_activations_of_layers_as_big_as_the_batch():
+    """A hidden size equal to the batch size (tanh of a ``[N, N]`` linear output) is placed:
+    the activation takes a linear layer's output (batch first) through elementwise ops."""
+    from leanprop.compat.backpack import backpack, extend, extensions, unextend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Dropout(0.0), nn.Linear(4, 3)).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    ref = hessian_diagonals(model, x, nn.CrossEntropyLoss(), y)
+    model, loss_fn = extend(model), extend(nn.CrossEntropyLoss())
+    try:
+        with backpack(extensions.DiagHessian(), extensions.BatchDiagHessian()):
+            loss_fn(model(x), y).backward()
+        for k, p in model.named_parameters():
+            assert_close(p.diag_h, ref[k][0], f"{k}.diag_h", 1e-10, 1e-12)
+            assert_close(p.diag_h_batch, ref[k][1], f"{k}.diag_h_batch", 1e-10, 1e-12)
+    finally:
+        unextend(model)
+        unextend(loss_fn)

@@ -168,6 +168,31 @@ def _reached(
     return memo, data
 
 
+# the outputs of a linear or convolution layer's own op (batch first, as documented), and the
+# ops between such an output and an activation that keep every dimension where it is
+_LAYER_OUTPUTS = frozenset({"AddmmBackward0", "ConvolutionBackward0"})
+_IN_PLACE_OF_DIMS = frozenset({
+    "AddBackward0", "SubBackward0", "MulBackward0", "MulBackward1", "DivBackward1",
+    "NegBackward0", "NativeDropoutBackward0", "CloneBackward0", "ReluBackward0",
+    "LeakyReluBackward0", "HardtanhBackward0", "ThresholdBackward0",
+})  # fmt: skip
+
+
+def _from_a_layer(node: Any) -> bool:
+    """Whether ``node``'s output comes from a linear or convolution layer's op through ops
+    that keep its dimensions (elementwise ones): its samples are where the layer's are."""
+    for _ in range(64):  # (a chain, not a search: the first input at each step)
+        name = type(node).__name__
+        if name in _LAYER_OUTPUTS:
+            return True
+        if name not in _IN_PLACE_OF_DIMS and name not in _CURVED:
+            return False
+        node = node.next_functions[0][0]
+        if node is None:
+            return False
+    return False
+
+
 def _refuse(what: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"DiagHessian: {what}, so the Hessian has terms leanprop does not form (it covers "
@@ -224,7 +249,11 @@ def curved_activations(
                 )
             input_node = node.next_functions[0][0]
             if not followed and (
-                input_node not in from_data or any(i != dim and s in n for i, s in enumerate(shape))
+                input_node not in from_data
+                or (
+                    any(i != dim and s in n for i, s in enumerate(shape))
+                    and not _from_a_layer(input_node)
+                )
             ):  # (no op interception: the samples' dimension is the documented one)
                 raise _refuse(
                     f"without batch tracking (the BackPACK facade), leanprop cannot tell which "
