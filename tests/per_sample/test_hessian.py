@@ -19,6 +19,11 @@ ACTIVATIONS = {
     "gelu-tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU, "elu": nn.ELU,
     "selu": nn.SELU, "celu": nn.CELU, "softplus": lambda: nn.Softplus(beta=2.0),
     "logsigmoid": nn.LogSigmoid, "mish": nn.Mish, "relu": nn.ReLU,
+    "elu-inplace": lambda: nn.ELU(alpha=0.7, inplace=True),
+    "selu-inplace": lambda: nn.SELU(inplace=True),
+    # (alpha 1: autograd's own second derivative of CELU, the oracle's, is 1e-8 off for
+    # an alpha whose inverse float32 cannot hold, e.g. 0.8)
+    "celu-inplace": lambda: nn.CELU(inplace=True),
 }  # fmt: skip
 
 

@@ -103,6 +103,17 @@ _CURVED: dict[str, Callable[[Any], Tensor]] = {
         lambda z, n: torch.ops.aten.elu(z, n._saved_alpha, n._saved_scale, n._saved_input_scale)
     ),
     "CeluBackward0": _generic(lambda z, n: F.celu(z, n._saved_alpha)),
+    # in place (inplace=True): from the output, which is negative exactly where z is
+    "EluBackward1": lambda n: torch.where(
+        n._saved_result.detach() <= 0,
+        n._saved_input_scale**2 * (n._saved_result.detach() + n._saved_scale * n._saved_alpha),
+        0.0,
+    ),
+    "CeluBackward1": lambda n: torch.where(
+        n._saved_result.detach() <= 0,
+        (n._saved_result.detach() + n._saved_alpha) / n._saved_alpha**2,
+        0.0,
+    ),
     "LogSigmoidBackward0": _generic(lambda z, n: F.logsigmoid(z)),
     "SinBackward0": _generic(lambda z, n: torch.sin(z)),
     "CosBackward0": _generic(lambda z, n: torch.cos(z)),
