@@ -52,6 +52,18 @@ def inside_function_backward() -> bool:
     return _called_from("apply", "autograd", "function.py", first_arg="self")
 
 
+def is_checkpoint_error(e: BaseException) -> bool:
+    """Whether ``e`` is torch's refusal of something inside ``torch.utils.checkpoint`` (a
+    second unpack of a non-reentrant checkpoint's saved tensors, ``autograd.grad`` through a
+    reentrant one)."""
+    from torch.utils import checkpoint
+
+    error = getattr(checkpoint, "CheckpointError", None)
+    return (error is not None and isinstance(e, error)) or (
+        isinstance(e, RuntimeError) and "checkpoint" in str(e).lower()
+    )
+
+
 def queue_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the current backward pass ends (only inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)

@@ -269,19 +269,35 @@ def test_the_facade_refuses_activations_whose_samples_it_cannot_place():
         unextend(loss_fn)
 
 
-def test_the_facade_takes_activations_of_layers_as_big_as_the_batch():
-    """A hidden size equal to the batch size (tanh of a ``[N, N]`` linear output) is placed:
-    the activation takes a linear layer's output (batch first) through elementwise ops."""
+_FACADE_MODELS = {
+    "linear": lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Dropout(0.0), nn.Linear(4, 3)),
+    "linear-no-bias": lambda: nn.Sequential(nn.Linear(3, 4, bias=False), nn.Sigmoid(),
+                                            nn.Linear(4, 3)),
+    "conv-pool": lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.MaxPool2d(2), nn.Sigmoid(),
+                                       nn.Flatten(), nn.Linear(4, 3)),
+    "linear-on-sequences": lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Flatten(),
+                                                 nn.Linear(8, 3)),
+}  # fmt: skip
+_FACADE_INPUTS = {"conv-pool": (4, 1, 4, 4), "linear-on-sequences": (4, 2, 3)}
+
+
+@pytest.mark.parametrize("input_requires_grad", [False, True], ids=["", "input-requires-grad"])
+@pytest.mark.parametrize("name", list(_FACADE_MODELS))
+def test_the_facade_places_activations_of_layers_as_big_as_the_batch(name, input_requires_grad):
+    """A hidden size (or channel count) equal to the batch size is placed: the activation
+    takes a layer's output (batch first) through ops that keep it first; an input that
+    requires grad is data, not a parameter."""
     from leanprop.compat.backpack import backpack, extend, extensions, unextend
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Dropout(0.0), nn.Linear(4, 3)).double()
-    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    model = _FACADE_MODELS[name]().double()
+    x = torch.randn(*_FACADE_INPUTS.get(name, (4, 3)), dtype=torch.float64)
+    y = torch.randint(0, 3, (4,))
     ref = hessian_diagonals(model, x, nn.CrossEntropyLoss(), y)
     model, loss_fn = extend(model), extend(nn.CrossEntropyLoss())
     try:
         with backpack(extensions.DiagHessian(), extensions.BatchDiagHessian()):
-            loss_fn(model(x), y).backward()
+            loss_fn(model(x.requires_grad_(input_requires_grad)), y).backward()
         for k, p in model.named_parameters():
             assert_close(p.diag_h, ref[k][0], f"{k}.diag_h", 1e-10, 1e-12)
             assert_close(p.diag_h_batch, ref[k][1], f"{k}.diag_h_batch", 1e-10, 1e-12)

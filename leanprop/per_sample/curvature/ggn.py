@@ -19,6 +19,7 @@ from contextlib import ExitStack
 import torch
 from torch import Tensor, nn
 
+from ..._torch_compat import is_checkpoint_error
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
@@ -141,20 +142,29 @@ def compute_ggn(
     output_front = output.movedim(bd, 0)
     target_front = target.movedim(bd, 0) if target.dim() > bd else target
     hessian = [q for q in by_mc.get(None, []) if q.hessian]
-    curved = curved_activations(contexts, output, params) if hessian else []
     recomputed = sum(c.recomputed for c in contexts)
 
-    def refuse_recomputation() -> None:
-        if sum(c.recomputed for c in contexts) != recomputed:
+    def refuse_recomputation(cause: BaseException | None = None) -> None:
+        checkpointed = (
+            cause is not None
+            and not isinstance(cause, UnsupportedModelError)
+            and is_checkpoint_error(cause)
+        )
+        if checkpointed or sum(c.recomputed for c in contexts) != recomputed:
             for c in contexts:  # (the recomputation left records a backward cannot use)
                 c.forget_forward()
             raise UnsupportedModelError(
                 "leanprop.ggn: the passes recomputed part of the forward (a checkpoint, "
                 "torch.utils.checkpoint): its curvature is not supported through one; run the "
                 "forward without checkpointing to compute curvature."
-            )
+            ) from cause
 
     try:
+        try:  # (reading what autograd saved: a checkpoint may refuse it)
+            curved = curved_activations(contexts, output, params) if hessian else []
+        except RuntimeError as e:
+            refuse_recomputation(e)
+            raise
         for mc, qs in by_mc.items():
             front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
             _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
@@ -166,6 +176,9 @@ def compute_ggn(
                 loss = loss_fn.forward(output, target)
             _residual_passes(contexts, loss, curved, params, hessian, results)
             refuse_recomputation()
+    except RuntimeError as e:  # (torch's own refusals inside a checkpoint's backward, and
+        refuse_recomputation(e)  # those of a pass through what a checkpoint recomputed)
+        raise
     finally:  # the passes' first-order results are not the loss's: back to what was there
         for p, attrs in zip(params, saved_attrs, strict=True):
             for a in names:

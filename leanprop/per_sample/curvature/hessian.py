@@ -158,7 +158,8 @@ def _reached(
     root: Any, params: set[nn.Parameter]
 ) -> tuple[dict[Any, frozenset[nn.Parameter]], set[Any]]:
     """The parameters each node of ``root``'s graph leads to (its inputs depend on), and the
-    nodes whose inputs also take a tensor that autograd does not follow (the data)."""
+    nodes whose inputs also take data: a tensor autograd does not follow, a leaf that is not
+    one of ``params`` (an input that requires grad), an embedding's indices."""
     memo: dict[Any, frozenset[nn.Parameter]] = {}
     data: set[Any] = set()
     stack: list[tuple[Any, bool]] = [(root, False)]
@@ -174,19 +175,32 @@ def _reached(
         own = getattr(node, "variable", None)
         found = frozenset({own}) if own is not None and own in params else frozenset()
         memo[node] = found.union(*(memo[f] for f in nexts))
-        if len(nexts) < len(node.next_functions) or any(f in data for f in nexts):
+        if (
+            len(nexts) < len(node.next_functions)
+            or any(f in data for f in nexts)
+            or (own is not None and own not in params)
+            or type(node).__name__ in _FROM_DATA
+        ):
             data.add(node)
     return memo, data
 
 
 # the outputs of a linear or convolution layer's own op (batch first, as documented), and the
-# ops between such an output and an activation that keep every dimension where it is
-_LAYER_OUTPUTS = frozenset({"AddmmBackward0", "ConvolutionBackward0"})
-_IN_PLACE_OF_DIMS = frozenset({
+# ops between such an output and an activation that keep the batch first (elementwise ops,
+# poolings, paddings, the view a linear layer's output on [N, ..., I] inputs gets)
+_LAYER_OUTPUTS = frozenset({"AddmmBackward0", "MmBackward0", "ConvolutionBackward0"})
+_KEEP_BATCH_FIRST = frozenset({
     "AddBackward0", "SubBackward0", "MulBackward0", "MulBackward1", "DivBackward1",
     "NegBackward0", "NativeDropoutBackward0", "CloneBackward0", "ReluBackward0",
-    "LeakyReluBackward0", "HardtanhBackward0", "ThresholdBackward0",
+    "LeakyReluBackward0", "HardtanhBackward0", "ThresholdBackward0", "ViewBackward0",
+    "UnsafeViewBackward0", "ReshapeAliasBackward0", "MaxPool1DWithIndicesBackward0",
+    "MaxPool2DWithIndicesBackward0", "MaxPool3DWithIndicesBackward0", "AvgPool1DBackward0",
+    "AvgPool2DBackward0", "AvgPool3DBackward0", "AdaptiveAvgPool2DBackward0",
+    "AdaptiveMaxPool2DBackward0", "ConstantPadNdBackward0", "ReflectionPad2DBackward0",
+    "ReplicationPad2DBackward0",
 })  # fmt: skip
+# nodes whose input is data autograd does not follow (an embedding's indices)
+_FROM_DATA = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0"})
 
 
 def _from_a_layer(node: Any) -> bool:
@@ -196,7 +210,7 @@ def _from_a_layer(node: Any) -> bool:
         name = type(node).__name__
         if name in _LAYER_OUTPUTS:
             return True
-        if name not in _IN_PLACE_OF_DIMS and name not in _CURVED:
+        if name not in _KEEP_BATCH_FIRST and name not in _CURVED:
             return False
         node = node.next_functions[0][0]
         if node is None:
