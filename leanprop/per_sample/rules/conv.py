@@ -319,8 +319,9 @@ def _pixel_gram_norms(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     walk = [st * step for st, step in zip(module.stride, steps, strict=True)]
     size, strides = (n * groups, *out, *out), (p * p, *(w * p for w in walk), *walk)
     patch_gram = None
-    for k in itertools.product(*(range(k) for k in module.kernel_size)):
-        off = sum(i * d * step for i, d, step in zip(k, module.dilation, steps, strict=True))
+    for offset in itertools.product(*(range(extent) for extent in module.kernel_size)):
+        dims = zip(offset, module.dilation, steps, strict=True)
+        off = sum(i * d * step for i, d, step in dims)
         block = pixels.as_strided(size, strides, pixels.storage_offset() + off * (p + 1))
         patch_gram = block if patch_gram is None else patch_gram + block
     gf = widen(g.reshape(n * groups, -1, positions))  # [nG, O/G, L]
