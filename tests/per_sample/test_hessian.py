@@ -3,6 +3,8 @@ refuse: models whose Hessian has terms besides the GGN and the activations' own.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -304,3 +306,19 @@ def test_the_facade_places_activations_of_layers_as_big_as_the_batch(name, input
     finally:
         unextend(model)
         unextend(loss_fn)
+
+
+def test_an_activation_of_a_layer_fed_the_data_takes_no_passes(monkeypatch):
+    """``tanh(W x + b)`` with ``x`` the data: its term for ``W`` and ``b`` is the layer's own
+    weight gradient of ``x²`` and ``r`` (closed form), where the passes took 2 per unit."""
+    ggn_module = importlib.import_module("leanprop.per_sample.curvature.ggn")
+    columns = []
+    real = ggn_module.residual_columns
+    monkeypatch.setattr(
+        ggn_module, "residual_columns", lambda *a: (columns.append(c) or c for c in real(*a))
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(27, 3)).double()
+    x, y = torch.randn(4, 1, 4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    _check(model, x, nn.CrossEntropyLoss(), y)
+    assert not columns

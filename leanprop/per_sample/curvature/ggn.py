@@ -24,7 +24,13 @@ from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
 from ..stats import widen
-from .hessian import Curved, activation_gradients, curved_activations, residual_columns
+from .hessian import (
+    Curved,
+    activation_gradients,
+    curved_activations,
+    layer_term,
+    residual_columns,
+)
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
@@ -260,7 +266,16 @@ def _residual_passes(
             # inputs of modules hooked as a whole for the passes after it)
             stack.enter_context(c.computing(frozenset({kind})))
         deltas = activation_gradients(loss, curved)
+        index = {p: i for i, p in enumerate(params)}
         for act, delta in zip(curved, deltas, strict=True):
+            if act.layer is not None:  # a closed form: no passes
+                for p, value in layer_term(act, delta, per_sample).items():
+                    i = index.get(p)
+                    for q in quantities if i is not None else ():
+                        if q.attr in results[i]:
+                            add = value if q.per_sample or not per_sample else value.sum(0)
+                            results[i][q.attr] = results[i][q.attr] + add
+                continue
             for sign in (1.0, -1.0):
                 for column in residual_columns(act, delta, sign):
                     for p in params:  # (a value after the pass is that pass's)

@@ -31,6 +31,7 @@ from torch.autograd.graph import GradientEdge
 from ...errors import UnsupportedModelError
 from ..batch import op_name
 from ..capture import PerSample
+from ..registry import RuleOptions
 
 # autograd nodes linear in their inputs taken together (sums, reshapes, selections, poolings
 # by averages), or piecewise linear (second derivative zero almost everywhere)
@@ -130,11 +131,15 @@ class Curved:
         node: its autograd node (``a = σ(z)``).
         z: the edge of its input ``z``, where its columns start.
         dim: where ``z`` holds the samples.
+        layer: where ``z`` is the output of a linear or convolution layer (replaced op) fed
+            the data (its input depends on no parameter), that op's node: the term then has a
+            closed form (:func:`layer_term`), no passes.
     """
 
     node: Any
     z: GradientEdge
     dim: int
+    layer: Any = None
 
 
 def _kind(node: Any) -> tuple[str, str]:
@@ -218,6 +223,38 @@ def _from_a_layer(node: Any) -> bool:
     return False
 
 
+_BILINEAR_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _fed_the_data(node: Any, reached: dict[Any, frozenset[nn.Parameter]], dim: int) -> bool:
+    """Whether ``node`` is a replaced linear or convolution op (``fused.py``) whose input
+    depends on no parameter, with the samples first."""
+    if type(node).__name__ != "FusedOpBackward" or dim != 0:
+        return False
+    if not isinstance(node.module, _BILINEAR_LAYERS) or node.call.in_bd.dim != 0:
+        return False
+    x_node = node.next_functions[0][0]  # (the op's input x; then its weight and bias)
+    return x_node is None or not reached.get(x_node)
+
+
+def layer_term(curved: Curved, delta: Tensor, per_sample: bool) -> dict[nn.Parameter, Tensor]:
+    """The activation's term of the Hessian's diagonal for the parameters of the layer that
+    computes its input, where that layer takes the data (``curved.layer``): ``z`` is linear in
+    them, ``∂z_k/∂W = x`` entries, so ``sum_k r_k (∂z_k/∂W)²`` is the layer's own weight
+    gradient with ``x²`` for the input and ``r`` for the output gradient (each sample's with
+    ``per_sample``: ``[N, *p.shape]``)."""
+    layer = curved.layer
+    (x,) = layer.saved_tensors
+    r = delta * _CURVED[type(curved.node).__name__](curved.node).to(delta.dtype)
+    rule, module, params = layer.call.site.rule, layer.module, layer.call.params
+    x2 = (x * x).to(r.dtype)
+    if per_sample:
+        found = rule.batch_grads(module, (x2,), r, frozenset(params), RuleOptions())
+    else:
+        found = rule.param_grads(module, x2, r, frozenset(params))
+    return {params[k]: v for k, v in found.items()}
+
+
 def _refuse(what: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"DiagHessian: {what}, so the Hessian has terms leanprop does not form (it covers "
@@ -286,7 +323,8 @@ def curved_activations(
                     "whether it holds them at all (leanprop.ggn inside leanprop.per_sample "
                     "follows them)"
                 )
-            found.append(Curved(node, GradientEdge(*node.next_functions[0]), ints[0]))
+            layer = input_node if _fed_the_data(input_node, reached, ints[0]) else None
+            found.append(Curved(node, GradientEdge(*node.next_functions[0]), ints[0], layer))
             continue
         raise _refuse(f"the model computes {shown} of a parameter-dependent input")
     return found
