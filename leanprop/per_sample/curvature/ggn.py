@@ -29,6 +29,7 @@ from .hessian import (
     activation_gradients,
     curved_activations,
     layer_term,
+    residual,
     residual_columns,
 )
 from .kronecker import KroneckerFactors
@@ -115,7 +116,9 @@ def ggn(
         LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
             that is not entered.
         UnsupportedModelError: ``DiagHessian`` of a model whose Hessian has terms besides the
-            GGN and the curved activations' (refused before any pass).
+            GGN and the curved activations' (refused before any pass where the graph shows
+            them, during the passes for an activation inside a module hooked as a whole);
+            curvature through ``torch.utils.checkpoint``.
     """
     by_mc = validate_curvature(quantities)
     if not isinstance(context, PerSample) or not context.active:
@@ -166,11 +169,8 @@ def compute_ggn(
             ) from cause
 
     try:
-        try:  # (reading what autograd saved: a checkpoint may refuse it)
-            curved = curved_activations(contexts, output, params) if hessian else []
-        except RuntimeError as e:
-            refuse_recomputation(e)
-            raise
+        # (reading what autograd saved: a checkpoint may refuse it, see below)
+        curved = curved_activations(contexts, output, params) if hessian else []
         for mc, qs in by_mc.items():
             front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
             _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
@@ -260,6 +260,14 @@ def _residual_passes(
     the GGN's): one backward per column of each activation's residual, from its input."""
     per_sample = any(q.per_sample for q in quantities)
     kind = BatchGrad if per_sample else SumGradSquared
+
+    def add(i: int, value: Tensor, sign: float) -> None:
+        """``sign * value`` (``[N, *p.shape]`` with ``per_sample``) to parameter i's results."""
+        for q in quantities:
+            if q.attr in results[i]:
+                part = value if q.per_sample or not per_sample else value.sum(0)
+                results[i][q.attr] = results[i][q.attr] + sign * part
+
     with ExitStack() as stack:
         for c in contexts:  # (also for the first pass: without the op interception, as in the
             # BackPACK facade, it cannot be told from the model's backward, and must keep the
@@ -268,16 +276,14 @@ def _residual_passes(
         deltas = activation_gradients(loss, curved)
         index = {p: i for i, p in enumerate(params)}
         for act, delta in zip(curved, deltas, strict=True):
+            r = residual(act, delta)
             if act.layer is not None:  # a closed form: no passes
-                for p, value in layer_term(act, delta, per_sample).items():
-                    i = index.get(p)
-                    for q in quantities if i is not None else ():
-                        if q.attr in results[i]:
-                            add = value if q.per_sample or not per_sample else value.sum(0)
-                            results[i][q.attr] = results[i][q.attr] + add
+                for p, value in layer_term(act, r, per_sample).items():
+                    if p in index:
+                        add(index[p], value, 1.0)
                 continue
             for sign in (1.0, -1.0):
-                for column in residual_columns(act, delta, sign):
+                for column in residual_columns(act, r, sign):
                     for p in params:  # (a value after the pass is that pass's)
                         if hasattr(p, kind.attr):
                             delattr(p, kind.attr)
@@ -306,11 +312,7 @@ def _residual_passes(
                             )
                         if value is None:
                             continue
-                        sq = widen(value).square() if per_sample else value
-                        for q in quantities:
-                            if q.attr in results[i]:
-                                add = sq if q.per_sample or not per_sample else sq.sum(0)
-                                results[i][q.attr] = results[i][q.attr] + sign * add
+                        add(i, widen(value).square() if per_sample else value, sign)
 
 
 def _passes(

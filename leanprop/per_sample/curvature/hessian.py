@@ -237,15 +237,14 @@ def _fed_the_data(node: Any, reached: dict[Any, frozenset[nn.Parameter]], dim: i
     return x_node is None or not reached.get(x_node)
 
 
-def layer_term(curved: Curved, delta: Tensor, per_sample: bool) -> dict[nn.Parameter, Tensor]:
+def layer_term(curved: Curved, r: Tensor, per_sample: bool) -> dict[nn.Parameter, Tensor]:
     """The activation's term of the Hessian's diagonal for the parameters of the layer that
     computes its input, where that layer takes the data (``curved.layer``): ``z`` is linear in
     them, ``∂z_k/∂W = x`` entries, so ``sum_k r_k (∂z_k/∂W)²`` is the layer's own weight
-    gradient with ``x²`` for the input and ``r`` for the output gradient (each sample's with
-    ``per_sample``: ``[N, *p.shape]``)."""
+    gradient with ``x²`` for the input and ``r`` (:func:`residual`) for the output gradient
+    (each sample's with ``per_sample``: ``[N, *p.shape]``)."""
     layer = curved.layer
     (x,) = layer.saved_tensors
-    r = delta * _CURVED[type(curved.node).__name__](curved.node).to(delta.dtype)
     rule, module, params = layer.call.site.rule, layer.module, layer.call.params
     x2 = (x * x).to(r.dtype)
     if per_sample:
@@ -330,11 +329,16 @@ def curved_activations(
     return found
 
 
-def residual_columns(curved: Curved, delta: Tensor, sign: float) -> Iterator[Tensor]:
-    """The columns of one part of an activation's residual term: ``sqrt(max(0, sign * r))``
-    at unit k of every sample (zero elsewhere), for each unit k where any sample has one;
-    ``delta``: ``∂L/∂a``, the shape of ``z``."""
-    r = delta * _CURVED[type(curved.node).__name__](curved.node).to(delta.dtype)
+def residual(curved: Curved, delta: Tensor) -> Tensor:
+    """The activation's diagonal "loss Hessian" at its input, ``r = δ ⊙ σ''(z)`` (the shape
+    of ``z``), from ``delta``: ``δ = ∂L/∂a``."""
+    return delta * _CURVED[type(curved.node).__name__](curved.node).to(delta.dtype)
+
+
+def residual_columns(curved: Curved, r: Tensor, sign: float) -> Iterator[Tensor]:
+    """The columns of one part of an activation's residual term ``r`` (:func:`residual`):
+    ``sqrt(max(0, sign * r))`` at unit k of every sample (zero elsewhere), for each unit k
+    where any sample has one."""
     root = (sign * r).clamp(min=0).sqrt().movedim(curved.dim, 0)  # [N, *unit dims]
     flat = root.reshape(root.shape[0], -1)  # [N, K]
     for k in flat.any(0).nonzero().flatten().tolist():
