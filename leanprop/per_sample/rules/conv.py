@@ -148,10 +148,10 @@ ALGORITHMS = ("unfold", "grouped", "weight_backward")
 
 def _workspace_of(module: nn.Module, g: Tensor, algorithm: str) -> int:
     """Scratch bytes per sample: the result, plus the patches for ``"unfold"``."""
-    result = module.weight[0].numel() * module.out_channels
+    result = module.weight.numel()  # (shapes only: indexing a tensor costs a kernel call)
     if algorithm != "unfold":
         return 2 * result * g.element_size()
-    patches = module.in_channels * math.prod(module.kernel_size) * g[0, 0].numel()
+    patches = module.in_channels * math.prod(module.kernel_size) * math.prod(g.shape[2:])
     return (patches + result) * g.element_size()
 
 
@@ -262,8 +262,8 @@ def conv_batch_l2(
     n, groups = x.shape[0], module.groups
     out: dict[str, Tensor] = {}
     o_g = module.out_channels // groups
-    i_g = module.weight[0].numel()  # C/G * prod(K)
-    positions = g[0, 0].numel()  # L
+    i_g = math.prod(module.weight.shape[1:])  # C/G * prod(K)
+    positions = math.prod(g.shape[2:])  # L
     if "weight" not in names or not gram_is_cheaper(positions, i_g, o_g, opts.sums_wanted):
         return out
     pixels = _pixel_gram_is_cheaper(module, x, g)
@@ -272,7 +272,8 @@ def conv_batch_l2(
         p = math.prod(s + 2 * q for s, q in zip(x.shape[2:], _padding_of(module), strict=True))
         per_sample = module.in_channels * p + groups * (p * p + 3 * positions**2)
     else:  # the patches: [n, C*K, L] (no more than the individual gradients would take: the
-        per_sample = x[0].numel() + module.in_channels * k * positions  # criterion bounds them)
+        # criterion bounds them)
+        per_sample = math.prod(x.shape[1:]) + module.in_channels * k * positions
     parts = []
     for start, stop in sample_chunks(n, per_sample * g.element_size(), opts.workspace_bytes):
         m = stop - start
@@ -291,7 +292,7 @@ def _pixel_gram_is_cheaper(module: nn.Module, x: Tensor, g: Tensor) -> bool:
     """Whether the patches' Gram costs no more from the padded input's pixel Gram (``P²`` per
     channel) than from the patches (``K L²`` per channel, plus their copy)."""
     padded = [s + 2 * p for s, p in zip(x.shape[2:], _padding_of(module), strict=True)]
-    return math.prod(padded) ** 2 <= math.prod(module.kernel_size) * g[0, 0].numel() ** 2
+    return math.prod(padded) ** 2 <= math.prod(module.kernel_size) * math.prod(g.shape[2:]) ** 2
 
 
 def _padding_of(module: nn.Module) -> tuple[int, ...]:

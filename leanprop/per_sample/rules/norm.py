@@ -125,7 +125,7 @@ def group_norm_batch_grads(
     n, c = x.shape[0], x.shape[1]
     if not torch.is_grad_enabled() and x.dtype == g.dtype and x.numel():
         rows, groups = n * c, n * module.num_groups
-        hw = x[0, 0].numel()
+        hw = math.prod(x.shape[2:])
         # (16-bit values in float32; the kernels' contiguous layout)
         xs = widen(x.reshape(1, rows, hw)).contiguous()
         gs = widen(g.reshape(1, rows, hw)).contiguous()
