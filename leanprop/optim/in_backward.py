@@ -751,10 +751,10 @@ class InBackward(torch.optim.Optimizer):
     # ------------------------------------------------------------------ stepping interface
     # used by the hooks here and by the steppers of optim/distributed.py (DDP's comm hook)
 
-    def begin_backward(self) -> None:
-        """A backward accumulates gradients of these parameters (also inside accumulate()):
-        the last one's gradient norms are over."""
-        self._stepped.begin(current_graph_task_id())
+    def begin_backward(self, task: int | None = None) -> None:
+        """A backward (``task``, default: the running one) accumulates gradients of these
+        parameters (also inside accumulate()): the last one's gradient norms are over."""
+        self._stepped.begin(current_graph_task_id() if task is None else task)
 
     def _holds(self, task: int, p: Tensor) -> bool:
         """Whether backward ``task`` leaves its gradients for ``step()`` instead of stepping
@@ -830,10 +830,11 @@ class InBackward(torch.optim.Optimizer):
     def _on_ready(self, p: Tensor) -> None:
         if p.grad is None:
             return
-        self.begin_backward()
-        if self._holds(current_graph_task_id(), p):
+        task = current_graph_task_id()
+        self.begin_backward(task)
+        if self._holds(task, p):
             return
-        if current_graph_task_id() == self._nested_task:
+        if task == self._nested_task:
             self._drop_failed_backward(warn=False)  # none of its gradients may stay
             raise UnsupportedModelError(
                 "InBackward: a backward run inside another backward (checkpoint(use_reentrant="
@@ -848,7 +849,7 @@ class InBackward(torch.optim.Optimizer):
             p.grad = None
             return
         if not self._callback_queued:  # (FSDP2's sharded parameters fire no pre-hook)
-            self._queue_end(current_graph_task_id())
+            self._queue_end(task)
         unit = self._unit_of.get(id(p))
         if unit is not None:  # FSDP2: step the unit once all its gradients are reduced
             waiting = self._unit_ready.setdefault(unit, [])
@@ -909,11 +910,10 @@ class InBackward(torch.optim.Optimizer):
         groups = self.param_groups
         saved = [g["params"] for g in groups]
         where = self._positions(saved, params)
-        with torch.no_grad():
-            if self._kernels.step(params, where):
-                for p in params:
-                    p.grad = None
-                return
+        if self._kernels.step(params, where):
+            for p in params:
+                p.grad = None
+            return
         subsets: list[list[Tensor]] = [[] for _ in groups]
         for p in sorted(params, key=lambda p: where[id(p)]):  # each group's own order
             subsets[where[id(p)][0]].append(p)

@@ -180,8 +180,13 @@ class DirectKernels:
             return False  # (nothing ran yet)
         except _NotSame:
             return False
-        for lists, kwargs in calls:
-            kernel.fn(*lists, **kwargs)
+        if torch.is_grad_enabled():  # (stepping in backward: off already, and costs nothing)
+            with torch.no_grad():
+                for lists, kwargs in calls:
+                    kernel.fn(*lists, **kwargs)
+        else:
+            for lists, kwargs in calls:
+                kernel.fn(*lists, **kwargs)
         return True
 
     def bare_call(self, params: list[Tensor]) -> Callable[[], None]:
@@ -206,7 +211,7 @@ class DirectKernels:
         kernel: _Kernel, opt: torch.optim.Optimizer, call: _GroupCall
     ) -> tuple[tuple, dict[str, Any]]:
         group = opt.param_groups[call.group]
-        if group["differentiable"] or group.get("capturable") or torch.is_tensor(group["lr"]):
+        if group["differentiable"] or group.get("capturable") or isinstance(group["lr"], Tensor):
             raise _NotSame
         grads = [p.grad for p in call.params]
         if any(g is None or g.is_sparse for g in grads):
