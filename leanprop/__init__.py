@@ -10,6 +10,7 @@ from .measure import MismatchError, Timing, compare, time_fn, track_memory
 from .optim import InBackward
 from .per_sample import (
     GGNMP,
+    HMP,
     KFAC,
     KFLR,
     BatchDiagGGNExact,
@@ -55,6 +56,7 @@ __all__ = [
     "DiagGGNMC",
     "DiagHessian",
     "GGNMP",
+    "HMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

@@ -176,6 +176,29 @@ def ggn_blocks(
     return blocks
 
 
+def hessian_blocks(
+    model: nn.Module, x: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], y: Tensor
+) -> dict[str, Tensor]:
+    """Each trainable parameter's diagonal block of the loss's Hessian by brute force
+    (autograd's full Hessian with respect to that parameter, the others held fixed), for
+    checking ``HMP`` on small problems whose forward is deterministic.
+
+    Returns:
+        ``name -> H_pp [P, P]`` (P the parameter's number of elements).
+    """
+    from torch.func import functional_call
+
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    out = {}
+    for name, p in params.items():
+
+        def loss_of(w: Tensor, name: str = name) -> Tensor:
+            return loss_fn(functional_call(model, {**params, name: w}, (x,)), y)
+
+        out[name] = torch.autograd.functional.hessian(loss_of, p).reshape(p.numel(), p.numel())
+    return out
+
+
 def hessian_diagonals(
     model: nn.Module, x: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], y: Tensor
 ) -> dict[str, tuple[Tensor, Tensor]]:

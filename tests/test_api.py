@@ -19,6 +19,7 @@ EXPECTED = {
     "DiagGGNMC",
     "DiagHessian",
     "GGNMP",
+    "HMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

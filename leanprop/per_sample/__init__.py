@@ -29,6 +29,7 @@ from .api import per_sample
 from .capture import PerSample
 from .curvature import (
     GGNMP,
+    HMP,
     KFAC,
     KFLR,
     BatchDiagGGNExact,
@@ -56,6 +57,7 @@ __all__ = [
     "DiagGGNMC",
     "DiagHessian",
     "GGNMP",
+    "HMP",
     "KFAC",
     "KFLR",
     "PerSample",

@@ -41,14 +41,16 @@ ALL = (
         "backpack_gradient_of_variance.py",
         "backpack_diag_ggn_optimizer.py",
         "backpack_diag_hessian.py",
+        "backpack_hmp.py",
     ],
 )
 def test_documentation_examples_run(script):
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
 
 
-def test_the_diag_hessian_example_agrees_with_autograd():
-    error = runpy.run_path(str(EXAMPLES / "backpack_diag_hessian.py"))["main"]()
+@pytest.mark.parametrize("script", ["backpack_diag_hessian.py", "backpack_hmp.py"])
+def test_the_curvature_examples_agree_with_autograd(script):
+    error = runpy.run_path(str(EXAMPLES / script))["main"]()
     assert error < 1e-12
 
 

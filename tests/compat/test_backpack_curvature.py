@@ -195,7 +195,7 @@ def test_against_backpack(name, loss):
     y = torch.randint(0, 3, (x.shape[0],)) if loss == "ce" else torch.rand(x.shape[0], k).double()
     exts = ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "KFLR", "DiagHessian",
             "BatchDiagHessian")  # fmt: skip
-    exts += ("GGNMP",) if loss != "bce" else ()  # (BackPACK's GGNMP has no BCE)
+    exts += ("GGNMP", "HMP") if loss != "bce" else ()  # (BackPACK's have no BCE)
     ours = extend(model)
     ours_loss = extend(loss_fn)
     try:
@@ -217,7 +217,7 @@ def test_against_backpack(name, loss):
             if e == "SqrtGGNExact":  # the same factor up to its columns' order and signs
                 a, b = (t.flatten(2).flatten(0, 1) for t in (mine[k][e], theirs))
                 assert_close(a.t() @ a, b.t() @ b, f"{k}.{e}", 1e-10, 1e-12)
-            elif e == "GGNMP":  # functions: the same products
+            elif e in ("GGNMP", "HMP"):  # functions: the same products
                 mat = torch.randn(2, *p.shape, dtype=p.dtype)
                 assert_close(mine[k][e](mat), theirs(mat), f"{k}.{e}", 1e-10, 1e-12)
             elif e == "KFLR":  # lists of Kronecker factors
@@ -340,3 +340,48 @@ def test_nested_blocks_the_inner_one_acts():
         loss_fn(model(x), y).backward()
     assert hasattr(model[0].weight, "diag_ggn_exact")
     facade.unextend(model)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):  # x [N, T, 3]
+        q = self.q(x).unflatten(-1, (2, 2)).transpose(1, 2)  # [N, heads, T, 2]
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return self.head(a.transpose(1, 2).flatten(2).mean(1))
+
+
+def test_hmp_block_keeps_the_graph_for_its_products_only():
+    """``backpack(HMP())``: ``loss.backward()`` inside the block keeps the forward's graph for
+    ``p.hmp`` (exact against autograd's Hessian), a backward after the block frees its graph
+    as usual, and an op without a second derivative (the fused attention kernel) is named."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from leanprop.testing import hessian_blocks
+
+    torch.manual_seed(0)
+    model = _SelfAttention().double()
+    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    lf = nn.CrossEntropyLoss()
+    ours, ours_loss = extend(model), extend(lf)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            with backpack(extensions.HMP()):
+                ours_loss(ours(x), y).backward()
+            ref = hessian_blocks(model, x, lf, y)
+            for k, p in model.named_parameters():
+                mat = torch.randn(2, *p.shape, dtype=p.dtype)
+                assert_close(p.hmp(mat).flatten(1), mat.flatten(1) @ ref[k], k, 1e-10, 1e-12)
+            loss = ours_loss(ours(x), y)
+            loss.backward()  # outside the block: the graph is freed
+            with pytest.raises(RuntimeError, match="second time"):
+                loss.backward()
+        with backpack(extensions.HMP()):  # the fused attention kernel
+            ours_loss(ours(x), y).backward()
+        with pytest.raises(UnsupportedModelError, match="sdpa_kernel"):
+            model.q.weight.hmp(torch.ones(1, *model.q.weight.shape, dtype=torch.float64))
+    finally:
+        facade.unextend(model)
+        facade.unextend(ours_loss)

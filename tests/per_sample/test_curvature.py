@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import leanprop
 from leanprop import LeanpropValueError, UnsupportedModelError
 from leanprop.per_sample.curvature.loss_hessian import sqrt_hessian
-from leanprop.testing import ggn_blocks
+from leanprop.testing import ggn_blocks, hessian_blocks
 from tests.cases import CASES, build
 
+MATH = SDPBackend.MATH
 EXACT = (leanprop.DiagGGNExact(), leanprop.BatchDiagGGNExact(), leanprop.SqrtGGNExact())
 
 
@@ -322,6 +324,79 @@ def test_ggn_matrix_products_against_oracle(name):
         )
         with pytest.raises(LeanpropValueError, match="V, "):
             p.ggnmp(mat[0])
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize(("name", "which"), list(_cases()))
+def test_hessian_matrix_products_against_oracle(name, which):
+    """``HMP``: every case of the registry (weight sharing, attention, sequences, convolutions),
+    every loss: ``p.hmp(mat)`` is the parameter's block of autograd's full Hessian times mat."""
+    case = build(name)
+    loss_fn = _losses(case)[which]
+    y = _target(loss_fn, case.y)
+    # (the fused attention kernels have no second derivative: the math one has)
+    with leanprop.per_sample(case.model, leanprop.BatchGrad()) as ctx, sdpa_kernel(MATH):
+        out = case.model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.HMP())
+        loss_fn(out, y).backward(retain_graph=True)
+        products = {k: p.hmp for k, p in case.model.named_parameters() if p.requires_grad}
+    with sdpa_kernel(MATH):
+        ref = hessian_blocks(case.model, case.x, loss_fn, y)
+    for k, hmp in products.items():
+        p = case.model.get_parameter(k)
+        mat = torch.randn(3, *p.shape, dtype=p.dtype)
+        torch.testing.assert_close(
+            hmp(mat).flatten(1), mat.flatten(1) @ ref[k], rtol=1e-10, atol=1e-12, msg=k
+        )
+
+
+def test_hessian_matrix_products_refuse_clearly():
+    """Bad ``mat``, a graph the backward freed, a parameter stepped since: clear errors."""
+    case = build("mlp")
+    loss_fn = nn.CrossEntropyLoss()
+    p = next(case.model.parameters())
+    with leanprop.per_sample(case.model) as ctx:
+        out = case.model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.HMP())
+        with pytest.raises(LeanpropValueError, match=r"\[V, \*p.shape\]"):
+            p.hmp(torch.zeros(p.shape, dtype=p.dtype))
+        before = p.hmp(torch.ones(1, *p.shape, dtype=p.dtype))  # before backward: fine
+        loss_fn(out, case.y).backward()  # (no retain_graph: the forward's graph goes)
+        with pytest.raises(UnsupportedModelError, match="retain_graph=True"):
+            p.hmp(torch.ones(1, *p.shape, dtype=p.dtype))
+    with leanprop.per_sample(case.model) as ctx:
+        out = case.model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.HMP())
+        loss_fn(out, case.y).backward(retain_graph=True)
+        again = p.hmp(torch.ones(1, *p.shape, dtype=p.dtype))
+        last = list(case.model.parameters())[-1]
+        with torch.no_grad():  # an optimizer's step of another layer: p's block depends on it
+            last.add_(1.0)  # (read by that layer's backward, not saved: autograd cannot see it)
+        with pytest.raises(UnsupportedModelError, match="changed in place"):
+            p.hmp(torch.ones(1, *p.shape, dtype=p.dtype))
+    torch.testing.assert_close(before, again, rtol=1e-12, atol=1e-14)
+
+
+def test_hessian_matrix_products_leave_the_context_alone():
+    """The products' passes compute no per-sample quantity and do not disturb the context:
+    taken inside the block between forward and backward, the backward's results are as
+    without them."""
+    case = build("mlp")
+    loss_fn = nn.CrossEntropyLoss()
+    results = []
+    for products in (True, False):
+        with leanprop.per_sample(case.model, leanprop.BatchGrad()) as ctx:
+            out = case.model(case.x)
+            if products:
+                leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.HMP())
+                for p in case.model.parameters():
+                    p.hmp(torch.randn(2, *p.shape, dtype=p.dtype))
+            loss_fn(out, case.y).backward()
+        results.append({k: (p.grad_batch, p.grad) for k, p in case.model.named_parameters()})
+        case.model.zero_grad()
+    for k, (grad_batch, grad) in results[0].items():
+        assert torch.equal(grad_batch, results[1][k][0]), k
+        assert torch.equal(grad, results[1][k][1]), k
 
 
 def test_subsampling_keeps_the_chosen_samples():

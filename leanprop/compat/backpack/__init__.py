@@ -18,12 +18,15 @@ twice gets the summed individual gradients BackPACK gets wrong; modules without 
 through leanprop's torch.func fallback), ``Variance`` is computed from centred values, and a
 model that mixes samples (BatchNorm in training mode) raises instead of returning numbers.
 
-Curvature (DiagGGNExact/MC, BatchDiagGGNExact/MC, SqrtGGNExact/MC) needs the loss module
-extended (``nn.CrossEntropyLoss``, ``nn.MSELoss``, ``nn.BCEWithLogitsLoss``): when a backward
+Curvature (DiagGGNExact/MC, BatchDiagGGNExact/MC, SqrtGGNExact/MC, GGNMP, KFLR, KFAC,
+DiagHessian, BatchDiagHessian, HMP) needs the loss module extended (``nn.CrossEntropyLoss``,
+``nn.MSELoss``, ``nn.BCEWithLogitsLoss``): when a backward
 inside a ``backpack(...)`` block asking for it reaches the loss, it first runs one backward per
 column of the loss Hessian's factor through the model (:func:`leanprop.ggn`), then the
 backward goes on with the first-order quantities. Any layer the per-sample engine supports is
-covered, with BackPACK's attribute names and mean/sum conventions.
+covered, with BackPACK's attribute names and mean/sum conventions. ``HMP``'s products
+(``p.hmp(mat)``) differentiate twice through the forward's graph: inside a block asking for it,
+backward calls keep that graph (``retain_graph=True``), which lives as long as the functions.
 
 ``extend`` installs hooks that stay until :func:`unextend` or until the model is garbage
 collected (as in BackPACK, whose ``extend`` has no undo); the forward pass records what the
@@ -36,13 +39,16 @@ gradients twice, which a permanent facade cannot do).
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ..._torch_compat import current_graph_task_id, queue_callback
 from ...errors import UnsupportedModelError
@@ -250,6 +256,22 @@ def _curvature_computed(names: list[str], task: int, models: list) -> None:
     )
 
 
+class _RetainGraph(TorchFunctionMode):
+    """Inside a ``backpack(HMP())`` block: backward calls keep the forward's graph
+    (``p.hmp(mat)`` differentiates through it after the backward; BackPACK keeps what it needs
+    itself, so its users do not pass ``retain_graph=True``)."""
+
+    _ENTRIES = (torch.Tensor.backward, torch.autograd.backward)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._ENTRIES:
+            bound = inspect.signature(func).bind(*args, **kwargs)
+            bound.arguments["retain_graph"] = True
+            return func(*bound.args, **bound.kwargs)
+        return func(*args, **kwargs)
+
+
 @contextmanager
 def backpack(
     *exts: Quantity | CurvatureQuantity,
@@ -263,7 +285,8 @@ def backpack(
     Args:
         *exts: first-order extensions (BatchGrad, BatchL2Grad, BatchDotGrad, SumGradSquared,
             Variance) and curvature ones (DiagGGNExact/MC, BatchDiagGGNExact/MC,
-            SqrtGGNExact/MC; they need the loss module extended).
+            SqrtGGNExact/MC, GGNMP, KFLR, KFAC, DiagHessian, BatchDiagHessian, HMP; they need
+            the loss module extended; with HMP, backward calls in the block keep the graph).
         extension_hook: called with each module of the extended models (last layer first)
             after each backward in the block, once the quantities are written (BackPACK calls
             it as each module's backward ends: the results are the same, the memory is not
@@ -295,6 +318,8 @@ def backpack(
             if retain_graph:
                 for c in captures:
                     stack.enter_context(c.computing())
+            if any(e.second_order for e in curvature):
+                stack.enter_context(_RetainGraph())
             if by_mc:
                 names = [f"{type(e).__name__}()" for e in curvature]
                 check = functools.partial(_curvature_computed, names)

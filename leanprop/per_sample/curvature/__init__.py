@@ -4,12 +4,14 @@ square root, exact or Monte-Carlo) through the per-sample engine.
 * ``loss_hessian.py``: symmetric factors of the loss's Hessian with respect to the output.
 * ``ggn.py``: :func:`ggn`, one backward per factor column through one recorded forward.
 * ``hessian.py``: the Hessian's diagonal: the curved activations' terms added to the GGN's.
+* ``hessian_products.py``: products with the Hessian's blocks (``HMP``), second-order autograd.
 * ``quantities.py``: what can be requested (BackPACK's names and attributes).
 """
 
 from .ggn import ggn
 from .quantities import (
     GGNMP,
+    HMP,
     KFAC,
     KFLR,
     BatchDiagGGNExact,
@@ -32,6 +34,7 @@ __all__ = [
     "DiagGGNMC",
     "DiagHessian",
     "GGNMP",
+    "HMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

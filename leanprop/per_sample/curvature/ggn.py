@@ -32,6 +32,7 @@ from .hessian import (
     residual,
     residual_columns,
 )
+from .hessian_products import gradient_functions, product_function
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
@@ -109,7 +110,9 @@ def ggn(
         *quantities: ``DiagGGNExact()``, ``DiagGGNMC(mc_samples)``, ``BatchDiagGGNExact()``,
             ``BatchDiagGGNMC(mc_samples)``, ``SqrtGGNExact()``, ``SqrtGGNMC(mc_samples)``,
             ``GGNMP()``, ``KFLR()``, ``KFAC(mc_samples)``, ``DiagHessian()``,
-            ``BatchDiagHessian()`` (the Hessian's: ``hessian.py``).
+            ``BatchDiagHessian()`` (the Hessian's: ``hessian.py``), ``HMP()`` (products with
+            the Hessian's blocks: ``hessian_products.py``; then run the backward with
+            ``retain_graph=True``).
         generator: random numbers of the Monte-Carlo targets.
 
     Raises:
@@ -151,6 +154,7 @@ def compute_ggn(
     output_front = output.movedim(bd, 0)
     target_front = target.movedim(bd, 0) if target.dim() > bd else target
     hessian = [q for q in by_mc.get(None, []) if q.hessian]
+    second_order = [q for q in by_mc.get(None, []) if q.second_order]
     recomputed = sum(c.recomputed for c in contexts)
 
     def refuse_recomputation(cause: BaseException | None = None) -> None:
@@ -172,9 +176,20 @@ def compute_ggn(
         # (reading what autograd saved: a checkpoint may refuse it, see below)
         curved = curved_activations(contexts, output, params) if hessian else []
         for mc, qs in by_mc.items():
-            front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
-            _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
+            qs = [q for q in qs if not q.second_order]
+            if qs:
+                front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
+                _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
         refuse_recomputation()
+        if second_order:  # (HMP: the gradients as functions, while the graph is whole)
+            with torch.enable_grad():
+                loss = loss_fn.forward(output, target)
+            grads = gradient_functions(contexts, loss, params)
+            refuse_recomputation()
+            for q in second_order:
+                for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+                    if g is not None:  # (None: the output does not depend on p)
+                        results[i][q.attr] = product_function(contexts, p, g, params)
         if curved:
             # (the BackPACK facade runs this inside a backward, and hooks its loss modules'
             # calls: its forward alone)

@@ -29,6 +29,7 @@ class CurvatureQuantity:
     kronecker: ClassVar[bool] = False  # Kronecker factors of linear and conv layers
     product: ClassVar[bool] = False  # a function multiplying by the parameter's GGN block
     hessian: ClassVar[bool] = False  # the Hessian's (GGN plus the activations' terms)
+    second_order: ClassVar[bool] = False  # by second-order autograd, not by factor columns
 
     @property
     def mc(self) -> int | None:
@@ -167,7 +168,22 @@ class BatchDiagHessian(CurvatureQuantity):
     hessian: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class HMP(CurvatureQuantity):
+    """Multiplication by the parameter's block of the Hessian: ``p.hmp(mat)`` with
+    ``mat: [V, *p.shape]`` returns ``H_pp mat`` ``[V, *p.shape]``, exact for any model
+    autograd can differentiate twice. The parameter's gradient is formed once as a
+    differentiable function while the forward's graph is whole; each product is one
+    second-order backward pass through it per vector. It keeps that graph (about the forward's
+    activations once more) while the function is kept, and needs the forward's own graph too:
+    run ``loss.backward(retain_graph=True)`` after ``ggn(..., HMP())`` (the BackPACK facade's
+    block does it)."""
+
+    attr: ClassVar[str] = "hmp"
+    second_order: ClassVar[bool] = True
+
+
 ALL_CURVATURE: tuple[type[CurvatureQuantity], ...] = (
     DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP,
-    KFLR, KFAC, DiagHessian, BatchDiagHessian,
+    KFLR, KFAC, DiagHessian, BatchDiagHessian, HMP,
 )  # fmt: skip

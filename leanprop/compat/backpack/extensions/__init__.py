@@ -2,7 +2,7 @@
 ``grad_batch``, ``batch_l2``, ``batch_dot``, ``sum_grad_squared``, ``variance``, and the
 curvature ones ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_ggn_exact_batch``,
 ``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``, ``ggnmp``, ``kflr``, ``kfac``,
-``diag_h``, ``diag_h_batch``).
+``diag_h``, ``diag_h_batch``, ``hmp``).
 
 ``BatchGrad().set_module_extension(MyModule, MyModuleBatchGrad())`` adds a custom module for
 every quantity (see ``module_extension.py``); the other extensions say so.
@@ -69,6 +69,9 @@ class SqrtGGNMC(_OnlyBatchGradExtends, _curvature.SqrtGGNMC): ...
 class GGNMP(_OnlyBatchGradExtends, _curvature.GGNMP): ...
 
 
+class HMP(_OnlyBatchGradExtends, _curvature.HMP): ...
+
+
 class KFLR(_OnlyBatchGradExtends, _curvature.KFLR): ...
 
 
@@ -92,6 +95,7 @@ __all__ = [
     "DiagGGNMC",
     "DiagHessian",
     "GGNMP",
+    "HMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",
