@@ -364,17 +364,26 @@ def test_hessian_matrix_products_refuse_clearly():
         loss_fn(out, case.y).backward()  # (no retain_graph: the forward's graph goes)
         with pytest.raises(UnsupportedModelError, match="retain_graph=True"):
             p.hmp(torch.ones(1, *p.shape, dtype=p.dtype))
-    with leanprop.per_sample(case.model) as ctx:
-        out = case.model(case.x)
-        leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.HMP())
-        loss_fn(out, case.y).backward(retain_graph=True)
-        again = p.hmp(torch.ones(1, *p.shape, dtype=p.dtype))
-        last = list(case.model.parameters())[-1]
-        with torch.no_grad():  # an optimizer's step of another layer: p's block depends on it
-            last.add_(1.0)  # (read by that layer's backward, not saved: autograd cannot see it)
-        with pytest.raises(UnsupportedModelError, match="changed in place"):
+    last = list(case.model.parameters())[-1]
+    steps = (  # an optimizer's step of another layer (p's block depends on it; that layer's
+        lambda: last.add_(1.0),  # backward reads it, autograd cannot see it), and old-style
+        lambda: setattr(last, "data", last.data + 1.0),  # manual steps (which leave the
+        lambda: last.data.add_(1.0),  # version counter as it was)
+    )
+    for step in steps:
+        with leanprop.per_sample(case.model) as ctx:
+            out = case.model(case.x)
+            leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.HMP())
+            loss_fn(out, case.y).backward(retain_graph=True)
+        again = p.hmp(torch.ones(1, *p.shape, dtype=p.dtype))  # after the block: fine
+        with torch.no_grad():
+            step()
+        with pytest.raises(UnsupportedModelError, match="changed since the forward"):
             p.hmp(torch.ones(1, *p.shape, dtype=p.dtype))
-    torch.testing.assert_close(before, again, rtol=1e-12, atol=1e-14)
+        with torch.no_grad():
+            last.sub_(1.0)
+        if step is steps[0]:
+            torch.testing.assert_close(before, again, rtol=1e-12, atol=1e-14)
 
 
 def test_hessian_matrix_products_leave_the_context_alone():

@@ -16,6 +16,7 @@ import functools
 import weakref
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -42,23 +43,49 @@ def product_function(
     """``mat -> H_pp mat`` for ``p`` whose differentiable gradient is ``grad``, formed with
     ``params`` as they are now (the contexts, held weakly, compute nothing in its passes)."""
     refs = tuple(weakref.ref(c) for c in contexts)
-    versions = tuple((q, q._version) for q in params)
-    return functools.partial(hessian_matrix_product, refs, versions, p, grad)
+    return functools.partial(hessian_matrix_product, refs, _Snapshot.of(params), p, grad)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What tells that parameters changed: their version counters (in-place ops), storages
+    (``p.data = ...``) and sums (``p.data.add_(...)``, which neither of the others sees)."""
+
+    params: tuple[nn.Parameter, ...]
+    versions: tuple[int, ...]
+    storages: tuple[int, ...]
+    sums: Tensor  # [P] float64
+
+    @staticmethod
+    def of(params: Sequence[nn.Parameter]) -> _Snapshot:
+        with torch.no_grad():
+            sums = torch.stack([q.detach().double().sum().cpu() for q in params])
+        return _Snapshot(
+            tuple(params), tuple(q._version for q in params),
+            tuple(q.data_ptr() for q in params), sums,
+        )  # fmt: skip
+
+    def changed(self) -> bool:
+        if any(q._version != v for q, v in zip(self.params, self.versions, strict=True)):
+            return True
+        if any(q.data_ptr() != d for q, d in zip(self.params, self.storages, strict=True)):
+            return True
+        now = _Snapshot.of(self.params).sums
+        return not torch.allclose(now, self.sums, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def hessian_matrix_product(
-    contexts: tuple[weakref.ref, ...], versions: tuple[tuple[nn.Parameter, int], ...],
-    p: nn.Parameter, grad: Tensor, mat: Tensor,
+    contexts: tuple[weakref.ref, ...], snapshot: _Snapshot, p: nn.Parameter, grad: Tensor,
+    mat: Tensor,
 ) -> Tensor:  # fmt: skip
     """``H_pp mat`` ``[V, *p.shape]`` for ``mat`` ``[V, *p.shape]`` (V vectors).
 
     Raises:
-        UnsupportedModelError: a parameter changed in place since the gradient was formed
-            (layers read their weights when their backward runs, so autograd's own check of
-            saved values does not see every change: the products would mix old and new
-            values).
+        UnsupportedModelError: a parameter changed since the gradient was formed (layers
+            read their weights when their backward runs, so autograd's own check of saved
+            values does not see every change: the products would mix old and new values).
     """
-    if any(q._version != v for q, v in versions):
+    if snapshot.changed():
         raise _changed()
     if not isinstance(mat, Tensor) or mat.dim() != p.dim() + 1 or mat.shape[1:] != p.shape:
         shape = ", ".join(map(str, p.shape))
@@ -110,7 +137,8 @@ def _explained(e: RuntimeError) -> BaseException:
 
 def _changed() -> UnsupportedModelError:
     return UnsupportedModelError(
-        "hmp(mat): a parameter or a value the forward saved was changed in place since the "
-        "forward (an optimizer step?); the Hessian is that of the values then. Take the "
-        "products before changing the parameters, or run the forward and HMP again."
+        "hmp(mat): a parameter or a value the forward saved changed since the forward (in "
+        "place or through .data: an optimizer step?); the Hessian is that of the values "
+        "then. Take the products before changing the parameters, or run the forward and HMP "
+        "again."
     )
