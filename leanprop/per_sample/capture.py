@@ -891,16 +891,13 @@ class PerSample:
     def own_work(self) -> Iterator[None]:
         """Work of ours (per-sample and backward computations): its ops are not followed or
         captured, and hooks ignore the autograd calls made inside."""
-        if self._computing_here:  # inside our own work already: the interception is off
-            yield
-            return
-        self._computing_here = True
+        before, self._computing_here = self._computing_here, True
         ops.WORKING.depth = getattr(ops.WORKING, "depth", 0) + 1
         try:
             with innermost_mode_off(self._intercept):  # its ops cost a Python call each
                 yield
         finally:
-            self._computing_here = False
+            self._computing_here = before
             ops.WORKING.depth -= 1
 
     def _sums_wanted(self) -> bool:

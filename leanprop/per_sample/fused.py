@@ -65,12 +65,15 @@ class FusedOp(torch.autograd.Function):
     def forward(ctx: Any, capture: PerSample, call: Call, op: Any, x: Tensor, weight: Tensor,
                 bias: Tensor | None, *extra: Any) -> Tensor:  # fmt: skip
         ctx.capture, ctx.call, ctx.module, ctx.n_extra = capture, call, call.site.module, len(extra)
-        ctx.save_for_backward(x)
+        # the weight is read from the module in backward, for the input's gradient: saving it
+        # then too (no copy) has autograd refuse a weight changed in place since the forward,
+        # as it does for the op replaced
+        ctx.save_for_backward(x, weight if x.requires_grad else None)
         return op(x, weight, bias, *extra)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
+        x, _ = ctx.saved_tensors
         module, rule = ctx.module, ctx.call.site.rule
         want = frozenset(k for k, i in (("weight", 4), ("bias", 5)) if ctx.needs_input_grad[i])
         sums = ctx.capture.fused_backward(ctx.call, x, g) or {}

@@ -12,6 +12,7 @@ from torch import nn
 from leanprop import LeanpropValueError, UnsupportedModelError
 from leanprop.compat import backpack as facade
 from leanprop.compat.backpack import backpack, extend, extensions
+from leanprop.errors import LeanpropError
 from leanprop.testing import ggn_blocks, individual_gradients, quantities_from_individual
 
 from ..cases import build
@@ -385,3 +386,26 @@ def test_hmp_block_keeps_the_graph_for_its_products_only():
     finally:
         facade.unextend(model)
         facade.unextend(ours_loss)
+
+
+def test_hmp_block_with_a_mode_left_open_inside_is_refused_clearly():
+    """A TorchFunctionMode entered inside a ``backpack(HMP())`` block and not exited before
+    it: the facade's own mode cannot be removed; it is switched off (later backward calls free
+    their graph as usual) and the block says so."""
+    from torch.overrides import TorchFunctionMode
+
+    class Other(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    other = Other()
+    with pytest.raises(LeanpropError, match="reverse order"), backpack(extensions.HMP()):
+        other.__enter__()
+    try:
+        loss = (torch.randn(3, requires_grad=True) ** 2).sum()
+        loss.backward()
+        with pytest.raises(RuntimeError, match="second time"):
+            loss.backward()
+    finally:
+        other.__exit__(None, None, None)  # (exit pops the innermost mode: this one,
+        other.__exit__(None, None, None)  # then the facade's idle one)

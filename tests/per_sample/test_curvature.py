@@ -598,3 +598,50 @@ def test_kronecker_input_patches_are_the_convolutions(d):
     patches = _unfolded(conv, x)
     got = torch.einsum("ok,nkl->nol", conv.weight.flatten(1), patches)
     torch.testing.assert_close(got, conv(x).flatten(2), rtol=1e-12, atol=1e-12)
+
+
+def test_hessian_matrix_products_more_refusals_and_dtypes():
+    """An integer basis gives floating products; rows of another layer swapped through
+    ``.data`` (version, storage and sum unchanged) are refused; a weight changed between the
+    forward and ``ggn`` is refused (the replaced op saves it, as the op it replaces)."""
+    case = build("mlp")
+    loss_fn = nn.CrossEntropyLoss()
+    p, last = case.model[0].weight, list(case.model.parameters())[-2]
+    with leanprop.per_sample(case.model) as ctx:
+        out = case.model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.HMP())
+        basis = torch.nn.functional.one_hot(torch.arange(3), p.numel()).view(3, *p.shape)
+        got = p.hmp(basis)
+        assert got.dtype == p.dtype and got.abs().max() > 0
+        torch.testing.assert_close(got, p.hmp(basis.to(p.dtype)), rtol=0, atol=0)
+        assert last.shape[0] > 1 and not torch.equal(last.data[0], last.data[1])
+        last.data[[0, 1]] = last.data[[1, 0]]
+        with pytest.raises(UnsupportedModelError, match="changed since the forward"):
+            p.hmp(basis)
+    with leanprop.per_sample(case.model) as ctx:
+        out = case.model(case.x)
+        with torch.no_grad():
+            last.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            leanprop.ggn(ctx, out, loss_fn, case.y, leanprop.HMP())
+
+
+def test_hessian_matrix_products_inside_nested_contexts():
+    """An outer per_sample context around the model computes nothing in the products' passes:
+    its own backward's results are those of a run without HMP."""
+    case = build("mlp")
+    loss_fn = nn.CrossEntropyLoss()
+    results = []
+    for products in (True, False):
+        outer = leanprop.per_sample(case.model, leanprop.BatchGrad())
+        with outer, leanprop.per_sample(case.model[2]) as inner:
+            out = case.model(case.x)
+            if products:
+                leanprop.ggn(inner, out, loss_fn, case.y, leanprop.HMP())
+                w = case.model[2].weight
+                w.hmp(torch.ones(1, *w.shape, dtype=w.dtype))
+            loss_fn(out, case.y).backward()
+        results.append({k: p.grad_batch for k, p in case.model.named_parameters()})
+        case.model.zero_grad()
+    for k, grad_batch in results[0].items():
+        assert torch.equal(grad_batch, results[1][k]), k

@@ -1137,3 +1137,29 @@ def test_a_layer_norm_over_the_batch_dimension_is_refused():
             model(x)
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
         model(x).sum().backward()  # (nothing left behind)
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv", "layer_norm"])
+def test_weight_changed_between_forward_and_backward_is_refused_as_torch_does(layer):
+    """The replaced ops read the module's weight in backward (for the input's gradient): one
+    changed in place since the forward (an optimizer stepping early) is refused as the plain
+    op's backward refuses it, never used silently."""
+    first, x = {
+        "linear": (nn.Linear(3, 4), torch.randn(5, 3)),
+        "conv": (nn.Conv1d(3, 4, 3, padding=1), torch.randn(5, 3, 6)),
+        "layer_norm": (nn.LayerNorm(3), torch.randn(5, 3)),
+    }[layer]
+    x.requires_grad_()  # (else neither needs the weight in backward)
+    model = nn.Sequential(first, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2))
+    model(x)  # (the lazy layer's shape)
+    for wrapped in (False, True):
+        out = None
+        with contextlib.ExitStack() as stack:
+            if wrapped:
+                stack.enter_context(leanprop.per_sample(model, leanprop.BatchGrad()))
+            out = model(x)
+            with torch.no_grad():
+                first.weight.mul_(2.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+        model.zero_grad()

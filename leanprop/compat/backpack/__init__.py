@@ -50,8 +50,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..._torch_compat import current_graph_task_id, queue_callback
-from ...errors import UnsupportedModelError
+from ..._torch_compat import current_graph_task_id, queue_callback, top_function_mode
+from ...errors import LeanpropError, UnsupportedModelError
 from ...per_sample.capture import PerSample
 from ...per_sample.curvature.ggn import compute_ggn, validate_curvature
 from ...per_sample.curvature.loss_hessian import SUPPORTED as CURVATURE_LOSSES
@@ -262,14 +262,34 @@ class _RetainGraph(TorchFunctionMode):
     itself, so its users do not pass ``retain_graph=True``)."""
 
     _ENTRIES = (torch.Tensor.backward, torch.autograd.backward)
+    on = True  # (off: left on the stack by a mode not exited in order; passes ops through)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self._ENTRIES:
+        if self.on and func in self._ENTRIES:
             bound = inspect.signature(func).bind(*args, **kwargs)
             bound.arguments["retain_graph"] = True
             return func(*bound.args, **bound.kwargs)
         return func(*args, **kwargs)
+
+
+@contextmanager
+def _retaining_graph() -> Iterator[None]:
+    """Backward calls in the block keep their graph (see :class:`_RetainGraph`)."""
+    mode = _RetainGraph()
+    mode.__enter__()
+    try:
+        yield
+    finally:
+        if top_function_mode() is mode:
+            mode.__exit__(None, None, None)
+        else:  # leaving would pop another mode: ours stays, passing every op through
+            mode.on = False
+            raise LeanpropError(
+                "backpack(HMP()): the block ended while a TorchFunctionMode entered inside it "
+                "was still active, so the facade could not remove its own mode (it now passes "
+                "every op through unchanged). Exit modes in the reverse order of entering them."
+            )
 
 
 @contextmanager
@@ -319,7 +339,7 @@ def backpack(
                 for c in captures:
                     stack.enter_context(c.computing())
             if any(e.second_order for e in curvature):
-                stack.enter_context(_RetainGraph())
+                stack.enter_context(_retaining_graph())
             if by_mc:
                 names = [f"{type(e).__name__}()" for e in curvature]
                 check = functools.partial(_curvature_computed, names)

@@ -32,7 +32,7 @@ from .hessian import (
     residual,
     residual_columns,
 )
-from .hessian_products import gradient_functions, product_function
+from .hessian_products import gradient_functions, product_functions
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
@@ -186,10 +186,10 @@ def compute_ggn(
                 loss = loss_fn.forward(output, target)
             grads = gradient_functions(contexts, loss, params)
             refuse_recomputation()
-            for q in second_order:
-                for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-                    if g is not None:  # (None: the output does not depend on p)
-                        results[i][q.attr] = product_function(contexts, p, g, params)
+            products = product_functions(contexts, params, grads)  # (not where None:
+            for q in second_order:  # the output does not depend on the parameter)
+                for i, f in products.items():
+                    results[i][q.attr] = f
         if curved:
             # (the BackPACK facade runs this inside a backward, and hooks its loss modules'
             # calls: its forward alone)

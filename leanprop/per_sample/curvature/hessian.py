@@ -244,7 +244,7 @@ def layer_term(curved: Curved, r: Tensor, per_sample: bool) -> dict[nn.Parameter
     gradient with ``x²`` for the input and ``r`` (:func:`residual`) for the output gradient
     (each sample's with ``per_sample``: ``[N, *p.shape]``)."""
     layer = curved.layer
-    (x,) = layer.saved_tensors
+    x = layer.saved_tensors[0]  # (the op input; then the weight where x needs a gradient)
     rule, module, params = layer.call.site.rule, layer.module, layer.call.params
     x2 = (x * x).to(r.dtype)
     if per_sample:

@@ -8,61 +8,95 @@ sharing and attention included). Those passes run through the forward's own grap
 not be freed before the products are taken (``loss.backward(retain_graph=True)``), and its
 saved values must not change (a parameter stepped in place): autograd's own checks find both,
 and the errors say so.
+
+The functions hold the gradients' graph, which holds the parameters: a reference cycle through
+autograd's graph that Python's collector cannot see (as ``backward(create_graph=True)``'s
+``.grad``). Delete the attributes when done with them (``del p.hmp``); a later curvature call
+on the parameters replaces them.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from ..._torch_compat import function_modes
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
+from ..fused import Intercept
 
 
 def gradient_functions(
     contexts: Sequence[PerSample], loss: Tensor, params: list[nn.Parameter]
 ) -> list[Tensor | None]:
     """Each parameter's gradient of ``loss`` as a differentiable function (None where the loss
-    does not depend on it); the contexts compute nothing in this pass."""
+    does not depend on it); no per_sample context computes anything in this pass."""
+    with _quiet(contexts), torch.enable_grad():
+        return list(torch.autograd.grad(loss, params, create_graph=True, allow_unused=True))
+
+
+@contextmanager
+def _quiet(contexts: Iterable[PerSample]) -> Iterator[None]:
+    """``contexts`` and every per_sample context whose interception is active here (nested
+    contexts around the model) compute nothing in the block: its backward passes are not the
+    model's."""
+    around = [m.capture for m in function_modes() if isinstance(m, Intercept)]
+    quiet = {id(c): c for c in [*contexts, *around] if c.active}
     with ExitStack() as stack:
-        for c in contexts:
+        for c in quiet.values():
             stack.enter_context(c.computing(frozenset()))
-        with torch.enable_grad():
-            return list(torch.autograd.grad(loss, params, create_graph=True, allow_unused=True))
+        yield
 
 
-def product_function(
-    contexts: Sequence[PerSample], p: nn.Parameter, grad: Tensor, params: list[nn.Parameter]
-) -> functools.partial:
-    """``mat -> H_pp mat`` for ``p`` whose differentiable gradient is ``grad``, formed with
-    ``params`` as they are now (the contexts, held weakly, compute nothing in its passes)."""
+def product_functions(
+    contexts: Sequence[PerSample], params: list[nn.Parameter], grads: list[Tensor | None]
+) -> dict[int, functools.partial]:
+    """``{i: mat -> H_pp mat}`` for each ``params[i]`` whose differentiable gradient
+    ``grads[i]`` exists, formed with ``params`` as they are now (the contexts, held weakly,
+    compute nothing in its passes)."""
     refs = tuple(weakref.ref(c) for c in contexts)
-    return functools.partial(hessian_matrix_product, refs, _Snapshot.of(params), p, grad)
+    snapshot = _Snapshot.of(params)
+    return {
+        i: functools.partial(hessian_matrix_product, refs, snapshot, p, g)
+        for i, (p, g) in enumerate(zip(params, grads, strict=True))
+        if g is not None
+    }
+
+
+def _fingerprints(params: Sequence[nn.Parameter]) -> list[Tensor]:
+    """Per device, each parameter's sum and position-weighted sum ``[P, 2]`` (float64): a
+    change of values (a step, rows swapped) changes one or the other."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    with torch.no_grad():
+        for q in params:
+            flat = q.detach().reshape(-1).double()
+            weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=flat.dtype)
+            by_device.setdefault(q.device, []).append(torch.stack([flat.sum(), flat @ weights]))
+    return [torch.stack(v) for v in by_device.values()]
 
 
 @dataclass(frozen=True)
 class _Snapshot:
     """What tells that parameters changed: their version counters (in-place ops), storages
-    (``p.data = ...``) and sums (``p.data.add_(...)``, which neither of the others sees)."""
+    (``p.data = ...``) and fingerprints (``p.data.add_(...)``, which neither of the others
+    sees)."""
 
     params: tuple[nn.Parameter, ...]
     versions: tuple[int, ...]
     storages: tuple[int, ...]
-    sums: Tensor  # [P] float64
+    prints: list[Tensor]
 
     @staticmethod
     def of(params: Sequence[nn.Parameter]) -> _Snapshot:
-        with torch.no_grad():
-            sums = torch.stack([q.detach().double().sum().cpu() for q in params])
         return _Snapshot(
             tuple(params), tuple(q._version for q in params),
-            tuple(q.data_ptr() for q in params), sums,
+            tuple(q.data_ptr() for q in params), _fingerprints(params),
         )  # fmt: skip
 
     def changed(self) -> bool:
@@ -70,37 +104,39 @@ class _Snapshot:
             return True
         if any(q.data_ptr() != d for q, d in zip(self.params, self.storages, strict=True)):
             return True
-        now = _Snapshot.of(self.params).sums
-        return not torch.allclose(now, self.sums, rtol=0.0, atol=0.0, equal_nan=True)
+        now = _fingerprints(self.params)
+        return not all(
+            torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+            for a, b in zip(now, self.prints, strict=True)
+        )
 
 
 def hessian_matrix_product(
     contexts: tuple[weakref.ref, ...], snapshot: _Snapshot, p: nn.Parameter, grad: Tensor,
     mat: Tensor,
 ) -> Tensor:  # fmt: skip
-    """``H_pp mat`` ``[V, *p.shape]`` for ``mat`` ``[V, *p.shape]`` (V vectors).
+    """``H_pp mat`` ``[V, *p.shape]`` for ``mat`` ``[V, *p.shape]`` (V vectors), in the
+    promoted dtype of ``mat`` and the gradient (an integer basis gives floating products).
 
     Raises:
         UnsupportedModelError: a parameter changed since the gradient was formed (layers
             read their weights when their backward runs, so autograd's own check of saved
             values does not see every change: the products would mix old and new values).
     """
-    if snapshot.changed():
-        raise _changed()
     if not isinstance(mat, Tensor) or mat.dim() != p.dim() + 1 or mat.shape[1:] != p.shape:
         shape = ", ".join(map(str, p.shape))
         got = tuple(mat.shape) if isinstance(mat, Tensor) else type(mat).__name__
         raise LeanpropValueError(
             f"hmp(mat): mat must be [V, *p.shape] = [V, {shape}] (V vectors), got {got}."
         )
+    if snapshot.changed():
+        raise _changed()
+    dtype = torch.promote_types(mat.dtype, grad.dtype)
     if not grad.requires_grad:  # the gradient does not depend on p: its block is zero
-        return torch.zeros_like(mat)
+        return torch.zeros(mat.shape, dtype=dtype, device=mat.device)
     columns = []
-    with ExitStack() as stack:
-        for ref in contexts:
-            c = ref()
-            if c is not None and c.active:
-                stack.enter_context(c.computing(frozenset()))
+    alive = [c for c in (ref() for ref in contexts) if c is not None]
+    with _quiet(alive):
         for v in mat:
             try:
                 (col,) = torch.autograd.grad(
@@ -110,8 +146,8 @@ def hessian_matrix_product(
                 raise _explained(e) from e
             columns.append(torch.zeros_like(p) if col is None else col)
     if not columns:
-        return mat.new_zeros(mat.shape)
-    return torch.stack(columns).to(mat.dtype)
+        return torch.zeros(mat.shape, dtype=dtype, device=mat.device)
+    return torch.stack(columns).to(dtype)
 
 
 def _explained(e: RuntimeError) -> BaseException:

@@ -177,7 +177,9 @@ class HMP(CurvatureQuantity):
     second-order backward pass through it per vector. It keeps that graph (about the forward's
     activations once more) while the function is kept, and needs the forward's own graph too:
     run ``loss.backward(retain_graph=True)`` after ``ggn(..., HMP())`` (the BackPACK facade's
-    block does it)."""
+    block does it). That graph holds the parameters, which hold the function: delete
+    ``p.hmp`` when done (Python's collector cannot see the cycle, as with ``.grad`` after
+    ``backward(create_graph=True)``)."""
 
     attr: ClassVar[str] = "hmp"
     second_order: ClassVar[bool] = True
