@@ -20,6 +20,7 @@ EXPECTED = {
     "DiagHessian",
     "GGNMP",
     "HMP",
+    "PCHMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

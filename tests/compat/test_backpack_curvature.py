@@ -16,7 +16,7 @@ from leanprop.errors import LeanpropError
 from leanprop.testing import ggn_blocks, individual_gradients, quantities_from_individual
 
 from ..cases import build
-from ..helpers import assert_close
+from ..helpers import assert_close, positive_curvature_blocks
 
 EXACT = (extensions.DiagGGNExact(), extensions.BatchDiagGGNExact(), extensions.SqrtGGNExact())
 
@@ -409,3 +409,41 @@ def test_hmp_block_with_a_mode_left_open_inside_is_refused_clearly():
     finally:
         other.__exit__(None, None, None)  # (exit pops the innermost mode: this one,
         other.__exit__(None, None, None)  # then the facade's idle one)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("modify", ["clip", "abs"])
+def test_pchmp_against_the_definition_and_backpack(modify):
+    """``extensions.PCHMP(modify=...)``: the positive-curvature Hessian's blocks by their
+    definition (residuals ``σ''(z) δ`` made non-negative). BackPACK 1.7.1 multiplies its
+    residual by ``δ`` twice (its elementwise ``hessian_diagonal`` already includes ``δ``, and
+    ``PCHMPBase`` multiplies by it again): its products are those of ``σ''(z) δ²``, checked
+    here so that a fixed BackPACK shows up."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)
+    ).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    lf = nn.CrossEntropyLoss()
+    base = copy.deepcopy(model)
+    ref = positive_curvature_blocks(base, x, lf, y)[modify]
+    ours, ours_loss = extend(model), extend(lf)
+    try:
+        with backpack(extensions.PCHMP(modify=modify)):
+            ours_loss(ours(x), y).backward()
+        for k, p in model.named_parameters():
+            mat = torch.randn(2, *p.shape, dtype=p.dtype)
+            assert_close(p.pchmp(mat).flatten(1), mat.flatten(1) @ ref[k], k, 1e-10, 1e-12)
+    finally:
+        facade.unextend(model)
+        facade.unextend(ours_loss)
+    bp = pytest.importorskip("backpack")
+    theirs_ref = positive_curvature_blocks(base, x, lf, y, power=2)[modify]
+    theirs, theirs_loss = bp.extend(base), bp.extend(nn.CrossEntropyLoss())
+    with bp.backpack(bp.extensions.PCHMP(modify=modify)):
+        theirs_loss(theirs(x), y).backward()
+    for k, p in base.named_parameters():
+        mat = torch.randn(2, *p.shape, dtype=p.dtype)
+        assert_close(p.pchmp(mat).flatten(1), mat.flatten(1) @ theirs_ref[k], k, 1e-10, 1e-12)

@@ -13,6 +13,7 @@ from leanprop import LeanpropValueError, UnsupportedModelError
 from leanprop.per_sample.curvature.loss_hessian import sqrt_hessian
 from leanprop.testing import ggn_blocks, hessian_blocks
 from tests.cases import CASES, build
+from tests.helpers import positive_curvature_blocks
 
 MATH = SDPBackend.MATH
 EXACT = (leanprop.DiagGGNExact(), leanprop.BatchDiagGGNExact(), leanprop.SqrtGGNExact())
@@ -645,3 +646,43 @@ def test_hessian_matrix_products_inside_nested_contexts():
         case.model.zero_grad()
     for k, grad_batch in results[0].items():
         assert torch.equal(grad_batch, results[1][k]), k
+
+
+@pytest.mark.parametrize("modify", ["clip", "abs"])
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_positive_curvature_products_against_oracle(modify, loss):
+    """``PCHMP``: the Hessian with each curved activation's residual ``r = σ''(z) δ`` made
+    non-negative, against brute force; it differs from the Hessian, and equals it plus the
+    activations' negative parts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)
+    ).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    loss_fn = nn.CrossEntropyLoss() if loss == "ce" else nn.MSELoss(reduction="sum")
+    y = torch.randint(0, 3, (6,)) if loss == "ce" else torch.randn(6, 3, dtype=torch.float64)
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.PCHMP(modify=modify), leanprop.HMP())
+        loss_fn(out, y).backward(retain_graph=True)
+    ref = positive_curvature_blocks(model, x, loss_fn, y)[modify]
+    hessian = hessian_blocks(model, x, loss_fn, y)
+    for k, p in model.named_parameters():
+        mat = torch.randn(3, *p.shape, dtype=p.dtype)
+        got = p.pchmp(mat).flatten(1)
+        torch.testing.assert_close(got, mat.flatten(1) @ ref[k], rtol=1e-10, atol=1e-12, msg=k)
+        if k.startswith(("0.", "2.")):  # (before a curved activation: not the Hessian)
+            assert not torch.allclose(ref[k], hessian[k], atol=1e-6), k
+        else:
+            torch.testing.assert_close(got, p.hmp(mat).flatten(1), rtol=1e-10, atol=1e-12)
+
+
+def test_positive_curvature_products_refuse_what_diag_hessian_refuses():
+    """A model whose Hessian has terms besides the GGN's and its activations' (LayerNorm of a
+    parameter-dependent input) is refused, as for DiagHessian; a bad ``modify`` up front."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    with leanprop.per_sample(model) as ctx, pytest.raises(UnsupportedModelError):
+        leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.PCHMP())
+    with pytest.raises(LeanpropValueError, match="'clip'"):
+        leanprop.PCHMP(modify="relu")

@@ -19,14 +19,15 @@ through leanprop's torch.func fallback), ``Variance`` is computed from centred v
 model that mixes samples (BatchNorm in training mode) raises instead of returning numbers.
 
 Curvature (DiagGGNExact/MC, BatchDiagGGNExact/MC, SqrtGGNExact/MC, GGNMP, KFLR, KFAC,
-DiagHessian, BatchDiagHessian, HMP) needs the loss module extended (``nn.CrossEntropyLoss``,
+DiagHessian, BatchDiagHessian, HMP, PCHMP) needs the loss module extended (``nn.CrossEntropyLoss``,
 ``nn.MSELoss``, ``nn.BCEWithLogitsLoss``): when a backward
 inside a ``backpack(...)`` block asking for it reaches the loss, it first runs one backward per
 column of the loss Hessian's factor through the model (:func:`leanprop.ggn`), then the
 backward goes on with the first-order quantities. Any layer the per-sample engine supports is
-covered, with BackPACK's attribute names and mean/sum conventions. ``HMP``'s products
-(``p.hmp(mat)``) differentiate twice through the forward's graph: inside a block asking for it,
-backward calls keep that graph (``retain_graph=True``), which lives as long as the functions.
+covered, with BackPACK's attribute names and mean/sum conventions. ``HMP``'s and ``PCHMP``'s
+products (``p.hmp(mat)``) differentiate twice through the forward's graph: inside a block
+asking for one, backward calls keep that graph (``retain_graph=True``), which lives as long as
+the functions.
 
 ``extend`` installs hooks that stay until :func:`unextend` or until the model is garbage
 collected (as in BackPACK, whose ``extend`` has no undo); the forward pass records what the
@@ -305,8 +306,9 @@ def backpack(
     Args:
         *exts: first-order extensions (BatchGrad, BatchL2Grad, BatchDotGrad, SumGradSquared,
             Variance) and curvature ones (DiagGGNExact/MC, BatchDiagGGNExact/MC,
-            SqrtGGNExact/MC, GGNMP, KFLR, KFAC, DiagHessian, BatchDiagHessian, HMP; they need
-            the loss module extended; with HMP, backward calls in the block keep the graph).
+            SqrtGGNExact/MC, GGNMP, KFLR, KFAC, DiagHessian, BatchDiagHessian, HMP, PCHMP; they
+            need the loss module extended; with HMP or PCHMP, backward calls in the block keep
+            the graph).
         extension_hook: called with each module of the extended models (last layer first)
             after each backward in the block, once the quantities are written (BackPACK calls
             it as each module's backward ends: the results are the same, the memory is not

@@ -4,7 +4,8 @@ square root, exact or Monte-Carlo) through the per-sample engine.
 * ``loss_hessian.py``: symmetric factors of the loss's Hessian with respect to the output.
 * ``ggn.py``: :func:`ggn`, one backward per factor column through one recorded forward.
 * ``hessian.py``: the Hessian's diagonal: the curved activations' terms added to the GGN's.
-* ``hessian_products.py``: products with the Hessian's blocks (``HMP``), second-order autograd.
+* ``hessian_products.py``: products with the Hessian's blocks (``HMP``) and the
+  positive-curvature Hessian's (``PCHMP``), by second-order autograd.
 * ``quantities.py``: what can be requested (BackPACK's names and attributes).
 """
 
@@ -14,6 +15,7 @@ from .quantities import (
     HMP,
     KFAC,
     KFLR,
+    PCHMP,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
     BatchDiagHessian,
@@ -35,6 +37,7 @@ __all__ = [
     "DiagHessian",
     "GGNMP",
     "HMP",
+    "PCHMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",

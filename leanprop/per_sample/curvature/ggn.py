@@ -32,7 +32,11 @@ from .hessian import (
     residual,
     residual_columns,
 )
-from .hessian_products import gradient_functions, product_functions
+from .hessian_products import (
+    gradient_functions,
+    positive_curvature_terms,
+    product_functions,
+)
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
@@ -110,8 +114,9 @@ def ggn(
         *quantities: ``DiagGGNExact()``, ``DiagGGNMC(mc_samples)``, ``BatchDiagGGNExact()``,
             ``BatchDiagGGNMC(mc_samples)``, ``SqrtGGNExact()``, ``SqrtGGNMC(mc_samples)``,
             ``GGNMP()``, ``KFLR()``, ``KFAC(mc_samples)``, ``DiagHessian()``,
-            ``BatchDiagHessian()`` (the Hessian's: ``hessian.py``), ``HMP()`` (products with
-            the Hessian's blocks: ``hessian_products.py``; then run the backward with
+            ``BatchDiagHessian()`` (the Hessian's: ``hessian.py``), ``HMP()``,
+            ``PCHMP(modify)`` (products with the Hessian's and the positive-curvature
+            Hessian's blocks: ``hessian_products.py``; then run the backward with
             ``retain_graph=True``).
         generator: random numbers of the Monte-Carlo targets.
 
@@ -186,11 +191,16 @@ def compute_ggn(
                 loss = loss_fn.forward(output, target)
             grads = gradient_functions(contexts, loss, params)
             refuse_recomputation()
-            products = product_functions(contexts, params, grads)  # (not where None:
-            for q in second_order:  # the output does not depend on the parameter)
-                for i, f in products.items():
+            for q in second_order:  # (PCHMP: the Hessian's plus its activations' terms)
+                terms = (
+                    positive_curvature_terms(contexts, loss, curved, q.modify) if q.hessian else ()
+                )
+                products = product_functions(contexts, params, grads, terms)  # (not where
+                for i, f in products.items():  # None: the output does not depend on it)
                     results[i][q.attr] = f
-        if curved:
+            refuse_recomputation()
+        hessian = [q for q in hessian if not q.second_order]
+        if curved and hessian:
             # (the BackPACK facade runs this inside a backward, and hooks its loss modules'
             # calls: its forward alone)
             with torch.enable_grad():

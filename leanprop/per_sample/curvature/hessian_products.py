@@ -1,4 +1,5 @@
-"""Products with the parameters' blocks of the Hessian (``HMP``), by second-order autograd.
+"""Products with the parameters' blocks of the Hessian (``HMP``) and of the positive-curvature
+Hessian (``PCHMP``), by second-order autograd.
 
 While the forward's graph is whole, the loss's gradient with respect to each parameter is
 formed once as a differentiable function (``create_graph=True``). ``H_pp v`` is then the
@@ -8,6 +9,12 @@ sharing and attention included). Those passes run through the forward's own grap
 not be freed before the products are taken (``loss.backward(retain_graph=True)``), and its
 saved values must not change (a parameter stepped in place): autograd's own checks find both,
 and the errors say so.
+
+The positive-curvature Hessian replaces each curved activation's residual ``r = δ ⊙ σ''(z)``
+(``hessian.py``) by ``max(r, 0)`` or ``|r|``: its block is the Hessian's plus, for each such
+activation, ``J_zᵀ diag(c r₋) J_z`` (``r₋ = max(-r, 0)``, ``c`` 1 or 2, ``J_z`` the Jacobian of
+the activation's input), applied to a vector by a forward-mode product (the double-backward
+trick) and one backward pass.
 
 The functions hold the gradients' graph, which holds the parameters: a reference cycle through
 autograd's graph that Python's collector cannot see (as ``backward(create_graph=True)``'s
@@ -25,11 +32,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 from ..._torch_compat import function_modes
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..fused import Intercept
+from .hessian import Curved, activation_gradients, residual
 
 
 def gradient_functions(
@@ -54,16 +63,35 @@ def _quiet(contexts: Iterable[PerSample]) -> Iterator[None]:
         yield
 
 
+def positive_curvature_terms(
+    contexts: Sequence[PerSample], loss: Tensor, curved: list[Curved], modify: str
+) -> tuple[tuple[GradientEdge, Tensor], ...]:
+    """What the positive-curvature Hessian adds to the Hessian: for each curved activation,
+    its input's edge and ``c r₋`` (``r₋ = max(-r, 0)`` of its residual ``r``; ``c = 1`` for
+    ``modify="clip"``, whose ``max(r, 0) = r + r₋``, and 2 for ``"abs"``, ``|r| = r + 2 r₋``)."""
+    with _quiet(contexts):
+        deltas = activation_gradients(loss, curved)
+    scale = 1.0 if modify == "clip" else 2.0
+    terms = []
+    for act, delta in zip(curved, deltas, strict=True):
+        negative = (-residual(act, delta)).clamp(min=0)
+        if negative.any():
+            terms.append((act.z, (scale * negative).detach()))
+    return tuple(terms)
+
+
 def product_functions(
-    contexts: Sequence[PerSample], params: list[nn.Parameter], grads: list[Tensor | None]
-) -> dict[int, functools.partial]:
+    contexts: Sequence[PerSample], params: list[nn.Parameter], grads: list[Tensor | None],
+    terms: tuple[tuple[GradientEdge, Tensor], ...] = (),
+) -> dict[int, functools.partial]:  # fmt: skip
     """``{i: mat -> H_pp mat}`` for each ``params[i]`` whose differentiable gradient
     ``grads[i]`` exists, formed with ``params`` as they are now (the contexts, held weakly,
-    compute nothing in its passes)."""
+    compute nothing in its passes); with ``terms`` (:func:`positive_curvature_terms`), the
+    positive-curvature Hessian's block instead."""
     refs = tuple(weakref.ref(c) for c in contexts)
     snapshot = _Snapshot.of(params)
     return {
-        i: functools.partial(hessian_matrix_product, refs, snapshot, p, g)
+        i: functools.partial(hessian_matrix_product, refs, snapshot, p, g, terms)
         for i, (p, g) in enumerate(zip(params, grads, strict=True))
         if g is not None
     }
@@ -113,10 +141,12 @@ class _Snapshot:
 
 def hessian_matrix_product(
     contexts: tuple[weakref.ref, ...], snapshot: _Snapshot, p: nn.Parameter, grad: Tensor,
-    mat: Tensor,
+    terms: tuple[tuple[GradientEdge, Tensor], ...], mat: Tensor,
 ) -> Tensor:  # fmt: skip
     """``H_pp mat`` ``[V, *p.shape]`` for ``mat`` ``[V, *p.shape]`` (V vectors), in the
-    promoted dtype of ``mat`` and the gradient (an integer basis gives floating products).
+    promoted dtype of ``mat`` and the gradient (an integer basis gives floating products);
+    plus ``J_zᵀ (s ⊙ J_z mat)`` for each ``(z, s)`` of ``terms`` (``J_z``: the Jacobian of the
+    activation input ``z`` with respect to ``p``, each sample's).
 
     Raises:
         UnsupportedModelError: a parameter changed since the gradient was formed (layers
@@ -138,16 +168,34 @@ def hessian_matrix_product(
     alive = [c for c in (ref() for ref in contexts) if c is not None]
     with _quiet(alive):
         for v in mat:
+            v = v.to(grad.dtype)
             try:
-                (col,) = torch.autograd.grad(
-                    grad, p, v.to(grad.dtype), retain_graph=True, allow_unused=True
-                )
+                (col,) = torch.autograd.grad(grad, p, v, retain_graph=True, allow_unused=True)
+                col = torch.zeros_like(p) if col is None else col
+                for z, s in terms:
+                    col = col + _sandwich(z, s, p, v)
             except RuntimeError as e:
                 raise _explained(e) from e
-            columns.append(torch.zeros_like(p) if col is None else col)
+            columns.append(col)
     if not columns:
         return torch.zeros(mat.shape, dtype=dtype, device=mat.device)
     return torch.stack(columns).to(dtype)
+
+
+def _sandwich(z: GradientEdge, s: Tensor, p: nn.Parameter, v: Tensor) -> Tensor:
+    """``J_zᵀ (s ⊙ J_z v)`` for ``z`` (an edge of the graph) and ``p``: ``J_z v`` by the
+    double-backward trick (``J_zᵀ w`` is linear in ``w``: its gradient along ``v`` is
+    ``J_z v``), then one backward pass."""
+    w = torch.zeros_like(s, requires_grad=True)
+    with torch.enable_grad():
+        (jtw,) = torch.autograd.grad(z, p, w, create_graph=True, allow_unused=True)
+    if jtw is None or not jtw.requires_grad:  # z does not depend on p
+        return torch.zeros_like(p)
+    (jv,) = torch.autograd.grad(jtw, w, v, allow_unused=True)
+    if jv is None:
+        return torch.zeros_like(p)
+    (back,) = torch.autograd.grad(z, p, s * jv, retain_graph=True)
+    return back
 
 
 def _explained(e: RuntimeError) -> BaseException:

@@ -185,7 +185,29 @@ class HMP(CurvatureQuantity):
     second_order: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class PCHMP(CurvatureQuantity):
+    """Multiplication by the parameter's block of the positive-curvature Hessian (Chen et al.,
+    2018; BackPACK's ``PCHMP``): the Hessian with each curved activation's residual
+    ``r = δ ⊙ σ''(z)`` made non-negative, ``modify="clip"`` (``max(r, 0)``) or ``"abs"``
+    (``|r|``). ``p.pchmp(mat)``, ``mat: [V, *p.shape]``. Formed as :class:`HMP`'s product plus,
+    for each activation, ``J_zᵀ (c r₋ ⊙ J_z mat)`` (``c`` 1 or 2): it covers the models
+    :class:`DiagHessian` covers, and keeps the graph as :class:`HMP` does."""
+
+    attr: ClassVar[str] = "pchmp"
+    second_order: ClassVar[bool] = True
+    hessian: ClassVar[bool] = True
+    modify: str = "clip"
+
+    def __post_init__(self) -> None:
+        if self.modify not in ("clip", "abs"):
+            raise LeanpropValueError(
+                f"PCHMP(modify={self.modify!r}): pass 'clip' (negative residuals set to 0) or "
+                "'abs' (their absolute values)."
+            )
+
+
 ALL_CURVATURE: tuple[type[CurvatureQuantity], ...] = (
     DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP,
-    KFLR, KFAC, DiagHessian, BatchDiagHessian, HMP,
+    KFLR, KFAC, DiagHessian, BatchDiagHessian, HMP, PCHMP,
 )  # fmt: skip

@@ -2,7 +2,7 @@
 ``grad_batch``, ``batch_l2``, ``batch_dot``, ``sum_grad_squared``, ``variance``, and the
 curvature ones ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_ggn_exact_batch``,
 ``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``, ``ggnmp``, ``kflr``, ``kfac``,
-``diag_h``, ``diag_h_batch``, ``hmp``).
+``diag_h``, ``diag_h_batch``, ``hmp``, ``pchmp``).
 
 ``BatchGrad().set_module_extension(MyModule, MyModuleBatchGrad())`` adds a custom module for
 every quantity (see ``module_extension.py``); the other extensions say so.
@@ -72,6 +72,9 @@ class GGNMP(_OnlyBatchGradExtends, _curvature.GGNMP): ...
 class HMP(_OnlyBatchGradExtends, _curvature.HMP): ...
 
 
+class PCHMP(_OnlyBatchGradExtends, _curvature.PCHMP): ...
+
+
 class KFLR(_OnlyBatchGradExtends, _curvature.KFLR): ...
 
 
@@ -96,6 +99,7 @@ __all__ = [
     "DiagHessian",
     "GGNMP",
     "HMP",
+    "PCHMP",
     "KFAC",
     "KFLR",
     "SqrtGGNExact",
