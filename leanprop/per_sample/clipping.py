@@ -209,11 +209,14 @@ class ClipState:
                 "InBackward, or a hook reading the gradient): it would see the unclipped "
                 "gradient. Remove it (InBackward: .remove()) and step after the backward."
             )
-        before = None if p.grad is None else p.grad.clone()
-        self._before[state] = (before, self.backwards_in(p))
+        # set aside, not copied: autograd then stores this backward's gradient as a new .grad
+        # instead of adding it to the held one, which stays as it is
+        self._before[state] = (p.grad, self.backwards_in(p))
+        p.grad = None
 
     def after_accumulate(self, state: ParamState) -> None:
-        """Autograd accumulated into ``.grad``: put back what was there."""
+        """Autograd accumulated into ``.grad``: put back what was there (the clipping adds
+        this backward's clipped gradient to it at the end of backward)."""
         if state not in self._before:
             return
         before, count = self._before.pop(state)
@@ -235,7 +238,10 @@ class ClipState:
             self._held[st.param] = (weakref.ref(grad), grad._version, counts[st] + 1)
 
     def abort(self) -> None:
-        """A backward raised: forget its partial state (``.grad`` is no longer held)."""
+        """A backward raised: forget its partial state; a gradient set aside for autograd's
+        accumulation is put back (the held ones stay as the backward before left them)."""
+        for state, (before, _) in self._before.items():
+            state.param.grad = before
         self._before, self._accumulated = {}, {}
 
     def new_forward(self) -> None:

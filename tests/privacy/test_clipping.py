@@ -92,6 +92,38 @@ def test_micro_batches_add_up_and_the_context_is_reusable():
     assert clip.clipped_backwards == 2
 
 
+def test_a_micro_batch_whose_backward_raises_leaves_the_held_gradients():
+    """Accumulating micro-batches: a backward that raises midway (after some parameters'
+    gradients were accumulated) leaves ``.grad`` as the micro-batches before it left it, and
+    the next micro-batch adds to that."""
+    case = build("conv2d")
+    c = _median_norm(case)
+    third = case.x.shape[0] // 3
+    parts = [(case.x[i * third : (i + 1) * third], case.y[i * third : (i + 1) * third])
+             for i in range(3)]  # fmt: skip
+    expected = [
+        clipped_gradients(copy.deepcopy(case.model), case.loss, x, y, c)[0] for x, y in parts
+    ]
+    clip = leanprop.clip_per_sample(case.model, c, loss_reduction="sum")
+    first = next(case.model.parameters())
+
+    def fail(grad):
+        raise RuntimeError("stop here")
+
+    for i, (x, y) in enumerate(parts):
+        with clip:
+            loss = case.loss(case.model(x), y, "sum")
+            if i == 1:  # (the first parameter's gradient comes last: the others are in)
+                handle = first.register_hook(fail)
+                with pytest.raises(RuntimeError, match="stop here"):
+                    loss.backward()
+                handle.remove()
+            else:
+                loss.backward()
+    for k, p in case.model.named_parameters():
+        assert_close(p.grad, expected[0][k] + expected[2][k], k, 1e-10, 1e-12)
+
+
 def test_bad_thresholds_and_reduction():
     model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
     for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
