@@ -15,9 +15,11 @@ from ..per_sample.clipping import Clipping
 MaxGradNorm = float | Sequence[float] | Mapping[str, float]
 
 
-def refuse_distributed(model: nn.Module, owner: str, process_group: bool = True) -> None:
+def refuse_distributed(
+    model: nn.Module, owner: str, process_group: bool = True, fix: str | None = None
+) -> None:
     """Refuse a DDP model (its all-reduce would add the unclipped gradients), and with
-    ``process_group`` any process group of several ranks."""
+    ``process_group`` any process group of several ranks; ``fix``: what to do instead."""
     in_group = (
         torch.distributed.is_available()
         and torch.distributed.is_initialized()
@@ -29,7 +31,9 @@ def refuse_distributed(model: nn.Module, owner: str, process_group: bool = True)
             f"{' or a process group' if process_group else ''}: DDP's all-reduce would add the "
             "unclipped gradients. "
             + (
-                "Train privately in one process."
+                fix
+                if fix is not None
+                else "Train privately in one process."
                 if process_group
                 else "Clip the unwrapped model on each rank and use "
                 "DPOptimizer(..., distributed=True), which adds the clipped sums of all ranks "

@@ -17,33 +17,46 @@ class PoissonBatchSampler(Sampler[list[int]]):
     """Batches of indices of ``range(num_samples)``, each index in each batch independently
     with probability ``sample_rate``; ``steps`` batches per epoch (default ``1 / sample_rate``).
 
+    Data parallel over ``world_size`` ranks, rank ``rank`` samples the indices ``rank,
+    rank + world_size, ...`` alone: the ranks' batches together are one Poisson-sampled batch
+    of the whole dataset (Opacus' distributed sampler does the same with another partition).
+
     Args:
         num_samples: the dataset's size.
         sample_rate: the probability of each example in each batch, in ``(0, 1]``.
         steps: batches per epoch.
         generator: the random generator (None: torch's default one).
+        rank: this rank, in ``range(world_size)``.
+        world_size: the number of ranks sampling the dataset together.
     """
 
     def __init__(
         self, num_samples: int, sample_rate: float, steps: int | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
     ) -> None:  # fmt: skip
         owner = "PoissonBatchSampler"
         checked_number(owner, "num_samples", num_samples, integer=True)
         checked_number(owner, "sample_rate", sample_rate, at_most=1.0)
         if steps is not None:
             checked_number(owner, "steps", steps, integer=True)
+        checked_number(owner, "world_size", world_size, integer=True)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise LeanpropValueError(
+                f"PoissonBatchSampler(rank={rank!r}, world_size={world_size}): the rank must "
+                "be an int in range(world_size)."
+            )
         self.num_samples, self.sample_rate = num_samples, float(sample_rate)
         self.generator = generator
         self.steps = steps if steps is not None else max(1, round(1 / self.sample_rate))
+        self.shard = torch.arange(rank, num_samples, world_size)
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
-            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            yield mask.nonzero().flatten().tolist()
+            mask = torch.rand(len(self.shard), generator=self.generator) < self.sample_rate
+            yield self.shard[mask].tolist()
 
 
 def _empty(one: Any, two: Any) -> Any:
@@ -93,7 +106,8 @@ class _Collate:
 
 def poisson_loader(
     dataset: Dataset, sample_rate: float, *, steps: int | None = None,
-    generator: torch.Generator | None = None, **loader_kwargs: Any,
+    generator: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
+    **loader_kwargs: Any,
 ) -> DataLoader:  # fmt: skip
     """A ``DataLoader`` over ``dataset`` whose batches are Poisson-sampled
     (:class:`PoissonBatchSampler`); an empty batch comes as tensors with 0 samples.
@@ -104,6 +118,8 @@ def poisson_loader(
             ``len(dataset)``).
         steps: batches per epoch (default ``1 / sample_rate``).
         generator: the random generator for the sampling.
+        rank, world_size: data parallel: this rank samples its share of the dataset
+            (:class:`PoissonBatchSampler`).
         **loader_kwargs: other ``DataLoader`` options (``num_workers``, ``collate_fn``...);
             not ``batch_size``, ``shuffle``, ``sampler`` or ``batch_sampler``.
     """
@@ -115,5 +131,5 @@ def poisson_loader(
             "sample_rate, so those options have no meaning here."
         )
     collate = _Collate(dataset, loader_kwargs.pop("collate_fn", default_collate))
-    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator)
+    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator, rank, world_size)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)

@@ -23,9 +23,16 @@ What differs from Opacus:
   ``"ghost"``, whose changed API (a wrapped criterion, four return values) is not offered: drop
   the argument and the criterion.
 * Clipping ``"flat"`` and ``"per_layer"`` (a list of thresholds, one per trainable parameter);
-  not ``"adaptive"`` or ``"automatic"``. No distributed training, no ``secure_mode`` with
-  torchcsprng (``secure_mode=True`` uses :func:`leanprop.privacy.gaussian_noise`'s secure mode
-  for the noise; the Poisson sampling uses the data loader's generator).
+  not ``"adaptive"`` or ``"automatic"``. Data parallel as with Opacus' hooks: the model
+  wrapped in ``DifferentiallyPrivateDistributedDataParallel`` (``DPDDP``, from here or from
+  Opacus), whose ``data_loader.dataset`` is the whole dataset (each rank's loader takes its
+  share, e.g. with a ``DistributedSampler``; Poisson sampling gives each rank its share of the
+  indices); the optimizer adds the ranks' clipped sums and rank 0's noise once per step, and
+  averages by the expected batch of all ranks. Torch's ``DistributedDataParallel`` is refused
+  (its all-reduce would add the unclipped gradients; Opacus takes it only with ghost
+  clipping). No ``secure_mode`` with torchcsprng (``secure_mode=True`` uses
+  :func:`leanprop.privacy.gaussian_noise`'s secure mode for the noise; the Poisson sampling
+  uses the data loader's generator).
 * The model is checked when its backward runs (BatchNorm in training mode is refused then),
   not by Opacus' ``ModuleValidator`` up front; any model :func:`leanprop.per_sample` supports
   works (parameters of modules without a leanprop rule go through the ``torch.func``
@@ -48,6 +55,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -57,8 +65,15 @@ from ...privacy.accounting import make_accountant, noise_multiplier_for
 from ...privacy.clip import clipping_of, refuse_distributed
 from ...privacy.optimizer import DPOptimizer
 from ...privacy.sampling import poisson_loader
+from .distributed import DPDDP, DifferentiallyPrivateDistributedDataParallel, is_dpddp
 
-__all__ = ["PrivacyEngine"]
+__all__ = ["DPDDP", "DifferentiallyPrivateDistributedDataParallel", "PrivacyEngine"]
+
+_DISTRIBUTED = (
+    "Wrap the model on each rank in DifferentiallyPrivateDistributedDataParallel (from "
+    "leanprop.compat.opacus, or Opacus' own) instead, as for Opacus' hooks: each rank clips its "
+    "own samples and the optimizer adds the ranks' clipped sums and the noise once."
+)
 
 # module -> (its clipping context, the hook through which it owns it)
 _MADE_PRIVATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -161,7 +176,8 @@ class PrivacyEngine:
 
         Raises:
             LeanpropValueError: an option the facade does not offer.
-            UnsupportedModelError: a distributed model or process group.
+            UnsupportedModelError: a DistributedDataParallel model, or a process group of
+                several ranks without DPDDP.
         """
         if grad_sample_mode == "ghost" or "criterion" in kwargs:
             raise LeanpropValueError(
@@ -187,7 +203,9 @@ class PrivacyEngine:
             raise LeanpropValueError(
                 "make_private: noise_generator cannot be set with secure_mode=True."
             )
-        refuse_distributed(module, "make_private()")
+        distributed = is_dpddp(module)  # (each rank clips its own samples)
+        if not distributed:
+            refuse_distributed(module, "make_private()", fix=_DISTRIBUTED)
         spec = clipping_of(module, max_grad_norm, loss_reduction)
         capture = PerSample(module, batch_dim=0 if batch_first else 1, fuse=False)
         capture.set_clipping(spec)
@@ -203,16 +221,19 @@ class PrivacyEngine:
             options = {k: getattr(data_loader, k) for k in _LOADER_OPTIONS}
             if not options["num_workers"]:
                 options.pop("prefetch_factor")
+            ranks = {}
+            if distributed:  # each rank samples its share of the dataset
+                ranks = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
             data_loader = poisson_loader(
                 data_loader.dataset, sample_rate, steps=len(data_loader),
-                generator=data_loader.generator, **options,
+                generator=data_loader.generator, **ranks, **options,
             )  # fmt: skip
         expected_batch_size = int(len(data_loader.dataset) * sample_rate)
         optimizer = FacadeOptimizer(
             optimizer, capture, noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size if loss_reduction == "mean" else None,
             sample_rate=sample_rate, accountant=self.accountant, generator=noise_generator,
-            secure_mode=self.secure_mode,
+            secure_mode=self.secure_mode, distributed=distributed,
         )  # fmt: skip
         return module, optimizer, data_loader
 
