@@ -288,6 +288,7 @@ class PerSample:
         self._cycle = Cycle(self._states, self._sites)  # the current forward and its backward
         self._active = False
         self._computing_here = False
+        self._layer_outputs_only = 0  # see for_layer_outputs
         self._intercept: Intercept | None = None
         self._fusable_by_weight: dict[int, list[Site]] = {}  # id(weight) -> fusable sites
         self._rule_sites_of: dict[Tensor | None, list[Site]] = {}  # weight -> rule sites
@@ -414,6 +415,21 @@ class PerSample:
             self._subsampling = subsampling
             self._cycle.keep_calls = keep
 
+    @contextmanager
+    def for_layer_outputs(self) -> Iterator[None]:
+        """The backward passes in the block are for gradients of layer outputs only (the
+        curvature's batched columns): the replaced ops skip their parameters' gradients."""
+        self._layer_outputs_only += 1
+        try:
+            yield
+        finally:
+            self._layer_outputs_only -= 1
+
+    @property
+    def layer_outputs_only(self) -> bool:
+        """Inside :meth:`for_layer_outputs`."""
+        return self._layer_outputs_only > 0
+
     @property
     def batch_dim(self) -> int:
         """The dimension of the model's inputs that holds the samples (``batch_dim=``)."""
@@ -464,7 +480,7 @@ class PerSample:
                 "would take the other's gradients); open one at a time."
             )
         try:
-            self._plan(self.model, "", None)
+            self._plan(self.model, "", None, set())
             if not self._states:
                 raise LeanpropValueError(
                     f"per_sample() found no trainable parameter in {type(self.model).__name__}; "
@@ -540,7 +556,10 @@ class PerSample:
                 "entering them."
             )
 
-    def _plan(self, module: nn.Module, prefix: str, root: Site | None) -> None:
+    def _plan(self, module: nn.Module, prefix: str, root: Site | None, planned: set[int]) -> None:
+        if id(module) in planned:  # one module at several places (a layer registered twice):
+            return  # one site takes all its calls
+        planned.add(id(module))
         direct = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
         rule = rule_for(module)
         if rule is not None and not set(direct) <= {"weight", "bias"}:
@@ -581,7 +600,8 @@ class PerSample:
                 self._state(p, f"{prefix}.{k}")
         for child_name, child in module._modules.items():
             if child is not None:
-                self._plan(child, f"{prefix}.{child_name}" if prefix else child_name, root)
+                name = f"{prefix}.{child_name}" if prefix else child_name
+                self._plan(child, name, root, planned)
 
     def _state(self, p: nn.Parameter, name: str) -> None:
         if p not in self._states:

@@ -76,6 +76,8 @@ class FusedOp(torch.autograd.Function):
         x, _ = ctx.saved_tensors
         module, rule = ctx.module, ctx.call.site.rule
         want = frozenset(k for k, i in (("weight", 4), ("bias", 5)) if ctx.needs_input_grad[i])
+        if ctx.capture.layer_outputs_only:  # (a backward to layer outputs: the curvature's)
+            want = frozenset()
         sums = ctx.capture.fused_backward(ctx.call, x, g) or {}
         sums = {k: v for k, v in sums.items() if k in want}
         missing = want - sums.keys()

@@ -1163,3 +1163,27 @@ def test_weight_changed_between_forward_and_backward_is_refused_as_torch_does(la
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 out.sum().backward()
         model.zero_grad()
+
+
+@pytest.mark.parametrize("quantity", ["BatchGrad", "BatchL2Grad"])
+def test_a_layer_registered_twice_and_called_at_both_places(quantity):
+    """``nn.Sequential(shared, act, shared)``: one layer object at two places of the model
+    (the sum check refused it before: each place got a site of its own, and each call was
+    recorded twice)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.Tanh(), shared).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+
+    def loss(out, target, reduction):
+        return F.mse_loss(out, target, reduction=reduction)
+
+    expected = individual_gradients(copy.deepcopy(model), loss, x, y, "sum")
+    with leanprop.per_sample(model, getattr(leanprop, quantity)()):
+        loss(model(x), y, "sum").backward()
+    for k, p in model.named_parameters():
+        if quantity == "BatchGrad":
+            assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+        else:
+            norms = expected[k].flatten(1).square().sum(1)
+            assert_close(p.batch_l2, norms, k, 1e-10, 1e-12)

@@ -24,6 +24,8 @@ from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
 from ..stats import widen
+from .batched_columns import batched_diagonals, covers, linear_layers
+from .contexts import own_work
 from .hessian import (
     Curved,
     activation_gradients,
@@ -183,8 +185,14 @@ def compute_ggn(
         for mc, qs in by_mc.items():
             qs = [q for q in qs if not q.second_order]
             if qs:
-                front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
-                _passes(contexts, output, front.movedim(1, bd + 1), params, qs, results)
+                with own_work(contexts):
+                    front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
+                    factor = front.movedim(1, bd + 1)
+                layers = linear_layers(output, params) if covers(qs) else None
+                if layers is not None:  # an MLP: all columns in one pass
+                    batched_diagonals(contexts, output, factor, layers, params, qs, results)
+                else:
+                    _passes(contexts, output, factor, params, qs, results)
         refuse_recomputation()
         if second_order:  # (HMP: the gradients as functions, while the graph is whole)
             with torch.enable_grad():
@@ -298,7 +306,10 @@ def _residual_passes(
             # BackPACK facade, it cannot be told from the model's backward, and must keep the
             # inputs of modules hooked as a whole for the passes after it)
             stack.enter_context(c.computing(frozenset({kind})))
-        deltas = activation_gradients(loss, curved)
+        with ExitStack() as outputs_only:  # (no parameter's gradient in this pass)
+            for c in contexts:
+                outputs_only.enter_context(c.for_layer_outputs())
+            deltas = activation_gradients(loss, curved)
         index = {p: i for i, p in enumerate(params)}
         for act, delta in zip(curved, deltas, strict=True):
             r = residual(act, delta)

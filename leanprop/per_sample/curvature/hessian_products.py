@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from ..._torch_compat import function_modes
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
-from ..fused import Intercept
+from .contexts import quiet
 from .hessian import Curved, activation_gradients, residual
 
 
@@ -46,21 +44,8 @@ def gradient_functions(
 ) -> list[Tensor | None]:
     """Each parameter's gradient of ``loss`` as a differentiable function (None where the loss
     does not depend on it); no per_sample context computes anything in this pass."""
-    with _quiet(contexts), torch.enable_grad():
+    with quiet(contexts), torch.enable_grad():
         return list(torch.autograd.grad(loss, params, create_graph=True, allow_unused=True))
-
-
-@contextmanager
-def _quiet(contexts: Iterable[PerSample]) -> Iterator[None]:
-    """``contexts`` and every per_sample context whose interception is active here (nested
-    contexts around the model) compute nothing in the block: its backward passes are not the
-    model's."""
-    around = [m.capture for m in function_modes() if isinstance(m, Intercept)]
-    quiet = {id(c): c for c in [*contexts, *around] if c.active}
-    with ExitStack() as stack:
-        for c in quiet.values():
-            stack.enter_context(c.computing(frozenset()))
-        yield
 
 
 def positive_curvature_terms(
@@ -69,7 +54,7 @@ def positive_curvature_terms(
     """What the positive-curvature Hessian adds to the Hessian: for each curved activation,
     its input's edge and ``c r₋`` (``r₋ = max(-r, 0)`` of its residual ``r``; ``c = 1`` for
     ``modify="clip"``, whose ``max(r, 0) = r + r₋``, and 2 for ``"abs"``, ``|r| = r + 2 r₋``)."""
-    with _quiet(contexts):
+    with quiet(contexts):
         deltas = activation_gradients(loss, curved)
     scale = 1.0 if modify == "clip" else 2.0
     terms = []
@@ -166,7 +151,7 @@ def hessian_matrix_product(
         return torch.zeros(mat.shape, dtype=dtype, device=mat.device)
     columns = []
     alive = [c for c in (ref() for ref in contexts) if c is not None]
-    with _quiet(alive):
+    with quiet(alive):
         for v in mat:
             v = v.to(grad.dtype)
             try:
