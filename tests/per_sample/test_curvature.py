@@ -766,3 +766,33 @@ def test_diagonals_by_columns_where_the_model_is_not_only_linear_layers(monkeypa
             torch.testing.assert_close(p.diag_ggn_exact.flatten(), ref[k][0].diagonal(),
                                        rtol=1e-10, atol=1e-12)  # fmt: skip
     assert len(calls) == len(models)
+
+
+def test_batched_columns_fall_back_to_passes_where_vmap_cannot_run(monkeypatch):
+    """An op vmap cannot batch (simulated): the GGN's and the activations' columns go one
+    pass each, with the same values."""
+    columns = importlib.import_module("leanprop.per_sample.curvature.batched_columns")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 4), nn.Tanh(),
+                          nn.Linear(4, 3)).double()  # fmt: skip
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    loss_fn = nn.CrossEntropyLoss()
+    results = []
+    for broken in (False, True):
+        with monkeypatch.context() as m:
+            if broken:
+
+                def no_vmap(fn):
+                    raise RuntimeError("Batching rule not implemented (simulated)")
+
+                m.setattr(columns.torch.func, "vmap", no_vmap)
+            with leanprop.per_sample(model) as ctx:
+                leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.DiagHessian(),
+                             leanprop.DiagGGNExact())  # fmt: skip
+        results.append({k: (p.diag_h, p.diag_ggn_exact) for k, p in model.named_parameters()})
+    hessian = hessian_blocks(model, x, loss_fn, y)
+    for k in results[0]:
+        for a, b in zip(results[0][k], results[1][k], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(results[0][k][0].flatten(), hessian[k].diagonal(),
+                                   rtol=1e-10, atol=1e-12)  # fmt: skip

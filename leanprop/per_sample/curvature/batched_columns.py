@@ -6,7 +6,7 @@ through the per-sample engine (any layer, any graph). Where every parameter belo
 layer whose input is ``[N, I]`` (an MLP), each column's individual gradient of a weight is the
 outer product ``S[m, n] ⊗ a[n]`` of the column backpropagated to the layer's output,
 ``S`` ``[M, N, O]``, and the layer's input ``a``. One backward pass of all M columns together
-(``is_grads_batched``: autograd's vmap) gives every layer's ``S``; then::
+(``torch.func.vmap`` over the backward) gives every layer's ``S``; then::
 
     diag(G_W) = sum_{m,n} S[m,n]² ⊗ a[n]²,   diag(G_b) = sum_{m,n} S[m,n]²
 
@@ -21,6 +21,7 @@ square roots, products and Kronecker factors), ``ggn.py``'s passes run.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -33,6 +34,7 @@ from torch.autograd.graph import GradientEdge
 from ..capture import PerSample
 from ..stats import widen
 from .contexts import own_work
+from .hessian import Curved
 from .quantities import CurvatureQuantity
 
 
@@ -44,11 +46,12 @@ def _linear_layer(node: Any) -> bool:
     return x.dim() == 2 and node.call.in_bd.dim == 0
 
 
-def linear_layers(output: Tensor, params: Sequence[nn.Parameter]) -> list[Any] | None:
-    """The replaced linear ops between ``output`` and ``params``, if the model is one the
-    batched columns cover (see the module docstring), else None."""
+def linear_layers(root: Any, params: Sequence[nn.Parameter]) -> list[Any] | None:
+    """The replaced linear ops between autograd node ``root`` (an output's ``grad_fn``, or an
+    activation input's node) and ``params``, if the graph is one the batched columns cover
+    (see the module docstring), else None."""
     wanted = {id(p) for p in params}
-    layers, seen, todo = [], set(), [output.grad_fn]
+    layers, seen, todo = [], set(), [root]
     parents: dict[int, int] = {}  # id(parameter) -> nodes reaching it
     while todo:
         node = todo.pop()
@@ -74,42 +77,61 @@ def linear_layers(output: Tensor, params: Sequence[nn.Parameter]) -> list[Any] |
     return layers
 
 
-def batched_diagonals(
+def column_squares(
     contexts: Sequence[PerSample],
-    output: Tensor,
-    factor: Tensor,
+    start: Tensor | GradientEdge,
+    columns: Tensor,
     layers: list[Any],
-    params: list[nn.Parameter],
-    quantities: list[CurvatureQuantity],
-    results: list[dict[str, object]],
-) -> None:
-    """The diagonal quantities (summed, and each sample's) of ``params`` into ``results``,
-    from one batched backward of ``factor`` ``[M, *output.shape]`` to the ``layers``."""
+) -> list[Tensor | None]:
+    """``sum_m S[m]²`` ``[N, O]`` at each of ``layers``' outputs, ``S`` the ``columns``
+    ``[M, *start.shape]`` backpropagated from ``start`` all at once (None where a layer is not
+    reached); the layer whose output ``start`` is (an activation's input) gets the columns'."""
+    direct = start.node if isinstance(start, GradientEdge) else None
+    upstream = [node for node in layers if node is not direct]
+    found = dict.fromkeys(layers)
     with ExitStack() as stack:
         for c in contexts:  # (a pass of ours: no per-sample work, nothing recorded, and no
             stack.enter_context(c.computing(frozenset()))  # parameter's gradient formed)
             stack.enter_context(c.for_layer_outputs())
-        edges = [GradientEdge(node, 0) for node in layers]
-        found = torch.autograd.grad(
-            output, edges, factor, retain_graph=True, allow_unused=True, is_grads_batched=True
-        )
-        stack.enter_context(own_work(contexts))  # (the products: ours, not the model's)
-        _diagonals(layers, found, params, quantities, results)
+        if upstream:
+            edges = [GradientEdge(node, 0) for node in upstream]
+
+            def backward(column: Tensor) -> tuple[Tensor | None, ...]:
+                return torch.autograd.grad(
+                    start, edges, column, retain_graph=True, allow_unused=True
+                )
+
+            # (torch.func's vmap: autograd's is_grads_batched uses the older one, which loops
+            # over the columns for ops without a batching rule of its own, e.g. matmul)
+            with warnings.catch_warnings():  # (functorch's note on an op it loops over)
+                warnings.filterwarnings("ignore", "There is a performance drop")
+                grads = torch.func.vmap(backward)(columns)
+            found.update(zip(upstream, grads, strict=True))
+        if direct in found:
+            found[direct] = columns
+        stack.enter_context(own_work(contexts))  # (the squares: ours, not the model's)
+        return [
+            None if s is None else torch.linalg.vector_norm(widen(s.detach()), dim=0).square()
+            for s in found.values()
+        ]  # (one pass over S, no [M, N, O] temporary)
 
 
-def _diagonals(
+def add_diagonals(
     layers: list[Any],
-    found: Sequence[Tensor | None],
+    squares: Sequence[Tensor | None],
     params: list[nn.Parameter],
     quantities: list[CurvatureQuantity],
     results: list[dict[str, object]],
+    sign: float = 1.0,
 ) -> None:
+    """Add ``sign`` times each layer's diagonal terms from its :func:`column_squares` ``t``
+    ``[N, O]`` to ``results`` (set where there is none yet): weight ``t[n] ⊗ a[n]²`` each
+    sample's (their sum ``tᵀ a²``), bias ``t[n]``."""
     index = {id(p): i for i, p in enumerate(params)}
-    for node, s in zip(layers, found, strict=True):
-        if s is None:
+    for node, t in zip(layers, squares, strict=True):
+        if t is None:
             continue
         a2 = widen(node.saved_tensors[0].detach()).square()  # [N, I]
-        t = widen(s.detach()).square().sum(0)  # [N, O]: sum over the columns of S²
         for name, p in node.call.params.items():
             i = index.get(id(p))
             if i is None:
@@ -117,12 +139,40 @@ def _diagonals(
             for q in quantities:
                 if name == "bias":
                     value = t if q.per_sample else t.sum(0)
-                else:  # each sample's t[n] ⊗ a²[n], or their sum tᵀ a²
+                else:
                     value = t[:, :, None] * a2[:, None, :] if q.per_sample else t.t() @ a2
-                results[i][q.attr] = value
+                old = results[i].get(q.attr)
+                results[i][q.attr] = sign * value if old is None else old + sign * value
 
 
 def covers(quantities: Sequence[CurvatureQuantity]) -> bool:
     """Whether the batched columns give all of ``quantities`` (diagonals, summed or each
     sample's)."""
     return all(not (q.root or q.product or q.kronecker or q.second_order) for q in quantities)
+
+
+_COLUMN_BYTES = 64 * 2**20  # the columns and their gradients at the layers, per batch of them
+
+
+def residual_squares(
+    contexts: Sequence[PerSample], act: Curved, r: Tensor, sign: float, layers: list[Any]
+) -> list[Tensor | None]:
+    """:func:`column_squares` of one part of an activation's residual term (``hessian.py``'s
+    :func:`residual_columns`: ``sqrt(max(0, sign r))`` at one unit of every sample per
+    column), for an activation input ``[N, K]``: its columns in batches."""
+    root = (sign * r).clamp(min=0).sqrt()  # [N, K]
+    n, k = root.shape
+    units = root.any(0).nonzero().flatten()
+    widths = k + sum(node.call.site.module.out_features for node in layers)
+    step = max(1, _COLUMN_BYTES // max(1, n * widths * root.element_size()))
+    total: list[Tensor | None] = [None] * len(layers)
+    for start in range(0, len(units), step):
+        chunk = units[start : start + step]
+        columns = root.new_zeros(len(chunk), n, k)
+        picked = torch.arange(len(chunk), device=root.device)
+        columns[picked, :, chunk] = root[:, chunk].t()
+        found = column_squares(contexts, act.z, columns, layers)
+        total = [
+            a if b is None else b if a is None else a + b for a, b in zip(total, found, strict=True)
+        ]
+    return total

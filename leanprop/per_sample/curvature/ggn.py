@@ -13,8 +13,9 @@ sharing included.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +25,13 @@ from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
 from ..stats import widen
-from .batched_columns import batched_diagonals, covers, linear_layers
+from .batched_columns import (
+    add_diagonals,
+    column_squares,
+    covers,
+    linear_layers,
+    residual_squares,
+)
 from .contexts import own_work
 from .hessian import (
     Curved,
@@ -42,6 +49,8 @@ from .hessian_products import (
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
 from .quantities import ALL_CURVATURE, CurvatureQuantity
+
+T = TypeVar("T")
 
 
 def validate_curvature(
@@ -188,9 +197,13 @@ def compute_ggn(
                 with own_work(contexts):
                     front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
                     factor = front.movedim(1, bd + 1)
-                layers = linear_layers(output, params) if covers(qs) else None
-                if layers is not None:  # an MLP: all columns in one pass
-                    batched_diagonals(contexts, output, factor, layers, params, qs, results)
+                layers = linear_layers(output.grad_fn, params) if covers(qs) else None
+                squares = None
+                if layers is not None:  # an MLP: all the columns at once
+                    squares = _batched(column_squares, contexts, output, factor, layers)
+                if squares is not None:
+                    with own_work(contexts):
+                        add_diagonals(layers, squares, params, qs, results)
                 else:
                     _passes(contexts, output, factor, params, qs, results)
         refuse_recomputation()
@@ -277,6 +290,25 @@ def ggn_matrix_product(root: Tensor, mat: Tensor) -> Tensor:
     return ((mat.flatten(1) @ s.mT) @ s).reshape(mat.shape)
 
 
+def _batched(compute: Callable[..., T], *args: Any) -> T | None:
+    """``compute(*args)`` of the batched columns (``batched_columns.py``), or None where vmap
+    cannot run the backward (an op without a batching rule in this torch): the passes one
+    column at a time then give the same values."""
+    try:
+        return compute(*args)
+    except (RuntimeError, NotImplementedError) as e:
+        if is_checkpoint_error(e):
+            raise
+        return None
+
+
+def _both_signs(
+    contexts: Sequence[PerSample], act: Curved, r: Tensor, layers: list[Any]
+) -> list[tuple[float, list[Tensor | None]]]:
+    """The positive and the negative part of an activation's residual term, batched."""
+    return [(sign, residual_squares(contexts, act, r, sign, layers)) for sign in (1.0, -1.0)]
+
+
 def _name_of(contexts: Sequence[PerSample], p: nn.Parameter) -> str:
     return next((f"{k}" for c in contexts for k, q in c.model.named_parameters() if q is p), "?")
 
@@ -317,6 +349,15 @@ def _residual_passes(
                 for p, value in layer_term(act, r, per_sample).items():
                     if p in index:
                         add(index[p], value, 1.0)
+                continue
+            layers = linear_layers(act.z.node, params) if act.dim == 0 and r.dim() == 2 else None
+            parts = None
+            if layers is not None:  # behind it, linear layers only: its columns at once
+                parts = _batched(_both_signs, contexts, act, r, layers)
+            if parts is not None:
+                with own_work(contexts):
+                    for sign, squares in parts:
+                        add_diagonals(layers, squares, params, quantities, results, sign)
                 continue
             for sign in (1.0, -1.0):
                 for column in residual_columns(act, r, sign):

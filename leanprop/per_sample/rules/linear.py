@@ -76,8 +76,10 @@ def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, _: RuleOpt
 
 
 def linear_input_grad(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
-    """Ordinary input gradient ``g W``: ``[N, *T, I]``."""
-    return g @ module.weight.to(g.dtype)
+    """Ordinary input gradient ``g W``: ``[N, *T, I]`` (as one ``mm``: under autograd's
+    batched gradients, whose vmap has a batching rule for ``mm`` and loops over ``matmul``)."""
+    flat = g.reshape(-1, g.shape[-1]).mm(module.weight.to(g.dtype))  # [N*T, I]
+    return flat.reshape(*g.shape[:-1], flat.shape[-1])
 
 
 def linear_param_grads(
