@@ -83,9 +83,30 @@ def column_squares(
     columns: Tensor,
     layers: list[Any],
 ) -> list[Tensor | None]:
-    """``sum_m S[m]²`` ``[N, O]`` at each of ``layers``' outputs, ``S`` the ``columns``
+    """``sum_m S[m]²`` ``[N, O]`` at each of ``layers``' outputs (see :func:`layer_columns`;
+    None where a layer is not reached)."""
+    found = layer_columns(contexts, start, columns, layers)
+    with own_work(contexts):  # (the squares: ours, not the model's)
+        return squares_of(found)
+
+
+def squares_of(found: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """``sum_m S[m]²`` ``[N, O]`` of each layer's columns ``S`` (16-bit ones in float32; one
+    pass over ``S``, no ``[M, N, O]`` temporary)."""
+    return [
+        None if s is None else torch.linalg.vector_norm(widen(s), dim=0).square() for s in found
+    ]
+
+
+def layer_columns(
+    contexts: Sequence[PerSample],
+    start: Tensor | GradientEdge,
+    columns: Tensor,
+    layers: list[Any],
+) -> list[Tensor | None]:
+    """``S`` ``[M, N, O]`` at each of ``layers``' outputs: the ``columns``
     ``[M, *start.shape]`` backpropagated from ``start`` all at once (None where a layer is not
-    reached); the layer whose output ``start`` is (an activation's input) gets the columns'."""
+    reached); the layer whose output ``start`` is (an activation's input) gets the columns."""
     direct = start.node if isinstance(start, GradientEdge) else None
     upstream = [node for node in layers if node is not direct]
     found = dict.fromkeys(layers)
@@ -109,11 +130,33 @@ def column_squares(
             found.update(zip(upstream, grads, strict=True))
         if direct in found:
             found[direct] = columns
-        stack.enter_context(own_work(contexts))  # (the squares: ours, not the model's)
-        return [
-            None if s is None else torch.linalg.vector_norm(widen(s.detach()), dim=0).square()
-            for s in found.values()
-        ]  # (one pass over S, no [M, N, O] temporary)
+    return [None if s is None else s.detach() for s in found.values()]
+
+
+def add_kronecker_factors(
+    layers: list[Any],
+    found: Sequence[Tensor | None],
+    params: list[nn.Parameter],
+    quantities: list[CurvatureQuantity],
+    results: list[dict[str, object]],
+) -> None:
+    """KFLR/KFAC (``kronecker.py``'s definition) of each layer from its columns ``S``
+    :func:`layer_columns`: weight ``[B, A]``, bias ``[B]``, ``B = sum_{m,n} S S^T``,
+    ``A = 1/N sum_n a_n a_n^T``."""
+    index = {id(p): i for i, p in enumerate(params)}
+    for node, s in zip(layers, found, strict=True):
+        if s is None:
+            continue
+        a = node.saved_tensors[0].detach()  # [N, I]
+        flat = s.reshape(-1, s.shape[-1])  # [M N, O]
+        b = flat.mT @ flat
+        factors = {"weight": [b, a.mT @ a / a.shape[0]], "bias": [b]}
+        for name, p in node.call.params.items():
+            i = index.get(id(p))
+            if i is not None:
+                for q in quantities:
+                    if q.kronecker:
+                        results[i][q.attr] = factors[name]
 
 
 def add_diagonals(
@@ -137,6 +180,8 @@ def add_diagonals(
             if i is None:
                 continue
             for q in quantities:
+                if q.kronecker:
+                    continue
                 if name == "bias":
                     value = t if q.per_sample else t.sum(0)
                 else:
@@ -147,8 +192,8 @@ def add_diagonals(
 
 def covers(quantities: Sequence[CurvatureQuantity]) -> bool:
     """Whether the batched columns give all of ``quantities`` (diagonals, summed or each
-    sample's)."""
-    return all(not (q.root or q.product or q.kronecker or q.second_order) for q in quantities)
+    sample's, and Kronecker factors)."""
+    return all(not (q.root or q.product or q.second_order) for q in quantities)
 
 
 _COLUMN_BYTES = 64 * 2**20  # the columns and their gradients at the layers, per batch of them

@@ -27,10 +27,12 @@ from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
 from ..stats import widen
 from .batched_columns import (
     add_diagonals,
-    column_squares,
+    add_kronecker_factors,
     covers,
+    layer_columns,
     linear_layers,
     residual_squares,
+    squares_of,
 )
 from .contexts import own_work
 from .hessian import (
@@ -198,12 +200,13 @@ def compute_ggn(
                     front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
                     factor = front.movedim(1, bd + 1)
                 layers = linear_layers(output.grad_fn, params) if covers(qs) else None
-                squares = None
+                found = None
                 if layers is not None:  # an MLP: all the columns at once
-                    squares = _batched(column_squares, contexts, output, factor, layers)
-                if squares is not None:
+                    found = _batched(layer_columns, contexts, output, factor, layers)
+                if found is not None:
                     with own_work(contexts):
-                        add_diagonals(layers, squares, params, qs, results)
+                        add_diagonals(layers, squares_of(found), params, qs, results)
+                        add_kronecker_factors(layers, found, params, qs, results)
                 else:
                     _passes(contexts, output, factor, params, qs, results)
         refuse_recomputation()
