@@ -415,6 +415,13 @@ class PerSample:
             self._subsampling = subsampling
             self._cycle.keep_calls = keep
 
+    def raise_pending_refusal(self) -> None:
+        """Raise what the recorded forward's backward would refuse before computing anything
+        (BatchNorm in training mode, with no quantities asked): for curvature computed
+        without the engine's per-sample passes."""
+        if self._cycle.bn_problem is not None:
+            raise UnsupportedModelError(self._cycle.bn_problem)
+
     @contextmanager
     def for_layer_outputs(self) -> Iterator[None]:
         """The backward passes in the block are for gradients of layer outputs only (the

@@ -94,3 +94,37 @@ def test_poisson_shares_of_the_ranks_make_one_poisson_batch():
         assert sorted(i for b in batches for i in b) == list(range(10))
     with pytest.raises(Exception, match="range\\(world_size\\)"):
         PoissonBatchSampler(10, 0.5, rank=3, world_size=3)
+
+
+def _poisson_worker(rank: int, world: int) -> None:
+    data = _data()
+    torch.manual_seed(0)  # every rank seeded alike, as scripts do
+    model = _net(0)
+    _, _, loader = PrivacyEngine().make_private(
+        module=DPDDP(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=4), noise_multiplier=1.0,
+        max_grad_norm=1.0, poisson_sampling=True,
+    )  # fmt: skip
+    sampler = loader.batch_sampler
+    masks = torch.stack([torch.isin(sampler.shard, torch.tensor(b, dtype=torch.long))
+                         for b in sampler])  # fmt: skip
+    gathered = [torch.empty_like(masks) for _ in range(world)]
+    dist.all_gather(gathered, masks)
+    assert not torch.equal(gathered[0], gathered[1])  # each rank draws its own inclusions
+
+
+def test_poisson_sampling_draws_differ_between_ranks_seeded_alike():
+    run(_poisson_worker)
+
+
+def _one_rank_worker(rank: int, world: int) -> None:
+    model = _net(0)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=8)
+    PrivacyEngine().make_private(  # (a group of one: as one process, as with Opacus)
+        module=DPDDP(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+    )  # fmt: skip
+
+
+def test_a_process_group_of_one_rank_is_one_process():
+    run(_one_rank_worker, world_size=1)

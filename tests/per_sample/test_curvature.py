@@ -796,3 +796,45 @@ def test_batched_columns_fall_back_to_passes_where_vmap_cannot_run(monkeypatch):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(results[0][k][0].flatten(), hessian[k].diagonal(),
                                    rtol=1e-10, atol=1e-12)  # fmt: skip
+
+
+class _Rows(nn.Module):
+    """A linear layer on the rows of [N*T, I] (samples flattened with T), output back per
+    sample: its rows are not samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(5, 2), nn.Linear(6, 3)
+
+    def forward(self, x):  # [N, T, 5]
+        n, t, _ = x.shape
+        return self.out(torch.sigmoid(self.lin(x.reshape(n * t, -1)).reshape(n, -1)))
+
+
+def test_batched_columns_need_one_row_per_sample():
+    """A linear layer fed [N*T, I] rows takes the passes (its square of each sample's sum is
+    not the sum of its rows' squares), and the Hessian's terms there are exact too."""
+    torch.manual_seed(0)
+    model = _Rows().double()
+    x, y = torch.randn(4, 3, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.DiagGGNExact(),
+                     leanprop.BatchDiagGGNExact(), leanprop.DiagHessian())  # fmt: skip
+    ref = ggn_blocks(model, x, loss_fn, y)
+    hessian = hessian_blocks(model, x, loss_fn, y)
+    for k, p in model.named_parameters():
+        assert p.diag_ggn_exact_batch.shape == (4, *p.shape)
+        torch.testing.assert_close(p.diag_ggn_exact.flatten(), ref[k][0].diagonal(),
+                                   rtol=1e-10, atol=1e-12)  # fmt: skip
+        torch.testing.assert_close(p.diag_h.flatten(), hessian[k].diagonal(), rtol=1e-10,
+                                   atol=1e-12)  # fmt: skip
+
+
+def test_batched_columns_refuse_batchnorm_in_training_mode():
+    """BatchNorm in training mode between linear layers: refused as the passes refuse it
+    (with no first-order quantity asked, the forward only notes it)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 2))
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    with leanprop.per_sample(model) as ctx, pytest.raises(UnsupportedModelError, match="BatchNorm"):
+        leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())

@@ -203,9 +203,10 @@ class PrivacyEngine:
             raise LeanpropValueError(
                 "make_private: noise_generator cannot be set with secure_mode=True."
             )
-        distributed = is_dpddp(module)  # (each rank clips its own samples)
-        if not distributed:
+        wrapped = is_dpddp(module)  # (each rank clips its own samples)
+        if not wrapped:
             refuse_distributed(module, "make_private()", fix=_DISTRIBUTED)
+        distributed = wrapped and dist.is_initialized() and dist.get_world_size() > 1
         spec = clipping_of(module, max_grad_norm, loss_reduction)
         capture = PerSample(module, batch_dim=0 if batch_first else 1, fuse=False)
         capture.set_clipping(spec)
@@ -221,12 +222,15 @@ class PrivacyEngine:
             options = {k: getattr(data_loader, k) for k in _LOADER_OPTIONS}
             if not options["num_workers"]:
                 options.pop("prefetch_factor")
-            ranks = {}
-            if distributed:  # each rank samples its share of the dataset
-                ranks = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+            ranks, generator = {}, data_loader.generator
+            if distributed:  # each rank samples its share of the dataset, with draws of its
+                rank = dist.get_rank()  # own (ranks seeded alike would include the same
+                ranks = {"rank": rank, "world_size": dist.get_world_size()}  # positions)
+                seed = int(torch.randint(0, 2**62, (), generator=generator)) + 7919 * rank
+                generator = torch.Generator().manual_seed(seed)
             data_loader = poisson_loader(
                 data_loader.dataset, sample_rate, steps=len(data_loader),
-                generator=data_loader.generator, **ranks, **options,
+                generator=generator, **ranks, **options,
             )  # fmt: skip
         expected_batch_size = int(len(data_loader.dataset) * sample_rate)
         optimizer = FacadeOptimizer(

@@ -39,11 +39,12 @@ from .quantities import CurvatureQuantity
 
 
 def _linear_layer(node: Any) -> bool:
-    """A replaced linear op whose input is ``[N, I]`` with the samples first."""
+    """A replaced linear op whose input is ``[N, I]``, one row per sample (not rows of
+    ``[N * T, I]``: samples flattened with another dimension)."""
     if type(node).__name__ != "FusedOpBackward" or not isinstance(node.module, nn.Linear):
         return False
-    x = node.saved_tensors[0]
-    return x.dim() == 2 and node.call.in_bd.dim == 0
+    x, bd = node.saved_tensors[0], node.call.in_bd
+    return x.dim() == 2 and bd.dim == 0 and bd.inner == 1 and x.shape[0] == node.call.n
 
 
 def linear_layers(root: Any, params: Sequence[nn.Parameter]) -> list[Any] | None:

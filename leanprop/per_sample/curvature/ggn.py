@@ -200,6 +200,8 @@ def compute_ggn(
                     front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
                     factor = front.movedim(1, bd + 1)
                 layers = linear_layers(output.grad_fn, params) if covers(qs) else None
+                for c in contexts if layers is not None else ():  # (what the passes refuse)
+                    c.raise_pending_refusal()
                 found = None
                 if layers is not None:  # an MLP: all the columns at once
                     found = _batched(layer_columns, contexts, output, factor, layers)
