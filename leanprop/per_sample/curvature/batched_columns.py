@@ -10,8 +10,10 @@ outer product ``S[m, n] ⊗ a[n]`` of the column backpropagated to the layer's o
 
     diag(G_W) = sum_{m,n} S[m,n]² ⊗ a[n]²,   diag(G_b) = sum_{m,n} S[m,n]²
 
-(each sample's share without the sum over n). This replaces M passes through the engine by
-one, and the per-sample work by two products per layer.
+(each sample's share without the sum over n), and Kronecker factors ``B = SᵀS``. This replaces
+M passes through the engine by one, and the per-sample work by two products per layer. The
+Hessian's terms of a curved activation (``hessian.py``: one column per unit and sign) go back
+the same way where linear layers alone lie behind the activation, in batches of columns.
 
 It applies where the graph between the output and the parameters holds only torch's own
 autograd nodes and the replaced linear ops (``fused.py``) whose input is ``[N, I]`` with the
@@ -22,7 +24,7 @@ square roots, products and Kronecker factors), ``ggn.py``'s passes run.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -144,20 +146,14 @@ def add_kronecker_factors(
     ``A = 1/N sum_n a_n a_n^T``."""
     if not any(q.kronecker for q in quantities):
         return
-    index = {id(p): i for i, p in enumerate(params)}
-    for node, s in zip(layers, found, strict=True):
-        if s is None:
-            continue
+    for node, s, name, i in _layer_params(layers, found, params):
         a = node.saved_tensors[0].detach()  # [N, I]
         flat = s.reshape(-1, s.shape[-1])  # [M N, O]
         b = flat.mT @ flat
-        factors = {"weight": [b, a.mT @ a / a.shape[0]], "bias": [b]}
-        for name, p in node.call.params.items():
-            i = index.get(id(p))
-            if i is not None:
-                for q in quantities:
-                    if q.kronecker:
-                        results[i][q.attr] = factors[name]
+        factors = [b, a.mT @ a / a.shape[0]] if name == "weight" else [b]
+        for q in quantities:
+            if q.kronecker:
+                results[i][q.attr] = factors
 
 
 def add_diagonals(
@@ -171,24 +167,31 @@ def add_diagonals(
     """Add ``sign`` times each layer's diagonal terms from its :func:`column_squares` ``t``
     ``[N, O]`` to ``results`` (set where there is none yet): weight ``t[n] ⊗ a[n]²`` each
     sample's (their sum ``tᵀ a²``), bias ``t[n]``."""
-    index = {id(p): i for i, p in enumerate(params)}
-    for node, t in zip(layers, squares, strict=True):
-        if t is None:
-            continue
+    for node, t, name, i in _layer_params(layers, squares, params):
         a2 = widen(node.saved_tensors[0].detach()).square()  # [N, I]
-        for name, p in node.call.params.items():
-            i = index.get(id(p))
-            if i is None:
+        for q in quantities:
+            if q.kronecker:
                 continue
-            for q in quantities:
-                if q.kronecker:
-                    continue
-                if name == "bias":
-                    value = t if q.per_sample else t.sum(0)
-                else:
-                    value = t[:, :, None] * a2[:, None, :] if q.per_sample else t.t() @ a2
-                old = results[i].get(q.attr)
-                results[i][q.attr] = sign * value if old is None else old + sign * value
+            if name == "bias":
+                value = t if q.per_sample else t.sum(0)
+            else:
+                value = t[:, :, None] * a2[:, None, :] if q.per_sample else t.t() @ a2
+            old = results[i].get(q.attr)
+            results[i][q.attr] = sign * value if old is None else old + sign * value
+
+
+def _layer_params(
+    layers: list[Any], values: Sequence[Tensor | None], params: list[nn.Parameter]
+) -> Iterator[tuple[Any, Tensor, str, int]]:
+    """``(layer, its value, parameter name, index in params)`` for each parameter of each
+    layer that has a value and is among ``params``."""
+    index = {id(p): i for i, p in enumerate(params)}
+    for node, value in zip(layers, values, strict=True):
+        if value is None:
+            continue
+        for name, p in node.call.params.items():
+            if id(p) in index:
+                yield node, value, name, index[id(p)]
 
 
 def covers(quantities: Sequence[CurvatureQuantity]) -> bool:
