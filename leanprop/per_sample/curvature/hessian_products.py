@@ -6,9 +6,10 @@ formed once as a differentiable function (``create_graph=True``). ``H_pp v`` is 
 gradient of ``<grad_p, v>`` with respect to ``p``: one backward pass through that function per
 vector, exact for any model autograd can differentiate twice (no table of layers, weight
 sharing and attention included). Those passes run through the forward's own graph too: it must
-not be freed before the products are taken (``loss.backward(retain_graph=True)``), and its
-saved values must not change (a parameter stepped in place): autograd's own checks find both,
-and the errors say so.
+not be freed before the products are taken (``loss.backward(retain_graph=True)``), and the
+values it was formed with must not change (a parameter stepped): autograd's own checks and a
+snapshot of the parameters (versions, storages, fingerprints) find both, and the errors say
+so.
 
 The positive-curvature Hessian replaces each curved activation's residual ``r = δ ⊙ σ''(z)``
 (``hessian.py``) by ``max(r, 0)`` or ``|r|``: its block is the Hessian's plus, for each such
