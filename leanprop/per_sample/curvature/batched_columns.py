@@ -146,11 +146,17 @@ def add_kronecker_factors(
     ``A = 1/N sum_n a_n a_n^T``."""
     if not any(q.kronecker for q in quantities):
         return
+    b_of: dict[Any, Tensor] = {}  # layer -> B, formed once for its weight and bias
     for node, s, name, i in _layer_params(layers, found, params):
-        a = node.saved_tensors[0].detach()  # [N, I]
-        flat = s.reshape(-1, s.shape[-1])  # [M N, O]
-        b = flat.mT @ flat
-        factors = [b, a.mT @ a / a.shape[0]] if name == "weight" else [b]
+        if node not in b_of:
+            flat = s.reshape(-1, s.shape[-1])  # [M N, O]
+            b_of[node] = flat.mT @ flat
+        b = b_of[node]
+        if name == "weight":
+            a = node.saved_tensors[0].detach()  # [N, I]
+            factors = [b, a.mT @ a / a.shape[0]]
+        else:
+            factors = [b]
         for q in quantities:
             if q.kronecker:
                 results[i][q.attr] = factors

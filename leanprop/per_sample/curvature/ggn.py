@@ -200,10 +200,10 @@ def compute_ggn(
                     front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
                     factor = front.movedim(1, bd + 1)
                 layers = linear_layers(output.grad_fn, params) if covers(qs) else None
-                for c in contexts if layers is not None else ():  # (what the passes refuse)
-                    c.raise_pending_refusal()
                 found = None
                 if layers is not None:  # an MLP: all the columns at once
+                    for c in contexts:  # (what the passes would refuse)
+                        c.raise_pending_refusal()
                     found = _batched(layer_columns, contexts, output, factor, layers)
                 if found is not None:
                     with own_work(contexts):
@@ -212,9 +212,13 @@ def compute_ggn(
                 else:
                     _passes(contexts, output, factor, params, qs, results)
         refuse_recomputation()
-        if second_order:  # (HMP: the gradients as functions, while the graph is whole)
+        loss = None
+        if second_order or (curved and hessian):
+            # (the BackPACK facade runs this inside a backward, and hooks its loss modules'
+            # calls: its forward alone)
             with torch.enable_grad():
                 loss = loss_fn.forward(output, target)
+        if second_order:  # (HMP: the gradients as functions, while the graph is whole)
             grads = gradient_functions(contexts, loss, params)
             refuse_recomputation()
             for q in second_order:  # (PCHMP: the Hessian's plus its activations' terms)
@@ -227,10 +231,6 @@ def compute_ggn(
             refuse_recomputation()
         hessian = [q for q in hessian if not q.second_order]
         if curved and hessian:
-            # (the BackPACK facade runs this inside a backward, and hooks its loss modules'
-            # calls: its forward alone)
-            with torch.enable_grad():
-                loss = loss_fn.forward(output, target)
             _residual_passes(contexts, loss, curved, params, hessian, results)
             refuse_recomputation()
     except RuntimeError as e:  # (torch's own refusals inside a checkpoint's backward, and
