@@ -88,17 +88,19 @@ def top_function_mode() -> object | None:
     return stack[-1] if stack else None
 
 
-@contextmanager
-def innermost_mode_off(mode: object) -> Iterator[None]:
-    """Run the block without ``mode`` where it is the innermost active ``TorchFunctionMode``
-    (elsewhere the block runs as is)."""
-    if mode is None or top_function_mode() is not mode:
-        yield
-        return
-    from torch.overrides import _pop_mode_temporarily
+def pop_innermost_mode(mode: object) -> object | None:
+    """Take ``mode`` off the ``TorchFunctionMode`` stack where it is the innermost active one
+    and return it (None, the stack untouched, elsewhere); :func:`push_mode` puts it back. (The
+    C calls directly: torch's own context manager costs microseconds on every layer.)"""
+    depth = torch._C._len_torch_function_stack()
+    if mode is None or depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+        return None
+    return torch._C._pop_torch_function_stack()
 
-    with _pop_mode_temporarily():
-        yield
+
+def push_mode(mode: object) -> None:
+    """Put a mode taken off by :func:`pop_innermost_mode` back on the stack."""
+    torch._C._push_on_torch_function_stack(mode)
 
 
 def engine_backward(

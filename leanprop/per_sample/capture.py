@@ -42,7 +42,8 @@ from .._torch_compat import (
     BatchNormBase,
     current_graph_task_id,
     function_modes,
-    innermost_mode_off,
+    pop_innermost_mode,
+    push_mode,
     queue_callback,
     top_function_mode,
     tree_flatten,
@@ -213,6 +214,29 @@ class _Untracked:
 
     def __deepcopy__(self, memo: dict) -> _Untracked:
         return self
+
+
+class _OwnWork:
+    """:meth:`PerSample.own_work`'s context: the capture marked as computing, this thread's
+    work depth raised, and the capture's op interception taken off where it is innermost (its
+    ops would cost a Python call each). A plain object: it runs several times per layer."""
+
+    __slots__ = ("_before", "_capture", "_popped")
+
+    def __init__(self, capture: PerSample) -> None:
+        self._capture = capture
+
+    def __enter__(self) -> None:
+        capture = self._capture
+        self._before, capture._computing_here = capture._computing_here, True
+        ops.WORKING.depth = getattr(ops.WORKING, "depth", 0) + 1
+        self._popped = pop_innermost_mode(capture._intercept)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._popped is not None:
+            push_mode(self._popped)
+        self._capture._computing_here = self._before
+        ops.WORKING.depth -= 1
 
 
 class PerSample:
@@ -914,18 +938,10 @@ class PerSample:
         per-sample work: its ops and module calls are not the model's."""
         return self._computing_here or ops.working()
 
-    @contextmanager
-    def own_work(self) -> Iterator[None]:
+    def own_work(self) -> _OwnWork:
         """Work of ours (per-sample and backward computations): its ops are not followed or
-        captured, and hooks ignore the autograd calls made inside."""
-        before, self._computing_here = self._computing_here, True
-        ops.WORKING.depth = getattr(ops.WORKING, "depth", 0) + 1
-        try:
-            with innermost_mode_off(self._intercept):  # its ops cost a Python call each
-                yield
-        finally:
-            self._computing_here = before
-            ops.WORKING.depth -= 1
+        captured, and hooks ignore the autograd calls made inside (a context manager)."""
+        return _OwnWork(self)
 
     def _sums_wanted(self) -> bool:
         """Whether a replaced op's summed gradients go into ``.grad``: not in a clipped
