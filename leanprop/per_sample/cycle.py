@@ -84,6 +84,7 @@ class ParamState:
     param: nn.Parameter
     uses: int = 0
     batch: Tensor | None = None  # accumulated individual gradients (weight sharing)
+    batch_owned: bool = False  # ``batch`` is a buffer of ours: later uses are added in place
     total: Tensor | None = None  # sum of the individual gradients, for the final check
     autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
     # (graph task, cycle open, gradient) as autograd handed them over: the backward itself,
@@ -111,15 +112,18 @@ class ParamState:
             self.factored = self.factored or FactoredUses()
             return self.factored.add(f, workspace_bytes)
         if self.batch is not None:
-            self.batch = add_into(self.batch, f)
-        else:
-            self.add_batch(materialize(f).to(self.param.dtype))
+            self.batch = add_into(self.batch, f, in_place=self._may_add_in_place())
+            self.batch_owned = True
+        else:  # (materialised: a buffer of ours)
+            self.add_batch(materialize(f).to(self.param.dtype), owned=True)
         return total(f)
 
-    def add_batch(self, b: Tensor) -> None:
-        """Add individual gradients ``[N, *p.shape]`` of one more use."""
+    def add_batch(self, b: Tensor, owned: bool = False) -> None:
+        """Add individual gradients ``[N, *p.shape]`` of one more use (``owned``: ``b`` is a
+        fresh buffer no one else holds, which later uses may be added into)."""
         if self.factored is not None:  # earlier uses kept as factors: materialised now
             b, self.factored = self.factored.added_to(b), None
+            owned = True
         if self.results:  # formed as a single use, then used again
             if BatchGrad.attr not in self.results:
                 raise UnsupportedModelError(
@@ -128,9 +132,19 @@ class ParamState:
                     "recomputed it), and only statistics were kept. Use "
                     "checkpoint(use_reentrant=False), or also request BatchGrad()."
                 )
-            b = b + self.results[BatchGrad.attr]
+            b, owned = b + self.results[BatchGrad.attr], True
             self.results, self.total = {}, None
-        self.batch = b if self.batch is None else self.batch + b
+        if self.batch is None:
+            self.batch, self.batch_owned = b, owned
+        elif self._may_add_in_place():  # (no second [N, *p.shape] buffer)
+            self.batch.add_(b)
+        else:
+            self.batch, self.batch_owned = self.batch + b, True
+
+    def _may_add_in_place(self) -> bool:
+        """Whether ``batch`` may be changed in place: a buffer of ours, and no graph recorded
+        through it (``create_graph``)."""
+        return self.batch_owned and not (torch.is_grad_enabled() and self.batch.requires_grad)
 
     def saw(self, dtype: torch.dtype) -> None:
         if self.compute_dtype is None or bits(dtype) < bits(self.compute_dtype):
@@ -138,7 +152,7 @@ class ParamState:
 
     def drop_results(self) -> None:
         """Forget what a backward computed."""
-        self.batch, self.total, self.factored = None, None, None
+        self.batch, self.batch_owned, self.total, self.factored = None, False, None, None
         self.results, self.autograd_grad, self.compute_dtype = {}, None, None
         self.autograd_grads, self.reweigh = [], []
 

@@ -137,13 +137,15 @@ def materialize(f: Factors) -> Tensor:
     return add_into(f.rows.new_zeros(n, f.num, d), f)
 
 
-def add_into(batch: Tensor, f: Factors) -> Tensor:
-    """``batch + W``, ``batch: [N, *W.shape]``, without a temporary of that size."""
+def add_into(batch: Tensor, f: Factors, in_place: bool = False) -> Tensor:
+    """``batch + W``, ``batch: [N, *W.shape]``, without a temporary of that size (``in_place``:
+    into ``batch`` itself, no second buffer either)."""
     if isinstance(f, Outer):
-        return torch.baddbmm(batch, f.left.mT.to(batch.dtype), f.right.to(batch.dtype))
+        left, right = f.left.mT.to(batch.dtype), f.right.to(batch.dtype)
+        return batch.baddbmm_(left, right) if in_place else torch.baddbmm(batch, left, right)
     d = f.rows.shape[2]
-    index = f.ids.unsqueeze(2).expand(-1, -1, d)
-    return batch.scatter_add(1, index, f.rows.to(batch.dtype))
+    index, rows = f.ids.unsqueeze(2).expand(-1, -1, d), f.rows.to(batch.dtype)
+    return batch.scatter_add_(1, index, rows) if in_place else batch.scatter_add(1, index, rows)
 
 
 @dataclass

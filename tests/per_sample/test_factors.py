@@ -91,9 +91,9 @@ def paths(monkeypatch):
     ):  # fmt: skip
         real = getattr(module, name)
 
-        def counting(*args, _name=name, _real=real):
+        def counting(*args, _name=name, _real=real, **kwargs):
             seen[_name] += 1
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counting)
     return seen
@@ -174,10 +174,34 @@ def test_the_sum_check_covers_uses_added_in_place(monkeypatch):
     a wrong in-place addition is caught."""
     cycle = importlib.import_module("leanprop.per_sample.cycle")
     real = factors.add_into
-    monkeypatch.setattr(cycle, "add_into", lambda b, f: real(real(b, f), f))  # added twice
+    twice = lambda b, f, **kw: real(real(b, f), f)  # noqa: E731 (added twice)
+    monkeypatch.setattr(cycle, "add_into", twice)
     case = _tied(3, 4)
     with (
         leanprop.per_sample(case.model, BatchGrad()),
         pytest.raises(leanprop.UnsupportedModelError, match="do not add up"),
     ):
         case.loss(case.model(case.x), case.y, "sum").backward()
+
+
+class SharedBias(nn.Module):
+    """Three linear layers on one input sharing one bias, their outputs added: the addition
+    hands each layer the same output gradient, which is also the bias's individual gradients
+    of each use (a tensor autograd still uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 4), nn.Linear(5, 4), nn.Linear(5, 4)
+        self.b.bias = self.c.bias = self.a.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.a(x) + self.b(x) + self.c(x))
+
+
+@pytest.mark.parametrize("quantities", [(BatchGrad(),), (BatchGrad(), BatchL2Grad())])
+def test_uses_are_added_into_our_buffers_only(quantities):
+    """Later uses are added in place only into a buffer the capture made itself: never into
+    a tensor it was handed (here the output gradient, which the other layers still read)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    check_against_oracle(Case(SharedBias().double(), x, y, mse), "sum", quantities)
