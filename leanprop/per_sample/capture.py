@@ -58,6 +58,7 @@ from .cycle import Call, Cycle, ParamState
 from .factors import norms_are_cheaper, sum_of_squares
 from .factors import total as factors_total
 from .fused import Intercept
+from .pytree import flatten
 from .quantities import (
     BatchGrad,
     BatchL2Grad,
@@ -119,7 +120,7 @@ def _like(x: Any, g: Tensor) -> Any:
 
 def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     """The op's tensors in the order ops.run numbers them."""
-    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    return [t for t in flatten((args, kwargs))[0] if isinstance(t, Tensor)]
 
 
 def _autocast_as(call: Call, leaves: list[Any]) -> Any:

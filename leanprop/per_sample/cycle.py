@@ -114,9 +114,13 @@ class ParamState:
         if self.batch is not None:
             self.batch = add_into(self.batch, f, in_place=self._may_add_in_place())
             self.batch_owned = True
-        else:  # (materialised: a buffer of ours)
-            self.add_batch(materialize(f).to(self.param.dtype), owned=True)
-        return total(f)
+            return total(f)
+        b = materialize(f).to(self.param.dtype)  # a buffer of ours
+        # its sum now, before later uses are added into it: a matrix-vector product, far less
+        # work than the sum from the factors (a product over all positions)
+        s = sample_sum(b)
+        self.add_batch(b, owned=True)
+        return s
 
     def add_batch(self, b: Tensor, owned: bool = False) -> None:
         """Add individual gradients ``[N, *p.shape]`` of one more use (``owned``: ``b`` is a

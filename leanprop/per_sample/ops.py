@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._torch_compat import tree_flatten, tree_unflatten
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
 from .op_rules import closed_form, closed_norms, linear_reweigher
+from .pytree import flatten, unflatten
 from .stats import sample_sum
 
 # how many per_sample contexts run their own per-sample work on this thread (see
@@ -169,7 +169,7 @@ def _local_graph(op: OpSpec, tensors: Sequence[Tensor]) -> tuple[list[Tensor], A
         leaves = list(op.leaves)
         for i, t in zip(op.tensor_at, local, strict=True):
             leaves[i] = t
-        args, kwargs = tree_unflatten(leaves, op.spec)
+        args, kwargs = unflatten(leaves, op.spec)
         return local, op.func(*args, **kwargs)
 
 
@@ -177,7 +177,7 @@ def _fresh_graph(
     op: OpSpec, tensors: Sequence[Tensor], outs: list[Tensor]
 ) -> tuple[list[Tensor], list[Tensor]]:
     local, out = _local_graph(op, tensors)
-    fresh = [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
+    fresh = [o for o in flatten(out)[0] if isinstance(o, Tensor)]
     if not all(torch.equal(a, b) for a, b in zip(fresh, outs, strict=True)):
         from ..errors import UnsupportedModelError
 
@@ -197,7 +197,7 @@ class OpCapture(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, op: OpSpec, *tensors: Tensor) -> tuple[Tensor, ...]:
         local, out = _local_graph(op, tensors)
-        out_leaves, op.out_spec = tree_flatten(out)
+        out_leaves, op.out_spec = flatten(out)
         outs = [o for o in out_leaves if isinstance(o, Tensor)]
         op.out_leaves = [_TENSOR if isinstance(o, Tensor) else o for o in out_leaves]
         ctx.op = op
@@ -230,38 +230,19 @@ class OpCapture(torch.autograd.Function):
         if any(i in op.captured for i in wanted):
             op.contribute.refuse_if_dropped()
         captured = [i for i in wanted if i in op.captured and not op.contribute.closed]
-        fast: dict[int, Tensor] = {}
-        summed: dict[int, Tensor] = {}
-        single = len(live) == 1
-        if captured and single and op.rule is not None and op.out_batch[live[0][0]] is not None:
-            summed = op.rule(local, live[0][2], op.out_batch[live[0][0]])
-        elif (
-            captured and single and all(op.contribute.norms_only(op.originals[i]) for i in captured)
-        ):
-            norms = closed_norms(
-                op_name(op.func), local, op.in_batch, captured, live[0][2],
-                op.out_batch[live[0][0]], op.n, op.n_args, op.workspace_bytes,
-                op.contribute.scratch, op.contribute.sums_wanted(),
-            ) or {}  # fmt: skip
-            for i, (sq, total) in norms.items():  # BatchL2Grad alone: norms, not gradients
-                summed[i] = total
-                reweigher = functools.partial(  # (made only where clipping wants it)
-                    linear_reweigher, op_name(op.func), local, op.in_batch, i, live[0][2],
-                    op.out_batch[live[0][0]], op.n, op.n_args,
-                )  # fmt: skip
-                op.contribute.norms(
-                    op.originals[i], sq, total, op.autocast_dtype, op.contribute, reweigher
-                )
-        if captured and single and op.rule is None and not summed:
-            leaves = list(op.leaves)
-            for i, t in zip(op.tensor_at, local, strict=True):
-                leaves[i] = t
-            args, kwargs = tree_unflatten(leaves, op.spec)
-            fast = closed_form(
-                op_name(op.func), args, kwargs, local, op.in_batch, captured, live[0][2],
-                op.out_batch[live[0][0]], op.n, op.n_args,
-            ) or {}  # fmt: skip
-        # the ordinary gradients; a closed form's are the sums of its per-sample ones
+        # a layer rule's summed gradients: asked before our own work begins (inside it, the
+        # forward's sink counts as closed)
+        summed, fast = None, {}
+        single = captured and len(live) == 1  # (one output gradient: the closed forms')
+        out_bd = op.out_batch[live[0][0]] if single else None
+        if single and op.rule is not None and out_bd is not None:
+            summed = op.rule(local, live[0][2], out_bd)
+        elif single and op.rule is None:
+            with op.contribute.computing():  # (ours: its ops are not followed)
+                summed, fast = _closed_forms(op, live[0][2], out_bd, captured, local)
+        # the ordinary gradients (a closed form's are the sums of its per-sample ones), as the
+        # model's backward: it may recompute a checkpointed forward, which must be followed
+        summed = summed or {}
         result = [summed.get(i) for i in range(len(local))]
         rest = [i for i in wanted if i not in fast and i not in summed]
         if rest:
@@ -271,16 +252,49 @@ class OpCapture(torch.autograd.Function):
             )  # fmt: skip
             for i, g in zip(rest, ordinary, strict=True):
                 result[i] = g
-        for i, ps in fast.items():
-            result[i] = sample_sum(ps)
-            with op.contribute.computing():
-                hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
         generic = [i for i in captured if i not in fast and i not in summed]
         generic = generic if op.rule is None else []
-        if generic:
-            with op.contribute.computing():
+        with op.contribute.computing():
+            for i, ps in fast.items():
+                result[i] = sample_sum(ps)
+                hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
+            if generic:
                 _generic(live, generic, local, op)
         return (None, *result)
+
+
+def _closed_forms(
+    op: OpSpec, g: Tensor, out_bd: BatchDim | None, captured: list[int], local: list[Tensor]
+) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """Closed forms for the ``captured`` inputs of an op with one output (gradient ``g``, its
+    batch at ``out_bd``, None if it has none: a summed loss). Returns ``({input: summed
+    gradient}, {})`` where only their norms are asked (stored here), ``({}, {input:
+    per-sample contributions})`` where the op has a closed form for them, else ``({}, {})``."""
+    name = op_name(op.func)
+    if all(op.contribute.norms_only(op.originals[i]) for i in captured):
+        norms = closed_norms(
+            name, local, op.in_batch, captured, g, out_bd, op.n, op.n_args, op.workspace_bytes,
+            op.contribute.scratch, op.contribute.sums_wanted(),
+        ) or {}  # fmt: skip
+        summed: dict[int, Tensor] = {}
+        for i, (sq, total) in norms.items():  # BatchL2Grad alone: norms, not gradients
+            summed[i] = total
+            reweigher = functools.partial(  # (made only where clipping wants it)
+                linear_reweigher, name, local, op.in_batch, i, g, out_bd, op.n, op.n_args
+            )
+            op.contribute.norms(
+                op.originals[i], sq, total, op.autocast_dtype, op.contribute, reweigher
+            )
+        if summed:
+            return summed, {}
+    leaves = list(op.leaves)
+    for i, t in zip(op.tensor_at, local, strict=True):
+        leaves[i] = t
+    args, kwargs = unflatten(leaves, op.spec)
+    fast = closed_form(
+        name, args, kwargs, local, op.in_batch, captured, g, out_bd, op.n, op.n_args
+    )  # fmt: skip
+    return {}, fast or {}
 
 
 def _generic(
@@ -382,7 +396,7 @@ def run(
     ``captured`` maps the position of a tensor among the flattened ``(args, kwargs)`` tensors
     to the parameters it stands for (itself, or those it derives from); ``follow(out)`` tracks
     the batch into the outputs, ``batch_of`` then tells where it is in each."""
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = flatten((args, kwargs))
     tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
     tensors = [leaves[i] for i in tensor_at]
     op = OpSpec(
@@ -394,10 +408,10 @@ def run(
     device = tensors[0].device.type
     if torch.is_autocast_enabled(device):
         op.autocast_dtype = torch.get_autocast_dtype(device)
-    op.n_args = sum(isinstance(t, Tensor) for t in tree_flatten(args)[0])
+    op.n_args = sum(isinstance(t, Tensor) for t in flatten((args, {}))[0])
     results = OpCapture.apply(op, *tensors)
     it = iter(results)
-    out = tree_unflatten([next(it) if o is _TENSOR else o for o in op.out_leaves], op.out_spec)
+    out = unflatten([next(it) if o is _TENSOR else o for o in op.out_leaves], op.out_spec)
     follow(out)
     op.out_batch = [batch_of(r) for r in results]
     return out
