@@ -134,7 +134,7 @@ def materialize(f: Factors) -> Tensor:
     if isinstance(f, Outer):
         return torch.bmm(f.left.mT, f.right)
     n, _, d = f.rows.shape
-    return add_into(f.rows.new_zeros(n, f.num, d), f)
+    return add_into(f.rows.new_zeros(n, f.num, d), f, in_place=True)  # (zeros of ours)
 
 
 def add_into(batch: Tensor, f: Factors, in_place: bool = False) -> Tensor:

@@ -373,6 +373,29 @@ def test_scratch_memory_stays_within_the_workspace_budget(kind, budget_mib=0.25)
     assert extra <= results + budget_mib * 2**20 + 16 * 1024, (extra, results)
 
 
+@pytest.mark.parametrize("uses", [1, 2], ids=["once", "twice"])
+def test_embedding_individual_gradients_take_one_buffer(uses):
+    """An embedding's individual gradients are scattered into the zeros made for them (they
+    took a second [N, num, dim] buffer), and a second lookup's are added into them."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(2000, 32)
+    tokens = torch.randint(0, 2000, (16, 8))
+
+    def backward_peak(quantities):
+        with contextlib.ExitStack() as stack:
+            if quantities:
+                stack.enter_context(leanprop.per_sample(emb, *quantities))
+            out = sum(emb(tokens).square().sum() for _ in range(uses))
+            with leanprop.track_memory(existing=[emb, tokens, out]) as mem:
+                out.backward()
+        emb.zero_grad(set_to_none=True)
+        return mem.peak_bytes
+
+    extra = backward_peak([BatchGrad()]) - backward_peak([])
+    results = emb.weight.numel() * 4 * 16  # 3.9 MiB
+    assert extra <= 1.1 * results, (extra, results)
+
+
 def test_exception_caught_inside_the_block_leaves_the_context_usable():
     """A hook raising mid-backward (as anomaly detection does on a NaN) must not leave the
     cycle open: the next iteration's backward computes and writes its own results."""
