@@ -44,6 +44,13 @@ class Lost:
 
 
 @dataclass(frozen=True)
+class Combined(Lost):
+    """The samples were summed or averaged together (a reduction over the batch, a loss, a
+    product contracting the batch): a batch-free value joined with this one afterwards
+    reaches the loss in no sample's part."""
+
+
+@dataclass(frozen=True)
 class Reordered(Lost):
     """Dimension ``dim`` holds the samples in another order: position ``j`` holds sample
     ``order[j]`` (a packed sequence sorts its samples by length). A :class:`Lost` to every
@@ -370,7 +377,9 @@ def _einsum(args: Sequence[Any], which: int, bd: BatchDim) -> Info:
     ins, out = eq.split("->")
     letters = ins.split(",")[which]
     letter = letters[bd.dim]
-    return BatchDim(out.index(letter), bd.inner) if letter in out else Lost("einsum sums samples")
+    if letter not in out:
+        return Combined("einsum sums samples")
+    return BatchDim(out.index(letter), bd.inner)
 
 
 def _matmul(a: Tensor, b: Tensor, which: int, bd: BatchDim, out_ndim: int) -> Info:
@@ -380,7 +389,7 @@ def _matmul(a: Tensor, b: Tensor, which: int, bd: BatchDim, out_ndim: int) -> In
     last = x.dim() - 1
     contracted = last if which == 0 else last - 1
     if bd.dim == contracted:
-        return Lost("a matrix product sums over the batch dimension")
+        return Combined("a matrix product sums over the batch dimension")
     if which == 0 and b.dim() == 1:  # [..., K] @ [K] -> [...]: only the last dim goes
         return BatchDim(bd.dim, bd.inner)
     if which == 1 and a.dim() == 1:  # [K] @ [..., K, M] -> [..., M]
@@ -520,10 +529,10 @@ def result_dim(
         d = _dims_arg(args, kwargs, 1, "dim", "axis")
         d = None if isinstance(d, bool) or d == [] or d == () else d  # std(x, True): unbiased
         if d is None or (name in ("norm", "std", "var") and not isinstance(d, int | list | tuple)):
-            return Lost(f"{name} over all elements sums samples")
+            return Combined(f"{name} over all elements sums samples")
         dims = [_norm_dim(k, nd) for k in ([d] if isinstance(d, int) else d)]
         if bd.dim in dims:
-            return Lost(f"{name} over the batch dimension sums samples")
+            return Combined(f"{name} over the batch dimension sums samples")
         if od == nd:  # keepdim
             return bd
         return BatchDim(bd.dim - sum(k < bd.dim for k in dims), bd.inner)
@@ -555,7 +564,7 @@ def result_dim(
         return bd
     if name in _LOSSES:
         red = kwargs.get("reduction", "mean")
-        return bd if red == "none" and bd.dim == 0 else Lost("a loss reduces over samples")
+        return bd if red == "none" and bd.dim == 0 else Combined("a loss reduces over samples")
     return _elementwise(name, args, kwargs, x, bd, out)
 
 
@@ -637,11 +646,11 @@ class BatchTracker:
         self.curved: dict[Any, Info] = {}
 
     def clear(self) -> None:
-        """Forget every tensor (a new forward/backward cycle)."""
+        """Forget where the batch is in every tensor (another batch's forward). Tensors
+        computed from the parameters alone stay what they are: made before this forward (a
+        weight prepared outside the model, a penalty), they are still batch-free."""
         self.n = None
         self._info = _ByTensor()
-        self._derived = _ByTensor()
-        self._lookups = _ByTensor()
         self.curved = {}
 
     def lookup(self, t: Any) -> Lookup | None:
@@ -678,16 +687,23 @@ class BatchTracker:
                 return True
         return False
 
-    def propagate(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-        """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``."""
+    def propagate(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
+    ) -> frozenset[nn.Parameter]:
+        """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``.
+
+        Returns the tracked parameters this op lets escape (empty: none): batch-free values
+        computed from them joined with values in which the samples were combined
+        (:class:`Combined`: a penalty added to the mean loss, a loss scaled by a parameter
+        after the mean): their gradient there is no sample's."""
         name = op_name(func)
         if name in _NON_TENSOR or name in _FACTORIES:
-            return
+            return _NONE
         outs = (
             [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]
         )
         if not outs:
-            return
+            return _NONE
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
         for i, a in enumerate(args):
@@ -721,7 +737,7 @@ class BatchTracker:
                     found = _lookup(args, kwargs, self.params)
                     if found is not None:
                         self._lookups[outs[0]] = found
-            return
+            return _NONE
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
             results = set()
@@ -744,6 +760,12 @@ class BatchTracker:
             self._info[o] = res
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None:
                 self.curved[o.grad_fn] = res
+        if derived and all(isinstance(info, Combined) for _, _, info in batched):
+            return frozenset(derived)
+        return _NONE
+
+
+_NONE: frozenset[nn.Parameter] = frozenset()
 
 
 @dataclass(frozen=True, eq=False)
@@ -774,7 +796,9 @@ def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup 
 def _merge(results: set[Info]) -> Info:
     """Inputs whose batch lands differently: plain :class:`Lost` (never one that a later op
     could put back in order)."""
-    plain = [r for r in results if type(r) is Lost]
+    if all(isinstance(r, Combined) for r in results):  # (sums of samples, added up)
+        return next(iter(results))
+    plain = [r for r in results if type(r) in (Lost, Combined)]
     if plain:
         return plain[0]
     return Lost("inputs of one op carry the batch in different places or orders")

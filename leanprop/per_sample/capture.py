@@ -158,6 +158,15 @@ def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
     return x
 
 
+_BATCH_NORMS = frozenset({torch.nn.functional.batch_norm, torch.batch_norm})
+
+
+def _batch_norm_training(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``training`` of a ``F.batch_norm``/``torch.batch_norm`` call (the sixth argument of
+    both)."""
+    return bool(kwargs.get("training", args[5] if len(args) > 5 else False))
+
+
 _SECOND_CLIPPED_BACKWARD = (
     "per-sample clipping: a second backward through a forward whose clipped backward already "
     "ran (a retained graph, or a penalty's backward after the loss's): clipping each backward "
@@ -644,16 +653,22 @@ class PerSample:
         if self._computing or not torch.is_grad_enabled():
             return
         if module.training or module.running_mean is None:
-            problem = (
-                f"per_sample: {type(module).__name__} '{name}' normalises with statistics "
-                "of the whole batch (training mode), so each sample's gradient depends on "
-                "the other samples and per-sample quantities are undefined. Put it in eval "
-                "mode (module.eval(), uses running statistics), or replace it with "
-                "GroupNorm/LayerNorm."
-            )
-            if self._kinds:
-                raise UnsupportedModelError(problem)
-            self._cycle.bn_problem = problem  # idle: raise if quantities are asked in backward
+            self._refuse_batch_statistics(f"{type(module).__name__} '{name}'")
+
+    def _refuse_batch_statistics(self, what: str) -> None:
+        """A batch norm in training mode in this forward: refused now if quantities are
+        asked, else when a backward asks for them (the first one seen is named)."""
+        if self._cycle.bn_problem is not None:
+            return
+        problem = (
+            f"per_sample: {what} normalises with statistics of the whole batch (training "
+            "mode), so each sample's gradient depends on the other samples and per-sample "
+            "quantities are undefined. Put it in eval mode (module.eval(), or training=False "
+            "with running statistics), or replace it with GroupNorm/LayerNorm."
+        )
+        if self._kinds:
+            raise UnsupportedModelError(problem)
+        self._cycle.bn_problem = problem  # idle: raise if quantities are asked in backward
 
     def _on_model_enter(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -910,9 +925,28 @@ class PerSample:
         return uses
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any):
-        """Where the batch went in the op's outputs."""
+        """Where the batch went in the op's outputs; parameters it lets escape are watched
+        (:meth:`_on_escape`), a functional batch norm in training mode refused."""
         if self._intercept is not None and not self._computing:
-            self._tracker.propagate(func, args, kwargs, out)
+            escaped = self._tracker.propagate(func, args, kwargs, out)
+            if escaped:
+                self._watch_escape(out, escaped, op_name(func))
+            if func in _BATCH_NORMS and _batch_norm_training(args, kwargs):
+                self._refuse_batch_statistics(f"'{op_name(func)}' (a functional batch norm)")
+
+    def _watch_escape(self, out: Any, params: frozenset[nn.Parameter], name: str) -> None:
+        for t in flatten(out)[0]:
+            if isinstance(t, Tensor) and t.requires_grad:
+                hook = _Weakly(self._on_escape, params, name)
+                self._cycle.tensor_handles.append(t.register_hook(hook))
+
+    def _on_escape(self, params: frozenset[nn.Parameter], name: str, grad: Tensor) -> None:
+        """A backward reached parameters through values in which the samples were combined
+        (``BatchTracker.propagate``): refused by the check (whatever the size of that part
+        of their gradient)."""
+        if self._active and not self._computing and not self._passive and self._kinds:
+            for p in params:
+                self._cycle.escaped.setdefault(self._states[p].name, name)
 
     def _count_use(self, params: frozenset[nn.Parameter]) -> None:
         for p in params:

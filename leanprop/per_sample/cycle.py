@@ -180,6 +180,9 @@ class Cycle:
     backward_done: bool = False  # a backward ended since this forward's state was made
     grad_mode: bool = False  # the backward records autograd (create_graph)
     bn_problem: str | None = None  # BatchNorm in training mode: refused when backward opens
+    # parameters this backward reached through values in which the samples were combined
+    # (name -> the op where they joined them): refused by the check
+    escaped: dict[str, str] = field(default_factory=dict)
     discarded_forward: bool = False  # BackPACK facade: an earlier forward's records were dropped
     scratch: Scratch = field(default_factory=Scratch)  # chunks' temporaries, one backward's
     dropped_n: int | None = None  # samples of an earlier forward dropped before its backward
@@ -280,6 +283,7 @@ class Cycle:
         self.calls[:] = kept
         self.scratch.clear()
         self.bn_problem = None
+        self.escaped = {}
         self.source = None
         if self.grad_mode:
             for sink in self._sinks():
@@ -318,6 +322,19 @@ class Cycle:
     def verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward,
         and every parameter that got a gradient must have its individual gradients."""
+        if self.escaped:
+            uses = ", ".join(f"'{p}' (at '{op}')" for p, op in sorted(self.escaped.items()))
+            raise UnsupportedModelError(
+                f"per_sample: {uses} reach the loss after the samples were combined, through "
+                "values in which leanprop sees no samples: a penalty on the parameters added "
+                "to the loss (weight decay, L2), the mean loss scaled by a parameter, or "
+                "inputs leanprop could not follow (made outside torch, e.g. through numpy). "
+                "That part of their gradient belongs to no sample, so per-sample quantities "
+                "cannot add up to the gradient. Give weight decay to the optimizer "
+                "(weight_decay=), add a penalty's gradient after the block (its own "
+                "backward), apply the parameter to each sample's loss before the mean, or keep "
+                "the inputs torch tensors (check=False computes the per-sample part alone)."
+            )
         task = current_graph_task_id()
         for s in self.states.values():
             # this backward's, and those of backward passes nested in it while the cycle was

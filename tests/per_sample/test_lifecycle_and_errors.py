@@ -1075,10 +1075,12 @@ def test_an_empty_batch_through_a_reshape():
             assert model[0].weight.grad_batch.shape == (n, 4, 3)
 
 
-def test_a_direct_call_after_a_step_is_still_checked():
+def test_a_direct_call_after_a_step_is_exact():
     """A module called on its own after an ordinary step, its output fed to the model: the
     model's new-forward hook dropped the call's records and the "checked" mark (silently
-    wrong with check=False)."""
+    wrong with check=False); then refused. The lookup's rows, computed from the weight alone
+    before the forward, now stay known as such: batch-shaped, they meet the batch as the
+    model's input, row n sample n's, and the result is exact."""
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -1091,11 +1093,15 @@ def test_a_direct_call_after_a_step_is_still_checked():
 
     torch.manual_seed(0)
     model = Tied().double()
+    tokens = torch.randint(0, 7, (4, 5))
     with leanprop.per_sample(model, leanprop.BatchGrad(), check=False):
         model(torch.randn(4, 5, 3, dtype=torch.float64)).square().sum().backward()
         model.zero_grad()
-        with pytest.raises(leanprop.UnsupportedModelError):
-            model(model.e(torch.randint(0, 7, (4, 5)))).square().sum().backward()
+        model(model.e(tokens)).square().sum().backward()
+    expected = individual_gradients(
+        nn.Sequential(model.e, model), lambda o, y, r: o.square().sum(), tokens, tokens, "sum"
+    )
+    assert_close(model.e.weight.grad_batch, expected["0.weight"], "tied weight", 1e-12, 1e-14)
 
 
 def test_a_penalty_on_the_weights_before_the_loss_backward():
@@ -1210,3 +1216,99 @@ def test_a_layer_registered_twice_and_called_at_both_places(quantity):
         else:
             norms = expected[k].flatten(1).square().sum(1)
             assert_close(p.batch_l2, norms, k, 1e-10, 1e-12)
+
+
+def _mean_square(out, y, reduction):
+    """``out.square().mean()`` over samples and outputs, as the oracle's loss."""
+    per_sample = out.square().mean(1)
+    return per_sample.sum() if reduction == "sum" else per_sample.mean()
+
+
+def _penalised(lam: float, dtype: torch.dtype, where: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(dtype)
+    x = torch.randn(5, 4, dtype=dtype)
+
+    def loss():
+        if where == "penalty-first":  # computed before the forward
+            penalty = lam * sum(p.square().sum() for p in model.parameters())
+            return penalty + model(x).square().mean()
+        out = model(x).square()
+        if where == "penalty":  # weight decay written into the loss
+            return out.mean() + lam * sum(p.square().sum() for p in model.parameters())
+        return out.mean() * (1 + lam * model[2].bias.sum())  # scaled after the mean
+
+    return model, x, loss
+
+
+@pytest.mark.parametrize("where", ["penalty", "penalty-first", "scale"])
+@pytest.mark.parametrize(
+    ("lam", "dtype"),
+    [(1e-1, torch.float64), (1e-12, torch.float32)],
+    ids=["large", "below-float32-tolerance"],
+)
+def test_parameters_reaching_the_loss_after_the_samples_are_refused_at_any_size(lam, dtype, where):
+    """A penalty on the parameters added to the mean loss (or the mean loss scaled by a
+    parameter) is no sample's: the sum check refused it only where it was large, a small one
+    in float32 passed silently (the per-sample quantities leaving it out). Now refused by
+    structure, at any size."""
+    model, _, loss = _penalised(lam, dtype, where)
+    with (
+        pytest.raises(UnsupportedModelError, match=r"reach the loss after the samples were comb"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        loss().backward()
+
+
+def test_a_penalty_not_in_the_loss_or_backpropagated_apart_is_no_error():
+    """Only a backward that reaches the parameters through the combined values counts: a
+    penalty computed for logging, or given its own backward after the block, is fine."""
+    model, x, _ = _penalised(0.1, torch.float64, "penalty")
+    with leanprop.per_sample(model, BatchGrad()):
+        out = model(x).square().mean()
+        logged = (out + 0.1 * model[0].weight.square().sum()).detach()  # noqa: F841
+        out.backward()
+    expected = individual_gradients(model, _mean_square, x, torch.zeros(5), "mean")
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+    (0.1 * model[0].weight.square().sum()).backward()  # the penalty's own backward
+
+
+def test_check_false_gives_the_per_sample_part_of_a_penalised_loss():
+    model, x, loss = _penalised(0.1, torch.float64, "penalty")
+    with leanprop.per_sample(model, BatchGrad(), check=False):
+        loss().backward()
+    expected = individual_gradients(model, _mean_square, x, torch.zeros(5), "mean")
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+class FunctionalBatchNorm(nn.Module):
+    def __init__(self, training: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("var", torch.ones(3))
+        self.training_stats = training
+
+    def forward(self, x):
+        h = self.lin(x)
+        return F.batch_norm(h, self.mean, self.var, training=self.training_stats).square()
+
+
+def test_functional_batch_norm_in_training_mode_is_refused():
+    """F.batch_norm(training=True) in a module's forward (not an nn.BatchNorm) mixed the
+    samples silently; in eval form (running statistics) it is exact."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    model = FunctionalBatchNorm(training=True).double()
+    with (
+        pytest.raises(UnsupportedModelError, match=r"'batch_norm' \(a functional batch norm\)"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(x).sum().backward()
+    model = FunctionalBatchNorm(training=False).double()  # the eval form: exact
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).sum().backward()
+    expected = individual_gradients(model, lambda o, y, r: o.sum(), x, torch.zeros(5), "sum")
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)

@@ -151,6 +151,20 @@ def test_batchnorm_in_training_mode_is_refused():
         model(torch.randn(5, 3)).sum().backward()
 
 
+@pytest.mark.parametrize("lam", [1e-1, 1e-12])
+def test_weight_decay_written_into_the_loss_is_refused_at_any_size(lam):
+    """Clipping would drop the penalty's gradient (it is no sample's), as Opacus does
+    silently: refused, however small it is, with the fix (the optimizer's weight_decay)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with (
+        pytest.raises(UnsupportedModelError, match=r"after the samples.*weight_decay="),
+        leanprop.clip_per_sample(model, 1.0),
+    ):
+        penalty = lam * sum(p.square().sum() for p in model.parameters())
+        (model(torch.randn(5, 3)).square().mean() + penalty).backward()
+
+
 def test_an_empty_batch_clips_to_zero():
     case = build("mlp")
     with leanprop.clip_per_sample(case.model, 1.0, loss_reduction="sum") as clip:
