@@ -78,3 +78,33 @@ def positive_curvature_blocks(model, x, loss_fn, y, power=1):
                 block += torch.einsum("nkp,nk,nkq->pq", jac[i], r, jac[i])
             blocks[mode][k] = block
     return blocks
+
+
+def kfra_oracle(model: nn.Sequential, x, loss_fn, y) -> dict[str, list[Tensor]]:
+    """KFRA's Kronecker factors of a Sequential of linear layers and per-sample modules, by its
+    definition with brute-force pieces: ``B = sum_n H_n`` from the loss's full Hessian with
+    respect to the output, then module by module back: a linear layer takes ``[B, E[a a^T]]``
+    (weight) and ``[B]`` (bias) and passes ``W^T B W``; any other module ``1/N sum_n J_n^T B
+    J_n`` with its per-sample Jacobians by ``torch.func.jacrev`` (deterministic modules only:
+    dropout would draw new masks)."""
+    inputs, h = [], x
+    for m in model:
+        inputs.append(h)
+        h = m(h)
+    n, k = h.shape[0], h[0].numel()
+    hess = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), h.detach())
+    hess = hess.reshape(n, k, n, k)
+    b = torch.diagonal(hess, dim1=0, dim2=2).sum(-1)  # sum_n H_nn
+    out: dict[str, list[Tensor]] = {}
+    for i in reversed(range(len(model))):
+        m, a = model[i], inputs[i].detach()
+        if isinstance(m, nn.Linear):
+            out[f"{i}.weight"] = [b, a.T @ a / n]
+            if m.bias is not None:
+                out[f"{i}.bias"] = [b]
+            b = m.weight.detach().T @ b @ m.weight.detach()
+        else:
+            jac = torch.func.vmap(torch.func.jacrev(lambda s, m=m: m(s[None])[0]))(a)
+            jac = jac.reshape(n, -1, a[0].numel())  # [N, out units, in units]
+            b = torch.einsum("nji,jk,knl->il", jac, b, jac.transpose(0, 1)) / n
+    return out

@@ -23,6 +23,7 @@ EXPECTED = {
     "PCHMP",
     "KFAC",
     "KFLR",
+    "KFRA",
     "SqrtGGNExact",
     "SqrtGGNMC",
     "ggn",

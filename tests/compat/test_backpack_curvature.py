@@ -447,3 +447,39 @@ def test_pchmp_against_the_definition_and_backpack(modify):
     for k, p in base.named_parameters():
         mat = torch.randn(2, *p.shape, dtype=p.dtype)
         assert_close(p.pchmp(mat).flatten(1), mat.flatten(1) @ theirs_ref[k], k, 1e-10, 1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Sigmoid, nn.Tanh])
+def test_kfra_against_backpack(act, loss):
+    """BackPACK averages after every module (dropout and the activation after it separately:
+    the average of the product differs). Its MSE's Hessian is float32 whatever the model's
+    dtype: MSE runs in float32."""
+    bp = pytest.importorskip("backpack")
+    dtype = torch.float64 if loss == "ce" else torch.float32
+    torch.manual_seed(0)
+    layers = [nn.Flatten(), nn.Linear(6, 5), nn.Dropout(0.3), act(), nn.Linear(5, 4, bias=False)]
+    model = nn.Sequential(*layers, act(), nn.Linear(4, 3)).to(dtype)
+    x = torch.randn(7, 2, 3, dtype=dtype)
+    y = torch.randint(0, 3, (7,)) if loss == "ce" else torch.randn(7, 3, dtype=dtype)
+    loss_type = nn.CrossEntropyLoss if loss == "ce" else nn.MSELoss
+    ours, ours_loss = extend(model), extend(loss_type())
+    try:
+        torch.manual_seed(1)  # (the same dropout masks)
+        with backpack(extensions.KFRA()):
+            ours_loss(ours(x), y).backward()
+        mine = {k: p.kfra for k, p in model.named_parameters()}
+    finally:
+        facade.unextend(model)
+        facade.unextend(ours_loss)
+        model.zero_grad()
+    theirs_model, theirs_loss = bp.extend(model), bp.extend(loss_type())
+    torch.manual_seed(1)
+    with bp.backpack(bp.extensions.KFRA()):
+        theirs_loss(theirs_model(x), y).backward()
+    tol = (1e-10, 1e-13) if dtype == torch.float64 else (1e-5, 1e-7)
+    for k, p in model.named_parameters():
+        assert len(mine[k]) == len(p.kfra), k
+        for i, (a, b) in enumerate(zip(mine[k], p.kfra, strict=True)):
+            assert_close(a, b, f"{k}.kfra[{i}]", *tol)

@@ -16,7 +16,7 @@ from leanprop import LeanpropValueError, UnsupportedModelError
 from leanprop.per_sample.curvature.loss_hessian import sqrt_hessian
 from leanprop.testing import ggn_blocks, hessian_blocks
 from tests.cases import CASES, build
-from tests.helpers import positive_curvature_blocks
+from tests.helpers import kfra_oracle, positive_curvature_blocks
 
 MATH = SDPBackend.MATH
 EXACT = (leanprop.DiagGGNExact(), leanprop.BatchDiagGGNExact(), leanprop.SqrtGGNExact())
@@ -290,6 +290,63 @@ def test_kfac_estimates_kflr():
     for p in model.parameters():
         for got, exact in zip(p.kfac, p.kflr, strict=True):
             torch.testing.assert_close(got, exact, rtol=0.1, atol=0.05 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("loss", ["ce", "mse", "bce"])
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Sigmoid, nn.Tanh, nn.GELU])
+def test_kfra_against_its_definition(act, loss):
+    """KFRA by brute force: the loss's summed Hessian carried back module by module, averaged
+    over the batch after each (a final activation and a flatten included); with one sample
+    the last layer's ``B ⊗ A`` is its GGN block."""
+    for n in (1, 6):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), act(), nn.Linear(5, 4), act(),
+                              nn.Linear(4, 3), nn.Tanh()).double()  # fmt: skip
+        x = torch.randn(n, 2, 3, dtype=torch.float64)
+        loss_fn = {"ce": nn.CrossEntropyLoss(), "mse": nn.MSELoss(reduction="sum"),
+                   "bce": nn.BCEWithLogitsLoss()}[loss]  # fmt: skip
+        y = torch.randint(0, 3, (n,)) if loss == "ce" else torch.rand(n, 3, dtype=torch.float64)
+        with leanprop.per_sample(model) as ctx:
+            leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.KFRA())
+        expected = kfra_oracle(model, x, loss_fn, y)
+        for k, p in model.named_parameters():
+            assert len(p.kfra) == len(expected[k]), k
+            for i, (a, b) in enumerate(zip(p.kfra, expected[k], strict=True)):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13, msg=f"{k}[{i}]")
+    model = nn.Sequential(nn.Linear(6, 3)).double()  # one layer, one sample: the GGN block
+    x, y = torch.randn(1, 6, dtype=torch.float64), torch.tensor([2])
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.KFRA())
+    full = ggn_blocks(model, x, nn.CrossEntropyLoss(), y)["0.weight"][0]
+    torch.testing.assert_close(torch.kron(*model[0].weight.kfra), full, rtol=1e-10, atol=1e-12)
+
+
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.a(x)) + self.b(x))
+
+
+def test_kfra_refuses_what_is_not_a_chain_of_linear_layers():
+    loss_fn = nn.MSELoss()
+    shared = nn.Linear(3, 3)
+    cases = {
+        "two layers": (_Branches(), torch.randn(4, 3)),
+        "a Conv1d layer": (nn.Sequential(nn.Conv1d(2, 2, 3), nn.Flatten()), torch.randn(4, 2, 5)),
+        r"a Linear layer \(not a linear one on \[N, I\]": (
+            nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
+            torch.randn(4, 5, 3),
+        ),
+        "each used once": (nn.Sequential(shared, nn.Tanh(), shared), torch.randn(4, 3)),
+    }
+    for match, (model, x) in cases.items():
+        with leanprop.per_sample(model) as ctx:
+            out = model(x)
+            with pytest.raises(UnsupportedModelError, match=f"KFRA.*{match}"):
+                leanprop.ggn(ctx, out, loss_fn, torch.zeros_like(out), leanprop.KFRA())
 
 
 def test_kronecker_factors_refuse_what_they_do_not_define():

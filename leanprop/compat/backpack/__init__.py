@@ -18,7 +18,7 @@ twice gets the summed individual gradients BackPACK gets wrong; modules without 
 through leanprop's torch.func fallback), ``Variance`` is computed from centred values, and a
 model that mixes samples (BatchNorm in training mode) raises instead of returning numbers.
 
-Curvature (DiagGGNExact/MC, BatchDiagGGNExact/MC, SqrtGGNExact/MC, GGNMP, KFLR, KFAC,
+Curvature (DiagGGNExact/MC, BatchDiagGGNExact/MC, SqrtGGNExact/MC, GGNMP, KFLR, KFAC, KFRA,
 DiagHessian, BatchDiagHessian, HMP, PCHMP) needs the loss module extended (``nn.CrossEntropyLoss``,
 ``nn.MSELoss``, ``nn.BCEWithLogitsLoss``): when a backward
 inside a ``backpack(...)`` block asking for it reaches the loss, it first runs one backward per
@@ -306,9 +306,9 @@ def backpack(
     Args:
         *exts: first-order extensions (BatchGrad, BatchL2Grad, BatchDotGrad, SumGradSquared,
             Variance) and curvature ones (DiagGGNExact/MC, BatchDiagGGNExact/MC,
-            SqrtGGNExact/MC, GGNMP, KFLR, KFAC, DiagHessian, BatchDiagHessian, HMP, PCHMP; they
-            need the loss module extended; with HMP or PCHMP, backward calls in the block keep
-            the graph).
+            SqrtGGNExact/MC, GGNMP, KFLR, KFAC, KFRA, DiagHessian, BatchDiagHessian, HMP,
+            PCHMP; they need the loss module extended; with HMP or PCHMP, backward calls in the
+            block keep the graph).
         extension_hook: called with each module of the extended models (last layer first)
             after each backward in the block, once the quantities are written (BackPACK calls
             it as each module's backward ends: the results are the same, the memory is not

@@ -40,7 +40,7 @@ from .hessian import Curved
 from .quantities import CurvatureQuantity
 
 
-def _linear_layer(node: Any) -> bool:
+def linear_layer(node: Any) -> bool:
     """A replaced linear op whose input is ``[N, I]``, one row per sample (not rows of
     ``[N * T, I]``: samples flattened with another dimension)."""
     if type(node).__name__ != "FusedOpBackward" or not isinstance(node.module, nn.Linear):
@@ -65,13 +65,13 @@ def linear_layers(root: Any, params: Sequence[nn.Parameter]) -> list[Any] | None
         if variable is not None:  # AccumulateGrad
             continue
         if isinstance(node, BackwardCFunction):  # a Python autograd function
-            if not _linear_layer(node):
+            if not linear_layer(node):
                 return None
             layers.append(node)
         for child, _ in node.next_functions:
             leaf = getattr(child, "variable", None)
             if leaf is not None and id(leaf) in wanted:
-                if not (isinstance(node, BackwardCFunction) and _linear_layer(node)):
+                if not (isinstance(node, BackwardCFunction) and linear_layer(node)):
                     return None  # a parameter used outside a linear layer
                 parents[id(leaf)] = parents.get(id(leaf), 0) + 1
             todo.append(child)

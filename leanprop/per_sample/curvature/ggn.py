@@ -48,9 +48,10 @@ from .hessian_products import (
     positive_curvature_terms,
     product_functions,
 )
+from .kfra import kfra_factors
 from .kronecker import KroneckerFactors
 from .loss_hessian import check_loss, sqrt_hessian
-from .quantities import ALL_CURVATURE, CurvatureQuantity
+from .quantities import ALL_CURVATURE, KFRA, CurvatureQuantity
 
 T = TypeVar("T")
 
@@ -126,7 +127,8 @@ def ggn(
         target: the loss's targets.
         *quantities: ``DiagGGNExact()``, ``DiagGGNMC(mc_samples)``, ``BatchDiagGGNExact()``,
             ``BatchDiagGGNMC(mc_samples)``, ``SqrtGGNExact()``, ``SqrtGGNMC(mc_samples)``,
-            ``GGNMP()``, ``KFLR()``, ``KFAC(mc_samples)``, ``DiagHessian()``,
+            ``GGNMP()``, ``KFLR()``, ``KFAC(mc_samples)``, ``KFRA()`` (chains of linear
+            layers: ``kfra.py``), ``DiagHessian()``,
             ``BatchDiagHessian()`` (the Hessian's: ``hessian.py``), ``HMP()``,
             ``PCHMP(modify)`` (products with the Hessian's and the positive-curvature
             Hessian's blocks: ``hessian_products.py``; then run the backward with
@@ -195,10 +197,18 @@ def compute_ggn(
         curved = curved_activations(contexts, output, params) if hessian else []
         for mc, qs in by_mc.items():
             qs = [q for q in qs if not q.second_order]
-            if qs:
+            averaged, qs = [q for q in qs if q.averaged], [q for q in qs if not q.averaged]
+            if qs or averaged:
                 with own_work(contexts):
                     front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
                     factor = front.movedim(1, bd + 1)
+            if averaged:  # KFRA: its own recursion
+                for c in contexts:
+                    c.raise_pending_refusal()
+                at = {id(p): i for i, p in enumerate(params)}
+                for p, factors in kfra_factors(contexts, output, front, bd, params).items():
+                    results[at[id(p)]][KFRA.attr] = factors
+            if qs:
                 layers = linear_layers(output.grad_fn, params) if covers(qs) else None
                 found = None
                 if layers is not None:  # an MLP: all the columns at once

@@ -30,6 +30,7 @@ class CurvatureQuantity:
     product: ClassVar[bool] = False  # a function multiplying by the parameter's GGN block
     hessian: ClassVar[bool] = False  # the Hessian's (GGN plus the activations' terms)
     second_order: ClassVar[bool] = False  # by second-order autograd, not by factor columns
+    averaged: ClassVar[bool] = False  # KFRA's recursion, averaged over the batch at each step
 
     @property
     def mc(self) -> int | None:
@@ -151,6 +152,16 @@ class KFAC(_MC):
 
 
 @dataclass(frozen=True)
+class KFRA(CurvatureQuantity):
+    """Kronecker factors of the GGN's blocks of a chain of linear layers (``[N, I]`` inputs)
+    with the output-side factor averaged over the batch at every step back (``kfra.py``):
+    weight ``[B, A]``, bias ``[B]``."""
+
+    attr: ClassVar[str] = "kfra"
+    averaged: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
 class DiagHessian(CurvatureQuantity):
     """Diagonal of the Hessian, ``p.shape``: the GGN's plus the terms of the model's curved
     elementwise activations (``hessian.py``: which models it covers)."""
@@ -209,5 +220,5 @@ class PCHMP(CurvatureQuantity):
 
 ALL_CURVATURE: tuple[type[CurvatureQuantity], ...] = (
     DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP,
-    KFLR, KFAC, DiagHessian, BatchDiagHessian, HMP, PCHMP,
+    KFLR, KFAC, KFRA, DiagHessian, BatchDiagHessian, HMP, PCHMP,
 )  # fmt: skip

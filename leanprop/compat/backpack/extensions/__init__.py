@@ -1,7 +1,7 @@
 """BackPACK's extensions, as leanprop quantities (same names, same attributes:
 ``grad_batch``, ``batch_l2``, ``batch_dot``, ``sum_grad_squared``, ``variance``, and the
 curvature ones ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_ggn_exact_batch``,
-``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``, ``ggnmp``, ``kflr``, ``kfac``,
+``diag_ggn_mc_batch``, ``sqrt_ggn_exact``, ``sqrt_ggn_mc``, ``ggnmp``, ``kflr``, ``kfac``, ``kfra``,
 ``diag_h``, ``diag_h_batch``, ``hmp``, ``pchmp``).
 
 ``BatchGrad().set_module_extension(MyModule, MyModuleBatchGrad())`` adds a custom module for
@@ -78,6 +78,9 @@ class PCHMP(_OnlyBatchGradExtends, _curvature.PCHMP): ...
 class KFLR(_OnlyBatchGradExtends, _curvature.KFLR): ...
 
 
+class KFRA(_OnlyBatchGradExtends, _curvature.KFRA): ...
+
+
 class KFAC(_OnlyBatchGradExtends, _curvature.KFAC): ...
 
 
@@ -102,6 +105,7 @@ __all__ = [
     "PCHMP",
     "KFAC",
     "KFLR",
+    "KFRA",
     "SqrtGGNExact",
     "SqrtGGNMC",
     "SumGradSquared",
