@@ -483,3 +483,28 @@ def test_kfra_against_backpack(act, loss):
         assert len(mine[k]) == len(p.kfra), k
         for i, (a, b) in enumerate(zip(mine[k], p.kfra, strict=True)):
             assert_close(a, b, f"{k}.kfra[{i}]", *tol)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_token_level_cross_entropy_against_backpack():
+    """Cross-entropy on [N, C, T] (classes second, a target per position), as BackPACK takes
+    it; T == N + 3 and a 1x1 convolution over the positions."""
+    bp = pytest.importorskip("backpack")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(4, 6, 1), nn.Tanh(), nn.Conv1d(6, 5, 1)).double()
+    x, y = torch.randn(3, 4, 6, dtype=torch.float64), torch.randint(0, 5, (3, 6))
+    ours, ours_loss = extend(model), extend(nn.CrossEntropyLoss())
+    try:
+        with backpack(extensions.DiagGGNExact(), extensions.BatchDiagGGNExact()):
+            ours_loss(ours(x), y).backward()
+        mine = {k: (p.diag_ggn_exact, p.diag_ggn_exact_batch) for k, p in model.named_parameters()}
+    finally:
+        facade.unextend(model)
+        facade.unextend(ours_loss)
+        model.zero_grad()
+    theirs_model, theirs_loss = bp.extend(model), bp.extend(nn.CrossEntropyLoss())
+    with bp.backpack(bp.extensions.DiagGGNExact(), bp.extensions.BatchDiagGGNExact()):
+        theirs_loss(theirs_model(x), y).backward()
+    for k, p in model.named_parameters():
+        assert_close(mine[k][0], p.diag_ggn_exact, f"{k}.diag", 1e-10, 1e-13)
+        assert_close(mine[k][1], p.diag_ggn_exact_batch, f"{k}.batch_diag", 1e-10, 1e-13)

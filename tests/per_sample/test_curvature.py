@@ -292,6 +292,52 @@ def test_kfac_estimates_kflr():
             torch.testing.assert_close(got, exact, rtol=0.1, atol=0.05 * exact.abs().max().item())
 
 
+class _Tagger(nn.Module):
+    """Token logits in torch's layout for cross-entropy: ``[N, C, T]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(7, 4), nn.Linear(4, 5)
+
+    def forward(self, tokens):
+        return self.lin(torch.tanh(self.emb(tokens))).transpose(1, 2)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("options", [{}, {"ignore_index": 2, "label_smoothing": 0.1}, "weight"])
+def test_token_level_cross_entropy_against_the_oracle(reduction, options):
+    """Cross-entropy on [N, C, T] (a class per token; targets [N, T]): each position a block of
+    the sample's Hessian, C columns each; T == N, where a mixed-up axis would not show in the
+    shapes."""
+    torch.manual_seed(0)
+    model = _Tagger().double()
+    tokens, y = torch.randint(0, 7, (4, 4)), torch.randint(0, 5, (4, 4))
+    if options == "weight":
+        options = {"weight": torch.rand(5, dtype=torch.float64)}
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction, **options)
+    with leanprop.per_sample(model) as ctx:
+        out = model(tokens)
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.DiagGGNExact(), leanprop.BatchDiagGGNExact(),
+                     leanprop.SqrtGGNExact())  # fmt: skip
+    ref = ggn_blocks(model, tokens, loss_fn, y)
+    for k, p in model.named_parameters():
+        full, per = ref[k]
+        torch.testing.assert_close(p.diag_ggn_exact.flatten(), full.diagonal(), rtol=1e-10,
+                                   atol=1e-13, msg=k)  # fmt: skip
+        torch.testing.assert_close(p.diag_ggn_exact_batch.flatten(1), per, rtol=1e-10, atol=1e-13)
+        root = p.sqrt_ggn_exact.flatten(2).flatten(0, 1)
+        assert p.sqrt_ggn_exact.shape[0] == 5 * 4  # C columns per position
+        torch.testing.assert_close(root.T @ root, full, rtol=1e-10, atol=1e-13)
+    with leanprop.per_sample(model) as ctx:  # the Monte-Carlo estimate converges
+        out = model(tokens)
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.DiagGGNMC(mc_samples=4000),
+                     generator=torch.Generator().manual_seed(0))  # fmt: skip
+    for k, p in model.named_parameters():
+        exact = ref[k][0].diagonal()
+        scale = exact.abs().max().item()
+        torch.testing.assert_close(p.diag_ggn_mc.flatten(), exact, rtol=0, atol=0.06 * scale)
+
+
 @pytest.mark.parametrize("loss", ["ce", "mse", "bce"])
 @pytest.mark.parametrize("act", [nn.ReLU, nn.Sigmoid, nn.Tanh, nn.GELU])
 def test_kfra_against_its_definition(act, loss):

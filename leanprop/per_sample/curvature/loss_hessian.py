@@ -11,9 +11,11 @@ root of the generalized Gauss-Newton matrix ``G = J^T H J``.
 Supported losses, with ``reduction="mean"`` or ``"sum"`` (the factor includes the loss's own
 normalisation, as BackPACK's does):
 
-* ``nn.CrossEntropyLoss``: output ``[N, C]``, class-index targets ``[N]``; ``weight``,
-  ``ignore_index`` and ``label_smoothing`` as torch defines them.
-  ``H_n = s_n / d * (diag(p_n) - p_n p_n^T)`` with ``p_n = softmax(f_n)``.
+* ``nn.CrossEntropyLoss``: output ``[N, C]``, class-index targets ``[N]``, or ``[N, C, *D]``
+  with targets ``[N, *D]`` (a class per position: tokens); ``weight``, ``ignore_index`` and
+  ``label_smoothing`` as torch defines them. ``H_n = s_n / d * (diag(p_n) - p_n p_n^T)`` with
+  ``p_n = softmax(f_n)``, a block per position (M = C columns per position: ``C * prod(D)``;
+  the Monte-Carlo factor draws every position's class in each of its columns).
 * ``nn.MSELoss``: any output shape; ``H_n = 2 / d * I``.
 * ``nn.BCEWithLogitsLoss`` (without ``weight``/``pos_weight``): ``H_n = diag(σ(1 - σ)) / d``.
 """
@@ -54,13 +56,15 @@ def check_loss(loss_fn: object, output: Tensor, target: Tensor) -> None:
             f"{tuple(output.shape)}."
         )
     if isinstance(loss_fn, nn.CrossEntropyLoss):
-        if output.dim() != 2 or target.shape != output.shape[:1] or target.is_floating_point():
+        positions = output.shape[:1] + output.shape[2:]
+        if output.dim() < 2 or target.shape != positions or target.is_floating_point():
             raise LeanpropValueError(
-                "curvature: nn.CrossEntropyLoss is supported for output [N, C] and class-index "
-                f"targets [N]; got output {tuple(output.shape)}, target "
-                f"{tuple(target.shape)} of dtype {target.dtype}. Token-level "
-                "cross-entropy on sequences [N, T, C] is not covered yet (its rows [N*T] are "
-                "not the samples)."
+                "curvature: nn.CrossEntropyLoss is supported for output [N, C] with class-index "
+                "targets [N], or [N, C, d1, ...] (torch's layout of sequences: classes second) "
+                f"with targets [N, d1, ...]; got output {tuple(output.shape)}, target "
+                f"{tuple(target.shape)} of dtype {target.dtype}. Logits of sequences [N, T, C] "
+                "go in as logits.transpose(1, 2) (as torch's loss takes them); rows flattened "
+                "over tokens [N*T, C] are not the samples."
             )
     elif isinstance(loss_fn, nn.BCEWithLogitsLoss) and (
         loss_fn.weight is not None or loss_fn.pos_weight is not None
@@ -118,17 +122,23 @@ def sqrt_hessian(
     n = f.shape[0]
     m = mc_samples
     if isinstance(loss_fn, nn.CrossEntropyLoss):
-        c = f.shape[1]
-        p = torch.softmax(f.double(), dim=1)  # [N, C]
-        scale = _cross_entropy_scale(loss_fn, target, c).to(f.device).sqrt()[:, None]
-        if m is None:  # column j of diag(√p) - p √pᵀ
+        c, t = f.shape[1], f[0, 0].numel()  # classes, positions per sample (1 for [N, C])
+        p = torch.softmax(f.double(), dim=1).reshape(n, c, t)  # [N, C, T]
+        scale = _cross_entropy_scale(loss_fn, target, c).to(f.device).sqrt().reshape(n, 1, t)
+        if m is None:  # column j of diag(√p) - p √pᵀ at each position: [C, N, C, T]
             sq = p.sqrt()
-            v = torch.diag_embed(sq).permute(2, 0, 1) - p[None] * sq.t()[:, :, None]
-        else:  # p - onehot(ŷ), ŷ ~ Categorical(p)
-            draws = torch.multinomial(p, m, replacement=True, generator=generator).t()  # [M, N]
-            v = p[None] - nn.functional.one_hot(draws, c).double()
+            diag = torch.diag_embed(sq.mT).permute(3, 0, 2, 1)  # [C, N, C, T]: δ_ij √p_j
+            v = diag - p[None] * sq.transpose(0, 1)[:, :, None]
+            if t > 1:  # positions are blocks of H_n of their own: a column per class and position
+                v = v[:, None] * torch.eye(t, dtype=v.dtype, device=v.device)[None, :, None, None]
+                v = v.reshape(c * t, n, c, t)
+        else:  # p - onehot(ŷ), ŷ ~ Categorical(p) at each position (drawn independently)
+            flat = p.transpose(1, 2).reshape(n * t, c)
+            draws = torch.multinomial(flat, m, replacement=True, generator=generator)  # [N T, M]
+            onehot = nn.functional.one_hot(draws.t().reshape(m, n, t), c).double()  # [M,N,T,C]
+            v = p[None] - onehot.transpose(2, 3)
             scale = scale / m**0.5
-        return (v * scale[None]).to(f.dtype)
+        return (v * scale[None]).reshape(v.shape[0], *f.shape).to(f.dtype)
     d = f.numel() if loss_fn.reduction == "mean" else 1
     k = f[0].numel()
     if isinstance(loss_fn, nn.MSELoss):
