@@ -259,6 +259,7 @@ _LOSSES = {
     "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
 }  # fmt: skip
+_CLASS_LOSSES = {"cross_entropy", "nll_loss"}  # [N, C, ...] scores: the classes' dim goes
 _NON_TENSOR = {"size", "dim", "numel", "item", "tolist", "len", "stride", "data_ptr"}
 # new tensors whose values do not depend on the input's (only its shape, dtype or device)
 _FACTORIES = {
@@ -526,9 +527,8 @@ def result_dim(
     if name in ("max", "min") and len(args) > 1 and isinstance(args[1], Tensor):
         return _elementwise(name, args, kwargs, x, bd, out)  # torch.max(a, b): elementwise
     if name in _REDUCTIONS:
-        d = _dims_arg(args, kwargs, 1, "dim", "axis")
-        d = None if isinstance(d, bool) or d == [] or d == () else d  # std(x, True): unbiased
-        if d is None or (name in ("norm", "std", "var") and not isinstance(d, int | list | tuple)):
+        d = _reduced_dims(name, args, kwargs)
+        if d is None:
             return Combined(f"{name} over all elements sums samples")
         dims = [_norm_dim(k, nd) for k in ([d] if isinstance(d, int) else d)]
         if bd.dim in dims:
@@ -563,8 +563,13 @@ def result_dim(
             return Lost(f"{name} needs the batch first")
         return bd
     if name in _LOSSES:
-        red = kwargs.get("reduction", "mean")
-        return bd if red == "none" and bd.dim == 0 else Combined("a loss reduces over samples")
+        if kwargs.get("reduction", "mean") != "none":
+            return Combined("a loss reduces over samples")
+        if name not in _CLASS_LOSSES or which != 0:  # elementwise: the batch stays
+            return bd if name not in _CLASS_LOSSES else Lost(f"{name} targets")
+        if bd.dim == 1:  # (the classes' dimension: [N, C, ...] -> [N, ...])
+            return Lost(f"{name} over the batch dimension (taken as the classes')")
+        return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
     return _elementwise(name, args, kwargs, x, bd, out)
 
 
@@ -687,23 +692,38 @@ class BatchTracker:
                 return True
         return False
 
-    def propagate(
-        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
-    ) -> frozenset[nn.Parameter]:
-        """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``.
+    def escaping(
+        self, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> list[tuple[int | str, frozenset[nn.Parameter]]]:
+        """The operands of an op (positions or keywords) computed from tracked parameters
+        alone, needing gradients, that it joins with values in which the samples were combined
+        (every batched operand :class:`Combined`; see ``escapes.py``), with their parameters."""
+        combined = False
+        for v in (*args, *kwargs.values()):
+            info = self._info.get(v) if isinstance(v, Tensor) else None
+            if info is not None:
+                if not isinstance(info, Combined):
+                    return []
+                combined = True
+        if not combined:
+            return []
+        return [
+            (key, params)
+            for key, v in (*enumerate(args), *kwargs.items())
+            if isinstance(v, Tensor) and v.requires_grad and self._info.get(v) is None
+            and (params := self.derived_params(v))
+        ]  # fmt: skip
 
-        Returns the tracked parameters this op lets escape (empty: none): batch-free values
-        computed from them joined with values in which the samples were combined
-        (:class:`Combined`: a penalty added to the mean loss, a loss scaled by a parameter
-        after the mean): their gradient there is no sample's."""
+    def propagate(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``."""
         name = op_name(func)
         if name in _NON_TENSOR or name in _FACTORIES:
-            return _NONE
+            return
         outs = (
             [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]
         )
         if not outs:
-            return _NONE
+            return
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
         for i, a in enumerate(args):
@@ -737,7 +757,7 @@ class BatchTracker:
                     found = _lookup(args, kwargs, self.params)
                     if found is not None:
                         self._lookups[outs[0]] = found
-            return _NONE
+            return
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
             results = set()
@@ -750,7 +770,8 @@ class BatchTracker:
                     except (IndexError, TypeError, ValueError, KeyError):
                         results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
                 elif isinstance(info, Lost):
-                    results.add(info)
+                    combined = _combines(name, args, kwargs) and not isinstance(info, Combined)
+                    results.add(Combined(f"'{name}' over {info.reason}") if combined else info)
                 else:
                     try:
                         results.add(result_dim(name, args, kwargs, i, t, info, o, k, n, self))
@@ -760,12 +781,23 @@ class BatchTracker:
             self._info[o] = res
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None:
                 self.curved[o.grad_fn] = res
-        if derived and all(isinstance(info, Combined) for _, _, info in batched):
-            return frozenset(derived)
-        return _NONE
 
 
-_NONE: frozenset[nn.Parameter] = frozenset()
+def _combines(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """A loss with a reduction, or a reduction over every element: whatever dimension held the
+    samples, they are summed together."""
+    if name in _LOSSES:
+        return kwargs.get("reduction", "mean") != "none"
+    return name in _REDUCTIONS and _reduced_dims(name, args, kwargs) is None
+
+
+def _reduced_dims(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The dimensions a reduction's call names; None where it reduces every element."""
+    d = _dims_arg(args, kwargs, 1, "dim", "axis")
+    d = None if isinstance(d, bool) or d == [] or d == () else d  # std(x, True): unbiased
+    if name in ("norm", "std", "var") and not isinstance(d, int | list | tuple):
+        return None  # (norm(x, 2): the order, not a dimension)
+    return d
 
 
 @dataclass(frozen=True, eq=False)
@@ -796,9 +828,12 @@ def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup 
 def _merge(results: set[Info]) -> Info:
     """Inputs whose batch lands differently: plain :class:`Lost` (never one that a later op
     could put back in order)."""
-    if all(isinstance(r, Combined) for r in results):  # (sums of samples, added up)
-        return next(iter(results))
-    plain = [r for r in results if type(r) in (Lost, Combined)]
+    # (sums of samples first: a value joined with one later reaches the loss in no sample's
+    # part; in a fixed order, so that the outcome never depends on the set's)
+    plain = sorted(
+        (r for r in results if type(r) in (Lost, Combined)),
+        key=lambda r: (not isinstance(r, Combined), r.reason),
+    )
     if plain:
         return plain[0]
     return Lost("inputs of one op carry the batch in different places or orders")

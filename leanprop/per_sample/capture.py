@@ -55,6 +55,7 @@ from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_i
 from .chunks import sample_chunks
 from .clipping import Clipping, ClipState, rule_reweighers
 from .cycle import Call, Cycle, ParamState
+from .escapes import EscapeWatch, reached
 from .factors import norms_are_cheaper, sum_of_squares
 from .factors import total as factors_total
 from .fused import Intercept
@@ -158,13 +159,8 @@ def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
     return x
 
 
+# (``training`` is the sixth argument of both)
 _BATCH_NORMS = frozenset({torch.nn.functional.batch_norm, torch.batch_norm})
-
-
-def _batch_norm_training(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """``training`` of a ``F.batch_norm``/``torch.batch_norm`` call (the sixth argument of
-    both)."""
-    return bool(kwargs.get("training", args[5] if len(args) > 5 else False))
 
 
 _SECOND_CLIPPED_BACKWARD = (
@@ -807,20 +803,46 @@ class PerSample:
             and self._tracker.involved(args, kwargs)
         )
 
-    def before_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
-        """Parameter-derived operands of an op that meets the batch: captured (broadcast.py)."""
-        if not torch.is_grad_enabled() or not self._tracking():
-            return args
-        owned = self._captured - self._in_rule.keys() if self._in_rule else self._captured
-        return broadcast.meet(
-            self._tracker, op_name(func), args, owned, self._sink(), self._count_use
-        )
+    def before_op(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Parameter-derived operands of an op that meets the batch: captured (broadcast.py);
+        of one that joins values in which the samples were combined: watched (escapes.py)."""
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        if self._tracking():
+            owned = self._captured - self._in_rule.keys() if self._in_rule else self._captured
+            args = broadcast.meet(
+                self._tracker, op_name(func), args, owned, self._sink(), self._count_use
+            )
+        escaping = self._tracker.escaping(args, kwargs)  # (also after the model's forward)
+        if escaping:
+            args, kwargs = list(args), dict(kwargs)
+            for key, params in escaping:
+                on_gradient = _Weakly(self._on_escape, params, op_name(func))
+                place = args if isinstance(key, int) else kwargs
+                place[key] = EscapeWatch.apply(place[key], on_gradient)
+            args = tuple(args)
+        return args, kwargs
+
+    def _on_escape(
+        self, params: frozenset[nn.Parameter], name: str, t: Tensor, grad: Tensor
+    ) -> None:
+        """The gradient ``grad`` of a watched use ``t`` in this backward: the parameters it
+        reaches with a gradient that is not zero are refused by the check (whatever the size
+        of that part of their gradient)."""
+        if not (self._active and not self._computing and not self._passive and self._kinds):
+            return
+        with self.own_work():
+            found = reached(t, list(params), grad)
+        for p in found:
+            self._cycle.escaped.setdefault(self._states[p].name, name)
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Called by the op interception for an op that touches a tracked tensor: parameters
         broadcast over the batch (broadcast.py), parameters used in an op with no rule
         (ops.py), and where the batch went in the outputs."""
-        args = self.before_op(func, args, kwargs)
+        args, kwargs = self.before_op(func, args, kwargs)
         rule_op = self._rule_op(args, kwargs)
         if rule_op is not None:
             return self._run_rule_op(func, args, kwargs, *rule_op)
@@ -925,28 +947,26 @@ class PerSample:
         return uses
 
     def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any):
-        """Where the batch went in the op's outputs; parameters it lets escape are watched
-        (:meth:`_on_escape`), a functional batch norm in training mode refused."""
+        """Where the batch went in the op's outputs; a functional batch norm in training mode
+        on the batch refused."""
         if self._intercept is not None and not self._computing:
-            escaped = self._tracker.propagate(func, args, kwargs, out)
-            if escaped:
-                self._watch_escape(out, escaped, op_name(func))
-            if func in _BATCH_NORMS and _batch_norm_training(args, kwargs):
+            self._tracker.propagate(func, args, kwargs, out)
+            if func in _BATCH_NORMS and self._batch_statistics(args, kwargs):
                 self._refuse_batch_statistics(f"'{op_name(func)}' (a functional batch norm)")
 
-    def _watch_escape(self, out: Any, params: frozenset[nn.Parameter], name: str) -> None:
-        for t in flatten(out)[0]:
-            if isinstance(t, Tensor) and t.requires_grad:
-                hook = _Weakly(self._on_escape, params, name)
-                self._cycle.tensor_handles.append(t.register_hook(hook))
-
-    def _on_escape(self, params: frozenset[nn.Parameter], name: str, grad: Tensor) -> None:
-        """A backward reached parameters through values in which the samples were combined
-        (``BatchTracker.propagate``): refused by the check (whatever the size of that part
-        of their gradient)."""
-        if self._active and not self._computing and not self._passive and self._kinds:
-            for p in params:
-                self._cycle.escaped.setdefault(self._states[p].name, name)
+    def _batch_statistics(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """A ``batch_norm`` call normalising the batch with its own statistics: training mode,
+        autograd on, the batch in its input's first dimension (not a weight standardised by
+        it, nor a teacher's forward under ``torch.no_grad()``)."""
+        x = args[0] if args else kwargs.get("input")
+        training = kwargs.get("training", args[5] if len(args) > 5 else False)
+        info = self._tracker.info(x)
+        return (
+            bool(training)
+            and torch.is_grad_enabled()
+            and isinstance(info, BatchDim)
+            and (info.dim == 0)
+        )
 
     def _count_use(self, params: frozenset[nn.Parameter]) -> None:
         for p in params:
@@ -1376,8 +1396,11 @@ class PerSample:
             self._cycle.grad_mode = torch.is_grad_enabled()
             self._cycle.clear_attrs()
             task = current_graph_task_id()
-            for state in self._states.values():  # drop those of earlier backward passes
-                state.autograd_grads = [e for e in state.autograd_grads if e[0] == task]
+            for state in self._states.values():  # drop those of earlier backward passes;
+                # this one's, reached before the cycle opened, are the cycle's
+                state.autograd_grads = [
+                    (t, True, g) for t, _, g in state.autograd_grads if t == task
+                ]
         # a side loss's eager backward (during forward) is part of the coming main backward:
         # the results are written and checked when that one ends
         # inside a backward started through the op interception the cycle ends when the
@@ -1402,6 +1425,8 @@ class PerSample:
             self._cycle_seen = self._cycle.open
             self._params_reached = False
             self._accumulating = accumulates
+            if not passive:  # (what an earlier backward's watched uses found is not this one's)
+                self._cycle.escaped = {}
         self._backward_depth += 1
         self._passive += passive
         try:

@@ -345,7 +345,8 @@ class Cycle:
             f"'{s.name}'"
             for s in self.states.values()
             if s.total is None and not s.results and s.autograd_grad is not None
-        ]
+            and bool(s.autograd_grad.any())  # (a zero gradient, `0.0 * p.sum()`: as unreached)
+        ]  # fmt: skip
         if missing and self.discarded_forward:
             raise UnsupportedModelError(_SEVERAL_FORWARDS)
         direct = (
@@ -373,8 +374,10 @@ class Cycle:
                 f"per_sample: {', '.join(missing)} got a gradient in this backward but no "
                 "per-sample quantities: leanprop did not see the samples reach them (e.g. a "
                 "forward run outside the `with` block, under torch.no_grad(), or inside "
-                "checkpoint(use_reentrant=True) before the block it wraps). Run the forward "
-                "inside the block; prefer checkpoint(use_reentrant=False)."
+                "checkpoint(use_reentrant=True) before the block it wraps; or a parameter "
+                "applied in the loss, after the model's forward returned). Run the forward "
+                "inside the block; prefer checkpoint(use_reentrant=False); apply parameters "
+                "inside the model's forward."
             )
         # (a total that autograd took as the whole gradient, the same tensor, adds up)
         pairs = [

@@ -4,6 +4,8 @@ every entry of sample n, and each op's tracked batch dimension must gather exact
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -160,3 +162,13 @@ def test_batch_followed_exactly(name):
 def test_batch_lost_where_samples_are_selected_or_mixed(name):
     for _out, info in follow(LOSE[name]):
         assert isinstance(info, Lost), f"{name}: {info}"
+
+
+def test_merged_infos_prefer_sums_of_samples_in_a_fixed_order():
+    """Joining a sum over samples with another lost batch gave whichever a set listed first
+    (PYTHONHASHSEED decided whether a later penalty was watched)."""
+    batch = importlib.import_module("leanprop.per_sample.batch")
+    infos = [batch.Lost("z"), batch.Combined("b"), batch.Lost("a"), batch.Combined("a")]
+    for k in range(len(infos)):
+        merged = batch._merge(set(infos[k:] + infos[:k]))
+        assert merged == batch.Combined("a")

@@ -1312,3 +1312,130 @@ def test_functional_batch_norm_in_training_mode_is_refused():
     expected = individual_gradients(model, lambda o, y, r: o.sum(), x, torch.zeros(5), "sum")
     for k, p in model.named_parameters():
         assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+def _mlp_with_scale():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    model.s = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+    return model, torch.randn(5, 4, dtype=torch.float64)
+
+
+def _exact(model, x, scale):
+    expected = individual_gradients(model, lambda o, y, r: _mean_square(o, y, r) * scale, x,
+                                    torch.zeros(5), "mean")  # fmt: skip
+    for k, p in model.named_parameters():
+        if k != "s":
+            assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("how", ["detached", "no_grad", "earlier-step", "zero-times"])
+def test_parameter_values_without_a_gradient_through_the_loss_are_no_escape(how):
+    """A parameter's value that gives it no gradient there (detached, computed under
+    torch.no_grad(), possibly a step earlier; or DDP's idiom `loss + 0.0 * sum(p.sum())`) was
+    refused as reaching the loss after the samples were combined."""
+    model, x = _mlp_with_scale()
+    with torch.no_grad():
+        norm = model[0].weight.norm()  # (computed before the block: an earlier step's)
+    with leanprop.per_sample(model, BatchGrad()):
+        loss = model(x).square().mean(1).mean()
+        if how == "detached":
+            loss = loss * model.s.detach()
+        elif how == "no_grad":
+            with torch.no_grad():
+                now = model[0].weight.norm()
+            loss = loss * (norm / now)
+        elif how == "earlier-step":
+            loss = loss * (norm / norm)
+        else:
+            loss = loss + 0.0 * sum(p.sum() for p in model.parameters())
+        loss.backward()
+    _exact(model, x, 2.0 if how == "detached" else 1.0)
+
+
+def test_an_earlier_backward_reaching_a_parameter_after_the_samples_leaves_the_next_alone():
+    """Uncertainty weighting: a weight learned from the detached loss, its own backward first.
+    What that backward's watched use found was held over and refused the loss's backward."""
+    model, x = _mlp_with_scale()
+    with leanprop.per_sample(model, BatchGrad()):
+        loss = model(x).square().mean(1).mean()
+        (model.s * loss.detach()).backward()
+        loss.backward()
+    _exact(model, x, 1.0)
+
+
+def test_masked_token_loss_with_a_tiny_penalty_is_refused():
+    """Tokens selected by a boolean mask (HF's padding) leave no batch dimension in the loss's
+    input, so the loss was no sum of samples to the check, and a penalty 1e-9 λ||w||² in float32
+    passed silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(5, 6, 4), torch.randint(0, 3, (5, 6))
+    y[:, 4:] = -100
+    with (
+        pytest.raises(UnsupportedModelError, match="after the samples were combined"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        active = y.view(-1) != -100
+        loss = F.cross_entropy(model(x).view(-1, 3)[active], y.view(-1)[active])
+        (loss + 1e-9 * sum(p.square().sum() for p in model.parameters())).backward()
+
+
+@pytest.mark.parametrize("batch_dim", [0, 1])
+def test_a_parameter_applied_in_the_loss_after_the_forward_is_refused(batch_dim):
+    """`(F.mse_loss(out, y, reduction='none') * w).mean()` outside the model's forward: the use
+    of w is not followed there, and w got a gradient but no quantities, silently (reached
+    before the backward's quantities began, its gradient was not counted)."""
+
+    class Weighted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.w = nn.Linear(4, 3), nn.Parameter(torch.rand(3))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model = Weighted().double()
+    x, y = torch.randn(5, 4, 4, dtype=torch.float64), torch.randn(5, 4, 3, dtype=torch.float64)
+    with (
+        pytest.raises(UnsupportedModelError, match=r"'w' got a gradient .* applied in the loss"),
+        leanprop.per_sample(model, BatchGrad(), batch_dim=batch_dim),
+    ):
+        (F.mse_loss(model(x), y, reduction="none") * model.w).mean().backward()
+
+
+class StdConv2d(nn.Conv2d):
+    """timm's weight-standardised convolution (BiT, ResNetV2, NFNet): the weight normalised by
+    F.batch_norm(training=True) over its own elements, no batch in it."""
+
+    def forward(self, x):
+        flat = self.weight.reshape(1, self.out_channels, -1)
+        weight = F.batch_norm(flat, None, None, training=True, momentum=0.0, eps=1e-6)
+        weight = weight.reshape_as(self.weight)
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding)
+
+
+def test_batch_norm_of_no_batch_or_without_autograd_is_not_refused():
+    """The functional batch-norm check refused a weight standardisation (no batch in its
+    input) and a mean teacher's BatchNorm in training mode under torch.no_grad()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(StdConv2d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)).double()
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).square().sum().backward()
+    expected = individual_gradients(model, lambda o, y, r: o.square().sum(), x, x, "sum")
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+    student = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    teacher = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with leanprop.per_sample(student, BatchGrad()):
+        out = student(x)
+        with torch.no_grad():
+            target = teacher(x)
+        (out - target).square().sum().backward()
+    expected = individual_gradients(student, lambda o, y, r: (o - y).square().sum(), x, target,
+                                    "sum")  # fmt: skip
+    for k, p in student.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
