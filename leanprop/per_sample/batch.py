@@ -565,8 +565,10 @@ def result_dim(
     if name in _LOSSES:
         if kwargs.get("reduction", "mean") != "none":
             return Combined("a loss reduces over samples")
-        if name not in _CLASS_LOSSES or which != 0:  # elementwise: the batch stays
-            return bd if name not in _CLASS_LOSSES else Lost(f"{name} targets")
+        if name not in _CLASS_LOSSES or which == 1:  # elementwise, or the targets [N, ...]
+            return bd
+        if which != 0:
+            return Lost(f"{name}'s argument {which}")
         if bd.dim == 1:  # (the classes' dimension: [N, C, ...] -> [N, ...])
             return Lost(f"{name} over the batch dimension (taken as the classes')")
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
@@ -694,13 +696,21 @@ class BatchTracker:
 
     def escaping(
         self, args: Sequence[Any], kwargs: dict[str, Any]
-    ) -> list[tuple[int | str, frozenset[nn.Parameter]]]:
-        """The operands of an op (positions or keywords) computed from tracked parameters
-        alone, needing gradients, that it joins with values in which the samples were combined
-        (every batched operand :class:`Combined`; see ``escapes.py``), with their parameters."""
+    ) -> list[tuple[tuple[int | str, ...], frozenset[nn.Parameter]]]:
+        """The operands of an op computed from tracked parameters alone, needing gradients,
+        that it joins with values in which the samples were combined (every batched operand
+        :class:`Combined`; see ``escapes.py``), with their parameters. Each is named by its
+        place: ``(position,)``, ``(keyword,)``, or ``(position, index)`` in a list argument
+        (``torch.stack([loss, penalty])``)."""
+        places: list[tuple[tuple[int | str, ...], Tensor]] = []
+        for key, v in (*enumerate(args), *kwargs.items()):
+            if isinstance(v, Tensor):
+                places.append(((key,), v))
+            elif isinstance(v, list | tuple):
+                places += [((key, j), t) for j, t in enumerate(v) if isinstance(t, Tensor)]
         combined = False
-        for v in (*args, *kwargs.values()):
-            info = self._info.get(v) if isinstance(v, Tensor) else None
+        for _, t in places:
+            info = self._info.get(t)
             if info is not None:
                 if not isinstance(info, Combined):
                     return []
@@ -708,11 +718,10 @@ class BatchTracker:
         if not combined:
             return []
         return [
-            (key, params)
-            for key, v in (*enumerate(args), *kwargs.items())
-            if isinstance(v, Tensor) and v.requires_grad and self._info.get(v) is None
-            and (params := self.derived_params(v))
-        ]  # fmt: skip
+            (place, params)
+            for place, t in places
+            if t.requires_grad and self._info.get(t) is None and (params := self.derived_params(t))
+        ]
 
     def propagate(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``."""

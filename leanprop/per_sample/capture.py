@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
@@ -815,18 +816,43 @@ class PerSample:
             args = broadcast.meet(
                 self._tracker, op_name(func), args, owned, self._sink(), self._count_use
             )
-        escaping = self._tracker.escaping(args, kwargs)  # (also after the model's forward)
+        escaping = self._escaping(func, args, kwargs)
         if escaping:
             args, kwargs = list(args), dict(kwargs)
-            for key, params in escaping:
+            for (key, *inner), params in escaping:
                 on_gradient = _Weakly(self._on_escape, params, op_name(func))
-                place = args if isinstance(key, int) else kwargs
-                place[key] = EscapeWatch.apply(place[key], on_gradient)
+                holder = args if isinstance(key, int) else kwargs
+                if inner:  # (an element of a list argument)
+                    items = list(holder[key])
+                    items[inner[0]] = EscapeWatch.apply(items[inner[0]], on_gradient)
+                    holder[key] = type(holder[key])(items)
+                else:
+                    holder[key] = EscapeWatch.apply(holder[key], on_gradient)
             args = tuple(args)
         return args, kwargs
 
+    def _escaping(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[tuple[tuple[int | str, ...], frozenset[nn.Parameter]]]:
+        """Operands to watch (``BatchTracker.escaping``; also after the model's forward), where
+        something checks them (``check``, clipping). The target of an in-place op is watched
+        here, by a hook on its value before the op; the others are returned, to be wrapped."""
+        if not (self._check or self._clip is not None):
+            return []
+        found = self._tracker.escaping(args, kwargs)
+        raw = getattr(func, "__name__", "")
+        if found and ((raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i")):
+            for place, params in found:
+                if place == (0,):  # (args[0]: the tensor changed in place)
+                    t = args[0]
+                    before = GradientEdge(t.grad_fn, t.output_nr)
+                    hook = _Weakly(self._on_escape, params, op_name(func), before)
+                    self._cycle.tensor_handles.append(t.register_hook(hook))
+            found = [(place, params) for place, params in found if place != (0,)]
+        return found
+
     def _on_escape(
-        self, params: frozenset[nn.Parameter], name: str, t: Tensor, grad: Tensor
+        self, params: frozenset[nn.Parameter], name: str, t: Tensor | GradientEdge, grad: Tensor
     ) -> None:
         """The gradient ``grad`` of a watched use ``t`` in this backward: the parameters it
         reaches with a gradient that is not zero are refused by the check (whatever the size
@@ -955,18 +981,15 @@ class PerSample:
                 self._refuse_batch_statistics(f"'{op_name(func)}' (a functional batch norm)")
 
     def _batch_statistics(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """A ``batch_norm`` call normalising the batch with its own statistics: training mode,
-        autograd on, the batch in its input's first dimension (not a weight standardised by
-        it, nor a teacher's forward under ``torch.no_grad()``)."""
+        """A ``batch_norm`` call normalising samples together: training mode, autograd on,
+        and an input that carries the batch anywhere but in its channels (not a weight
+        standardised by it, nor a teacher's forward under ``torch.no_grad()``, nor instance
+        normalisation as ``[1, N*C, ...]``)."""
         x = args[0] if args else kwargs.get("input")
         training = kwargs.get("training", args[5] if len(args) > 5 else False)
         info = self._tracker.info(x)
-        return (
-            bool(training)
-            and torch.is_grad_enabled()
-            and isinstance(info, BatchDim)
-            and (info.dim == 0)
-        )
+        channels = isinstance(info, BatchDim) and info.dim == 1
+        return bool(training) and torch.is_grad_enabled() and info is not None and not channels
 
     def _count_use(self, params: frozenset[nn.Parameter]) -> None:
         for p in params:

@@ -345,8 +345,7 @@ class Cycle:
             f"'{s.name}'"
             for s in self.states.values()
             if s.total is None and not s.results and s.autograd_grad is not None
-            and bool(s.autograd_grad.any())  # (a zero gradient, `0.0 * p.sum()`: as unreached)
-        ]  # fmt: skip
+        ]
         if missing and self.discarded_forward:
             raise UnsupportedModelError(_SEVERAL_FORWARDS)
         direct = (

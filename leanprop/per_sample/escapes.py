@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 
 class EscapeWatch(torch.autograd.Function):
@@ -35,8 +36,9 @@ class EscapeWatch(torch.autograd.Function):
         return g, None
 
 
-def reached(t: Tensor, params: list[nn.Parameter], g: Tensor) -> list[nn.Parameter]:
-    """The ``params`` to which the gradient ``g`` of ``t`` gives a gradient that is not zero
-    (one more backward pass through ``t``'s graph, which holds parameters only)."""
+def reached(t: Tensor | GradientEdge, params: list[nn.Parameter], g: Tensor) -> list[nn.Parameter]:
+    """The ``params`` to which the gradient ``g`` of ``t`` (a tensor, or the edge of a tensor's
+    value before an in-place op) gives a gradient that is not zero (one more backward pass
+    through ``t``'s graph, which holds parameters only)."""
     grads = torch.autograd.grad(t, params, g, retain_graph=True, allow_unused=True)
     return [p for p, gp in zip(params, grads, strict=True) if gp is not None and bool(gp.any())]

@@ -941,3 +941,45 @@ def test_batched_columns_refuse_batchnorm_in_training_mode():
     x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
     with leanprop.per_sample(model) as ctx, pytest.raises(UnsupportedModelError, match="BatchNorm"):
         leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
+
+
+class _Between(nn.Module):
+    """Two linear layers with ``between`` applied to the first one's output."""
+
+    def __init__(self, between) -> None:
+        super().__init__()
+        self.a, self.b, self.between = nn.Linear(5, 5), nn.Linear(5, 3), between
+
+    def forward(self, x):
+        return self.b(self.between(self.a(x)))
+
+
+@pytest.mark.parametrize(
+    "between",
+    [lambda h: torch.tanh(h.t()).t(), lambda h: torch.tanh(h.unsqueeze(0)).squeeze(0),
+     lambda h: torch.softmax(h, 1)],
+    ids=["transposed", "unsqueezed", "softmax"],
+)  # fmt: skip
+def test_kfra_refuses_ops_that_move_the_samples_or_are_not_elementwise(between):
+    """Ops between layers that move the batch out of the first dimension were averaged as if
+    each row were a sample: 100 % wrong, silently (N == H here, where shapes cannot tell)."""
+    torch.manual_seed(0)
+    model = _Between(between).double()
+    x, y = torch.randn(5, 5, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        with pytest.raises(UnsupportedModelError, match="neither elementwise nor a view"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.KFRA())
+
+
+def test_kfra_refuses_layers_of_another_context():
+    """Two contexts (an encoder's and a head's): the encoder's replaced layer was taken into
+    the head's chain and the results failed with a KeyError."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(6, 5), nn.Tanh()).double()
+    head = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with leanprop.per_sample(enc), leanprop.per_sample(head) as ctx:
+        out = head(enc(x))
+        with pytest.raises(UnsupportedModelError, match="another per_sample context"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.KFRA())

@@ -1348,7 +1348,7 @@ def test_parameter_values_without_a_gradient_through_the_loss_are_no_escape(how)
         elif how == "earlier-step":
             loss = loss * (norm / norm)
         else:
-            loss = loss + 0.0 * sum(p.sum() for p in model.parameters())
+            loss = loss + 0.0 * sum(p.sum() for p in model[0].parameters())
         loss.backward()
     _exact(model, x, 2.0 if how == "detached" else 1.0)
 
@@ -1439,3 +1439,83 @@ def test_batch_norm_of_no_batch_or_without_autograd_is_not_refused():
                                     "sum")  # fmt: skip
     for k, p in student.named_parameters():
         assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("form", ["stack", "in-place", "in-place-from-zeros"])
+def test_a_small_penalty_joined_in_other_forms_is_refused(form):
+    """`torch.stack([loss, penalty]).sum()` (a list argument) and `total = penalty; total +=
+    loss` (the penalty the target of an in-place op) passed silently below the sum check's
+    tolerance, or raised torch's error about a view changed in place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with (
+        pytest.raises(UnsupportedModelError, match="after the samples were combined"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        penalty = 1e-4 * sum(p.square().sum() for p in model.parameters())
+        loss = F.cross_entropy(model(x), y)
+        if form == "stack":
+            total = torch.stack([loss, penalty]).sum()
+        elif form == "in-place":
+            total = penalty
+            total += loss
+        else:
+            total = torch.zeros(())
+            total += penalty
+            total += loss
+        total.backward()
+    with leanprop.per_sample(model, BatchGrad(), check=False):  # (unchecked: not watched)
+        total = 1e-4 * sum(p.square().sum() for p in model.parameters())
+        total += F.cross_entropy(model(x), y)
+        total.backward()
+
+
+def test_per_sample_losses_with_the_targets_a_forward_input():
+    """`F.cross_entropy(logits, y, reduction='none')` with `y` passed to the forward (HF
+    style) took the batch in the targets for lost, and refused a per-sample weight after it."""
+
+    class Tagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.s = nn.Linear(4, 3), nn.Parameter(torch.tensor(0.3))
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.lin(x), y, reduction="none") * self.s.exp()
+
+    torch.manual_seed(0)
+    model = Tagged().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with leanprop.per_sample(model, BatchGrad(), batch_dims={"y": 0}):
+        model(x, y).sum().backward()
+    for k, p in model.named_parameters():
+        rows = [
+            torch.autograd.grad(model(x[i : i + 1], y[i : i + 1]).sum(), p)[0] for i in range(5)
+        ]
+        assert_close(p.grad_batch, torch.stack(rows), k, 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("where", ["masked tokens", "batch last"])
+def test_functional_batch_norm_over_a_moved_or_lost_batch_is_refused(where):
+    """Refused only with the batch in dim 0, F.batch_norm over tokens selected by a mask (the
+    batch lost) or with the batch last mixed samples silently."""
+
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.lin(x)  # [N, T, 3]
+            if where == "masked tokens":
+                h = h[torch.ones(h.shape[:2], dtype=torch.bool)]  # [N*T, 3], samples lost
+            else:
+                h = h.permute(1, 2, 0)  # [T, 3, N]: the batch last
+            return F.batch_norm(h, None, None, training=True)
+
+    model = Norm().double()
+    with (
+        pytest.raises(UnsupportedModelError, match="functional batch norm"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(torch.randn(4, 5, 4, dtype=torch.float64)).square().sum().backward()

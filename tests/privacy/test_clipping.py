@@ -322,3 +322,27 @@ def test_under_bf16_autocast(name):
         assert p.grad.dtype == torch.float32
         scale = float(expected[k].abs().max())
         assert_close(p.grad, expected[k], k, 5e-2, 2e-2 * scale)
+
+
+def test_a_parameter_whose_individual_gradients_cancel_is_not_left_out():
+    """A parameter applied in the loss after the forward (not followed) whose individual
+    gradients cancel exactly (an antithetic pair x, -x): a rule taking a zero gradient for an
+    unreached parameter left it out of every sample's norm, silently (clipped gradients above
+    the threshold)."""
+
+    class Weighted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.w = nn.Linear(4, 3, bias=False), nn.Parameter(torch.rand(3))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    x0 = torch.randn(1, 4)
+    model = Weighted()
+    with (
+        pytest.raises(UnsupportedModelError, match="'w' got a gradient"),
+        leanprop.clip_per_sample(model, 0.01),
+    ):
+        (model(torch.cat([x0, -x0])) * model.w).mean().backward()

@@ -13,14 +13,13 @@ It applies where the graph is a chain: every parameter belongs to an ``nn.Linear
 inputs, one row per sample (replaced by the context, or torch's own op where the context
 replaces none: the BackPACK facade's), each layer's input reaches back to at most one other
 layer (none for the first) and the output to exactly one, through ops taking one
-differentiable input each. An op's ``J_n`` come from one backward pass per unit of its output,
-all at once (``torch.func.vmap``).
+differentiable input each: elementwise ones (activations, dropout; ``J_n = diag(d_n)``, ``d``
+from one backward pass of ones) and views keeping the samples first. Any other op between two
+layers is refused.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -64,8 +63,8 @@ def _as_layer(node: Any, linears: dict[int, nn.Linear], n: int) -> _Layer | None
     """``node`` as a linear layer on ``[N, I]`` inputs, one row per sample: a replaced one
     (``fused.py``), or torch's own ``addmm``/``mm`` of an ``nn.Linear``'s weight (a context
     that does not replace ops: the BackPACK facade's); None for any other node."""
-    if isinstance(node, BackwardCFunction):
-        if linear_layer(node):
+    if isinstance(node, BackwardCFunction):  # (a replaced op: of these models' layers only)
+        if linear_layer(node) and linears.get(id(node.module.weight)) is node.module:
             return _Layer(node, node.module, node.saved_tensors[0])
         return None
     name = node.name()
@@ -108,12 +107,16 @@ def layer_chain(
             if layer is not None:
                 behind.append(layer)
                 continue
-            if isinstance(node, BackwardCFunction):  # (a layer replaced by the context)
+            if isinstance(node, BackwardCFunction):  # (a layer replaced by a context)
                 module = getattr(node, "module", None)
                 what = f"'{node.name()}'" if module is None else type(module).__name__
-                raise UnsupportedModelError(
-                    _REFUSAL.format(what=f"it has a {what} layer (not a linear one on [N, I])")
-                )
+                what = f"it has a {what} layer (not a linear one on [N, I])"
+                if module is not None and linear_layer(node):
+                    what = (
+                        "it reaches a layer outside the context's model (another per_sample "
+                        "context's): open one context on the whole model"
+                    )
+                raise UnsupportedModelError(_REFUSAL.format(what=what))
             for child, _ in node.next_functions:
                 leaf = getattr(child, "variable", None)
                 if leaf is not None and id(leaf) in wanted:
@@ -172,33 +175,49 @@ def _ops_between(target: Tensor, layer: Any) -> list[tuple[GradientEdge, Gradien
     return ops
 
 
+# ops between two layers that KFRA carries ``B`` through (autograd node names without their
+# "Backward<k>" suffix): elementwise ones (with one differentiable input, the input's shape:
+# a diagonal Jacobian per sample), and views that keep the samples first
+_ELEMENTWISE = frozenset(
+    {"Relu", "Sigmoid", "Tanh", "Gelu", "Silu", "Elu", "Celu", "LeakyRelu", "Softplus",
+     "Hardtanh", "Hardswish", "Hardsigmoid", "Mish", "LogSigmoid", "Threshold", "Mul", "Div",
+     "Add", "Sub", "Neg", "Clone", "NativeDropout"}
+)  # fmt: skip
+_VIEWS = frozenset({"View", "UnsafeView", "ReshapeAlias", "Reshape"})
+
+
+def _kind(node: Any) -> str:
+    return node.name().split("Backward")[0]
+
+
 def _averaged_through(
     contexts: Sequence[PerSample], b: Tensor, target: Tensor, layer: Any
 ) -> Tensor:
     """``b`` (over ``target``'s units per sample) carried back to ``layer``'s output op by op:
-    ``b <- 1/N sum_n J_n^T b J_n`` with each op's Jacobians ``J_n``."""
+    ``b <- 1/N sum_n J_n^T b J_n``. An elementwise op's ``J_n = diag(d_n)`` (``d`` from one
+    backward pass of ones): ``b * (d^T d) / N``; a view keeping the samples first leaves ``b``
+    as it is. Any other op is refused."""
     n, shape = target.shape[0], tuple(target.shape)
     with ExitStack() as stack:
         for c in contexts:  # (passes of ours: nothing per sample, nothing recorded)
             stack.enter_context(c.computing(frozenset()))
             stack.enter_context(c.for_layer_outputs())
         for out, inp in _ops_between(target, layer):
-
-            def pull(column: Tensor, out: GradientEdge = out, inp: GradientEdge = inp) -> Tensor:
-                (g,) = torch.autograd.grad(out, inp, column, retain_graph=True)
-                return g
-
-            units = math.prod(shape[1:])
-            # one column per unit of the op's output, the same for every sample: the rows of
-            # each sample's Jacobian, all samples at once
-            basis = torch.eye(units, dtype=target.dtype, device=target.device)
-            columns = basis.reshape(units, 1, *shape[1:]).expand(units, *shape).contiguous()
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "There is a performance drop")
-                jac = torch.func.vmap(pull)(columns)  # [units, N, *input]
-            shape = tuple(jac.shape[1:])
-            jac = jac.flatten(2).to(b.dtype)
-            b = torch.einsum("jno,jk,kni->oi", jac, b, jac) / n
+            ones = torch.ones(shape, dtype=target.dtype, device=target.device)
+            (d,) = torch.autograd.grad(out, inp, ones, retain_graph=True)
+            kind, before = _kind(out.node), tuple(d.shape)
+            if kind in _ELEMENTWISE and before == shape:
+                d = d.reshape(n, -1).to(b.dtype)
+                b = b * (d.mT @ d) / n
+            elif not (kind in _VIEWS and before[:1] == shape[:1] == (n,)):
+                raise UnsupportedModelError(
+                    _REFUSAL.format(
+                        what=f"'{out.node.name()}' between two layers, from {list(before)} to "
+                        f"{list(shape)}, is neither elementwise nor a view keeping the samples "
+                        "first"
+                    )
+                )
+            shape = before
     return b
 
 
