@@ -255,11 +255,20 @@ _BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it t
     "interpolate", "upsample", "unfold", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d",
     "max_pool2d_with_indices", "local_response_norm",
 }  # fmt: skip
-_LOSSES = {
+_LOSSES = {  # (each takes the samples first; with reduction="none" a value per sample)
     "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
+    "gaussian_nll_loss", "soft_margin_loss", "multilabel_soft_margin_loss",
+    "hinge_embedding_loss", "cosine_embedding_loss", "margin_ranking_loss",
+    "triplet_margin_loss", "triplet_margin_with_distance_loss", "multi_margin_loss",
+    "multilabel_margin_loss",
 }  # fmt: skip
 _CLASS_LOSSES = {"cross_entropy", "nll_loss"}  # [N, C, ...] scores: the classes' dim goes
+_SAMPLE_LOSSES = {  # one value per sample [N] (reduction="none")
+    "cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss",
+    "triplet_margin_with_distance_loss", "multi_margin_loss", "multilabel_margin_loss",
+    "multilabel_soft_margin_loss",
+}  # fmt: skip
 _NON_TENSOR = {"size", "dim", "numel", "item", "tolist", "len", "stride", "data_ptr"}
 # new tensors whose values do not depend on the input's (only its shape, dtype or device)
 _FACTORIES = {
@@ -385,8 +394,8 @@ def _einsum(args: Sequence[Any], which: int, bd: BatchDim) -> Info:
 
 def _matmul(a: Tensor, b: Tensor, which: int, bd: BatchDim, out_ndim: int) -> Info:
     x = a if which == 0 else b
-    if x.dim() == 1:
-        return Lost("matrix product over the batch")
+    if x.dim() == 1:  # (its one dimension is the batch's, contracted)
+        return Combined("matrix product over the batch")
     last = x.dim() - 1
     contracted = last if which == 0 else last - 1
     if bd.dim == contracted:
@@ -536,7 +545,7 @@ def result_dim(
         if od == nd:  # keepdim
             return bd
         return BatchDim(bd.dim - sum(k < bd.dim for k in dims), bd.inner)
-    if name in ("matmul", "mm", "bmm"):
+    if name in ("matmul", "mm", "bmm", "dot", "vdot"):
         return _matmul(args[0], args[1], which, bd, od)
     if name == "addbmm" and which in (1, 2) and bd.dim == 0:
         return Lost("addbmm sums over the batch dimension")
@@ -565,6 +574,8 @@ def result_dim(
     if name in _LOSSES:
         if kwargs.get("reduction", "mean") != "none":
             return Combined("a loss reduces over samples")
+        if name in _SAMPLE_LOSSES:  # [N, ...] -> [N]
+            return bd if bd.dim == 0 else Lost(f"{name} with the batch not first")
         if name not in _CLASS_LOSSES or which == 1:  # elementwise, or the targets [N, ...]
             return bd
         if which != 0:

@@ -1519,3 +1519,24 @@ def test_functional_batch_norm_over_a_moved_or_lost_batch_is_refused(where):
         leanprop.per_sample(model, BatchGrad()),
     ):
         model(torch.randn(4, 5, 4, dtype=torch.float64)).square().sum().backward()
+
+
+@pytest.mark.parametrize("join", ["cosine_embedding", "dot", "matmul"])
+def test_penalties_next_to_other_sums_of_samples_are_refused(join):
+    """Losses outside the first list (cosine embedding, ...) and products contracting the
+    batch (per-sample losses @ weights) were not taken for sums of samples: a tiny penalty
+    beside them passed silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, weights = torch.randn(6, 4), torch.rand(6)
+    with (
+        pytest.raises(UnsupportedModelError, match="after the samples were combined"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        out = model(x)
+        if join == "cosine_embedding":
+            loss = F.cosine_embedding_loss(out, torch.ones_like(out), torch.ones(6))
+        else:
+            losses = out.square().sum(1)
+            loss = torch.dot(losses, weights) if join == "dot" else losses @ weights
+        (loss + 1e-9 * model[0].weight.square().sum()).backward()
