@@ -449,6 +449,28 @@ def test_pchmp_against_the_definition_and_backpack(modify):
         assert_close(p.pchmp(mat).flatten(1), mat.flatten(1) @ theirs_ref[k], k, 1e-10, 1e-12)
 
 
+def _facade_then_backpack(bp, model, loss_type, x, y, names, seed=0):
+    """The facade's results ``{param name: {attr: value}}`` for the extensions ``names``;
+    then BackPACK's own, left on the parameters (each run starts from ``seed``: the same
+    dropout masks)."""
+    ours, ours_loss = extend(model), extend(loss_type())
+    try:
+        torch.manual_seed(seed)
+        with backpack(*(getattr(extensions, e)() for e in names)):
+            ours_loss(ours(x), y).backward()
+        attrs = [getattr(extensions, e)().attr for e in names]
+        mine = {k: {a: getattr(p, a) for a in attrs} for k, p in model.named_parameters()}
+    finally:
+        facade.unextend(model)
+        facade.unextend(ours_loss)
+        model.zero_grad()
+    theirs_model, theirs_loss = bp.extend(model), bp.extend(loss_type())
+    torch.manual_seed(seed)
+    with bp.backpack(*(getattr(bp.extensions, e)() for e in names)):
+        theirs_loss(theirs_model(x), y).backward()
+    return mine
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 @pytest.mark.parametrize("loss", ["ce", "mse"])
 @pytest.mark.parametrize("act", [nn.ReLU, nn.Sigmoid, nn.Tanh])
@@ -464,24 +486,11 @@ def test_kfra_against_backpack(act, loss):
     x = torch.randn(7, 2, 3, dtype=dtype)
     y = torch.randint(0, 3, (7,)) if loss == "ce" else torch.randn(7, 3, dtype=dtype)
     loss_type = nn.CrossEntropyLoss if loss == "ce" else nn.MSELoss
-    ours, ours_loss = extend(model), extend(loss_type())
-    try:
-        torch.manual_seed(1)  # (the same dropout masks)
-        with backpack(extensions.KFRA()):
-            ours_loss(ours(x), y).backward()
-        mine = {k: p.kfra for k, p in model.named_parameters()}
-    finally:
-        facade.unextend(model)
-        facade.unextend(ours_loss)
-        model.zero_grad()
-    theirs_model, theirs_loss = bp.extend(model), bp.extend(loss_type())
-    torch.manual_seed(1)
-    with bp.backpack(bp.extensions.KFRA()):
-        theirs_loss(theirs_model(x), y).backward()
+    mine = _facade_then_backpack(bp, model, loss_type, x, y, ["KFRA"], seed=1)
     tol = (1e-10, 1e-13) if dtype == torch.float64 else (1e-5, 1e-7)
     for k, p in model.named_parameters():
-        assert len(mine[k]) == len(p.kfra), k
-        for i, (a, b) in enumerate(zip(mine[k], p.kfra, strict=True)):
+        assert len(mine[k]["kfra"]) == len(p.kfra), k
+        for i, (a, b) in enumerate(zip(mine[k]["kfra"], p.kfra, strict=True)):
             assert_close(a, b, f"{k}.kfra[{i}]", *tol)
 
 
@@ -493,18 +502,8 @@ def test_token_level_cross_entropy_against_backpack():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv1d(4, 6, 1), nn.Tanh(), nn.Conv1d(6, 5, 1)).double()
     x, y = torch.randn(3, 4, 6, dtype=torch.float64), torch.randint(0, 5, (3, 6))
-    ours, ours_loss = extend(model), extend(nn.CrossEntropyLoss())
-    try:
-        with backpack(extensions.DiagGGNExact(), extensions.BatchDiagGGNExact()):
-            ours_loss(ours(x), y).backward()
-        mine = {k: (p.diag_ggn_exact, p.diag_ggn_exact_batch) for k, p in model.named_parameters()}
-    finally:
-        facade.unextend(model)
-        facade.unextend(ours_loss)
-        model.zero_grad()
-    theirs_model, theirs_loss = bp.extend(model), bp.extend(nn.CrossEntropyLoss())
-    with bp.backpack(bp.extensions.DiagGGNExact(), bp.extensions.BatchDiagGGNExact()):
-        theirs_loss(theirs_model(x), y).backward()
+    names = ["DiagGGNExact", "BatchDiagGGNExact"]
+    mine = _facade_then_backpack(bp, model, nn.CrossEntropyLoss, x, y, names)
     for k, p in model.named_parameters():
-        assert_close(mine[k][0], p.diag_ggn_exact, f"{k}.diag", 1e-10, 1e-13)
-        assert_close(mine[k][1], p.diag_ggn_exact_batch, f"{k}.batch_diag", 1e-10, 1e-13)
+        for attr in ("diag_ggn_exact", "diag_ggn_exact_batch"):
+            assert_close(mine[k][attr], getattr(p, attr), f"{k}.{attr}", 1e-10, 1e-13)
