@@ -713,25 +713,31 @@ class BatchTracker:
         :class:`Combined`; see ``escapes.py``), with their parameters. Each is named by its
         place: ``(position,)``, ``(keyword,)``, or ``(position, index)`` in a list argument
         (``torch.stack([loss, penalty])``)."""
-        places: list[tuple[tuple[int | str, ...], Tensor]] = []
+        batch_free: list[tuple[tuple[int | str, ...], Tensor]] = []
+        combined = False
         for key, v in (*enumerate(args), *kwargs.items()):
             if isinstance(v, Tensor):
-                places.append(((key,), v))
+                items: Iterable[tuple[tuple[int | str, ...], Any]] = (((key,), v),)
             elif isinstance(v, list | tuple):
-                places += [((key, j), t) for j, t in enumerate(v) if isinstance(t, Tensor)]
-        combined = False
-        for _, t in places:
-            info = self._info.get(t)
-            if info is not None:
-                if not isinstance(info, Combined):
-                    return []
-                combined = True
+                items = (((key, j), t) for j, t in enumerate(v))
+            else:
+                continue
+            for place, t in items:
+                if not isinstance(t, Tensor):
+                    continue
+                info = self._info.get(t)
+                if info is None:
+                    batch_free.append((place, t))
+                elif not isinstance(info, Combined):  # (the op meets the batch itself: on
+                    return []  # the hot path of every forward, left at the first one)
+                else:
+                    combined = True
         if not combined:
             return []
         return [
             (place, params)
-            for place, t in places
-            if t.requires_grad and self._info.get(t) is None and (params := self.derived_params(t))
+            for place, t in batch_free
+            if t.requires_grad and (params := self.derived_params(t))
         ]
 
     def propagate(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
