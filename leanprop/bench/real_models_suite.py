@@ -3,7 +3,10 @@
 Models (rows are ``model/method``): ``gpt2``, ``bert`` and ``vit``, small configs of HF
 ``transformers``' GPT-2, BERT (with padding) and ViT (skipped without it), and ``resnet18gn``, a
 ResNet-18 with GroupNorm (written out), in training mode with their default dropout.
-Methods side by side in one run: ``plain`` forward+backward, leanprop's ``BatchGrad`` /
+Methods side by side in one run: ``plain`` forward+backward, ``plain+write`` (plain, then
+``[N, *p.shape]`` tensors allocated and written for every parameter: what returning individual
+gradients costs at the least, whatever computes them; on CPU mostly the kernel's zeroing of
+fresh pages), leanprop's ``BatchGrad`` /
 ``BatchL2Grad`` / ``Variance``, ``torch.func`` (``vmap(grad)`` with per-sample randomness)
 and Opacus' ``GradSampleModule``, where each runs. Peak memory is the exact tensor peak of one
 step (:class:`leanprop.track_memory`); time is measured in rounds, every method once per round.
@@ -150,6 +153,15 @@ def make_step(method: str, problem: Problem, n: int) -> Callable[[], list[Tensor
             clear()
             return out
 
+    elif method == "plain+write":  # a floor for any BatchGrad: plain, then its [N, *p.shape]
+        # results allocated and written once (fresh memory: the page faults included)
+
+        def step() -> list[Tensor]:
+            loss_fn(model, b).backward()
+            out = [p.new_empty(n, *p.shape).fill_(1.0) for p in params]
+            clear()
+            return out
+
     elif method in LEANPROP:
         q = LEANPROP[method]
 
@@ -188,7 +200,7 @@ def make_step(method: str, problem: Problem, n: int) -> Callable[[], list[Tensor
 
     else:
         raise leanprop.LeanpropValueError(
-            f"unknown real-models benchmark method {method!r}; allowed: plain, "
+            f"unknown real-models benchmark method {method!r}; allowed: plain, plain+write, "
             f"{', '.join(LEANPROP)}, torchfunc, opacus."
         )
     return step
@@ -200,7 +212,7 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (16,), reps: int = 10) -
         raise leanprop.LeanpropValueError(
             "the real-models suite runs on CPU only for now; pass --device cpu."
         )
-    methods = ["plain", *LEANPROP, "torchfunc"]
+    methods = ["plain", "plain+write", *LEANPROP, "torchfunc"]
     if importlib.util.find_spec("opacus") is not None:
         methods.append("opacus")
     rows: list[dict] = []

@@ -49,9 +49,10 @@ def per_sample(
         conv_algorithm: individual weight gradients of convolutions: ``"unfold"`` (im2col),
             ``"grouped"`` (Rochette et al. 2019, no im2col buffer), ``"weight_backward"`` (the
             backend's weight-gradient kernel on one convolution grouped by sample, no im2col
-            buffer) or ``"auto"``: each layer shape's first chunk times those whose scratch
-            memory fits ``max_workspace_mib`` and keeps the fastest (for this process). All
-            are exact; they differ in rounding, so pick one for bit-reproducible runs.
+            buffer) or ``"auto"``: a layer shape's first calls try those whose scratch memory
+            fits ``max_workspace_mib`` in turn (three calls each, timed as they run, their
+            results used), then keep the fastest (for this process). All are exact; they
+            differ in rounding, so pick one for bit-reproducible runs.
         max_workspace_mib: scratch memory per layer; samples are processed in chunks so that
             a layer's temporary buffers stay below it (the results themselves are not bounded).
             Default: 16 MiB on CPU, 64 MiB on GPUs.

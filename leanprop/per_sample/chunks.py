@@ -11,11 +11,17 @@ from torch import Tensor
 
 
 def sample_chunks(n: int, per_sample_bytes: int, budget_bytes: int) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` ranges covering ``range(n)``, each of as many samples as fit in
-    ``budget_bytes`` at ``per_sample_bytes`` each (at least one)."""
+    """``(start, stop)`` ranges covering ``range(n)``: as few as fit ``budget_bytes`` at
+    ``per_sample_bytes`` each (at least one sample), of sizes differing by at most one (a
+    small last chunk runs its kernels at a fraction of their speed: 32 samples by 14 are
+    cut 11, 11, 10, not 14, 14, 4)."""
     size = max(1, budget_bytes // max(per_sample_bytes, 1))
-    for start in range(0, n, size):
-        yield start, min(n, start + size)
+    count = -(-n // size)
+    start = 0
+    for i in range(count):
+        stop = start + n // count + (i < n % count)
+        yield start, stop
+        start = stop
 
 
 class Scratch:

@@ -107,6 +107,36 @@ def test_curvature_needs_the_extended_loss_output():
         facade.unextend(loss_fn)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+@pytest.mark.parametrize(
+    "ext", [extensions.DiagGGNExact(), extensions.KFAC(), extensions.DiagHessian()], ids=repr
+)
+def test_curvature_under_create_graph_is_refused_not_left_constant(ext):
+    """BackPACK's curvature is differentiable under ``backward(create_graph=True)``; the
+    facade's carries no graph, so it is refused (it was returned without a graph, silently
+    constant), and the block stays usable; first-order quantities stay differentiable."""
+    case = build("mlp")
+    model, loss_fn = extend(case.model), extend(nn.CrossEntropyLoss())
+    try:
+        with (
+            pytest.raises(UnsupportedModelError, match=r"create_graph=True.*no graph"),
+            backpack(ext, extensions.BatchGrad()),
+        ):
+            loss_fn(model(case.x), case.y).backward(create_graph=True)
+        assert not hasattr(model[0].weight, ext.attr)
+        model.zero_grad()
+        with backpack(ext):
+            loss_fn(model(case.x), case.y).backward()
+        assert getattr(model[0].weight, ext.attr) is not None
+        with backpack(extensions.BatchGrad()):
+            loss_fn(model(case.x), case.y).backward(create_graph=True)
+        assert model[0].weight.grad_batch.requires_grad
+    finally:
+        model.zero_grad(set_to_none=True)
+        facade.unextend(model)
+        facade.unextend(loss_fn)
+
+
 def test_retain_graph_gives_each_backward_its_own_results():
     """BackPACK's batched-Jacobian pattern: one backward per output through one forward, each
     with the individual gradients of that output, also through modules hooked as a whole."""

@@ -151,16 +151,65 @@ def test_auto_conv_algorithm_follows_the_workspace_budget():
     assert candidates(conv, g, RuleOptions("unfold", 10)) == ("unfold",)
 
 
-def test_auto_conv_algorithm_is_timed_once_per_shape(monkeypatch):
-    """``"auto"`` times the algorithms on a layer's first chunk, keeps the fastest for that
-    shape, and every choice is exact."""
+def test_auto_conv_algorithm_is_chosen_once_per_shape(monkeypatch):
+    """``"auto"`` tries the algorithms in turn on a layer shape's first calls, then keeps the
+    fastest for that shape; every call, tried or chosen, is exact."""
     from leanprop.per_sample.rules import conv
 
     monkeypatch.setattr(conv, "_FASTEST", {})
-    case = build("conv2d")
-    check_against_oracle(case, "sum", conv_algorithm="auto")
+    monkeypatch.setattr(conv, "_TIMES", {})
+    monkeypatch.setattr(conv, "_TRIES", 1)
+    for _ in range(len(conv.ALGORITHMS)):  # the trials
+        check_against_oracle(build("conv2d"), "sum", conv_algorithm="auto")
     assert conv._FASTEST and set(conv._FASTEST.values()) <= set(conv.ALGORITHMS)
+    assert not conv._TIMES
     for key in list(conv._FASTEST):  # each other choice is exact too
         for algorithm in conv.ALGORITHMS:
             conv._FASTEST[key] = algorithm
         check_against_oracle(build("conv2d"), "sum", conv_algorithm="auto")
+
+
+def test_auto_conv_algorithm_times_each_in_use_and_keeps_the_fastest(monkeypatch):
+    """Each trial's result is the call's result, written into the caller's buffer whatever
+    the algorithm; a slower algorithm is not kept."""
+    import time
+
+    from torch import nn
+
+    from leanprop.per_sample.rules import conv
+
+    monkeypatch.setattr(conv, "_FASTEST", {})
+    monkeypatch.setattr(conv, "_TIMES", {})
+    ran: list[str] = []
+
+    def timed(name):
+        f = getattr(conv, name)
+
+        def wrapped(*args):
+            ran.append(name)
+            if name == "_weight_backward":
+                time.sleep(0.02)  # the slow one
+            return f(*args)
+
+        return wrapped
+
+    for name in ("_unfold", "_grouped", "_weight_backward"):
+        monkeypatch.setattr(conv, name, timed(name))
+    torch.manual_seed(0)
+    m = nn.Conv2d(4, 6, 3, padding=1, stride=2).double()
+    x, g = torch.randn(5, 4, 7, 7, dtype=torch.float64), torch.randn(5, 6, 4, 4).double()
+    want = torch.stack([
+        torch.autograd.grad(conv_out, m.weight, g[i : i + 1])[0]
+        for i in range(5)
+        for conv_out in [m(x[i : i + 1])]
+    ])  # fmt: skip
+    tries = len(conv.ALGORITHMS) * conv._TRIES
+    with torch.no_grad():
+        for _ in range(tries + 2):
+            out = torch.full_like(want, float("nan"))
+            res = conv._weight_grads(m, x, g, conv.ALGORITHMS, out)
+            assert res.data_ptr() == out.data_ptr()
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert sorted(ran[:tries]) == sorted(["_unfold", "_grouped", "_weight_backward"] * conv._TRIES)
+    (kept,) = conv._FASTEST.values()
+    assert kept != "weight_backward" and ran[tries:] == ["_" + kept] * 2 and not conv._TIMES

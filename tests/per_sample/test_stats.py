@@ -65,3 +65,17 @@ def test_reducers_of_one_call_get_separate_scratch_buffers():
     with torch.no_grad():
         targets = {k: r.target(0, 5, g) for k, r in reducers.items()}
     assert targets["w"].data_ptr() != targets["b"].data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("n", "per", "budget"), [(32, 10, 140), (32, 1, 10**9), (7, 100, 1), (0, 1, 1), (5, 0, 3)]
+)
+def test_sample_chunks_cover_the_batch_in_near_equal_chunks_within_the_budget(n, per, budget):
+    from leanprop.per_sample.chunks import sample_chunks
+
+    chunks = list(sample_chunks(n, per, budget))
+    assert [i for a, b in chunks for i in range(a, b)] == list(range(n))
+    sizes = [b - a for a, b in chunks]
+    assert not sizes or max(sizes) - min(sizes) <= 1
+    fit = max(1, budget // max(per, 1))
+    assert all(s <= fit for s in sizes) and len(chunks) == -(-n // fit)

@@ -102,7 +102,8 @@ def ggn(
     attributes (``diag_ggn_exact``, ...; see :mod:`leanprop.per_sample.curvature.quantities`);
     the others lose those of an earlier call. The passes are ``autograd.grad`` calls: no
     ``.grad`` changes, no hook of an optimizer stepping in backward fires; the context's
-    first-order results are left as they were. The output must hold the samples in one
+    first-order results are left as they were; the results carry no autograd graph (not
+    differentiable). The output must hold the samples in one
     dimension (the one leanprop followed from the inputs, e.g. ``[T, N, C]`` with
     ``batch_dim=1``).
 

@@ -16,9 +16,10 @@ Three algorithms (``RuleOptions.conv_algorithm``), all exact:
   convolution whose groups are the samples; no patches either.
 
 Which is fastest depends on the layer's shape and the backend by a factor of up to 10 either
-way, so ``"auto"`` times the algorithms whose scratch memory fits on a layer's first chunk (once
-per shape, device and dtype in this process; not while autograd records) and keeps the fastest.
-All run over chunks of samples chosen by the caller to bound scratch memory.
+way, so ``"auto"`` tries the algorithms whose scratch memory fits in turn on a layer shape's
+first calls, timing each as it runs, and keeps the fastest (per shape, device and dtype in this
+process; not while autograd records). All run over chunks of samples chosen by the caller to
+bound scratch memory.
 
 Squared norms alone (``BatchL2Grad``) of a layer with few output positions ``L`` (the late,
 low-resolution layers of a CNN, which hold most of its parameters) come without ``W_n``: per
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from typing import Any
 
@@ -168,7 +170,9 @@ def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, opts: Rule
     return max(_workspace_of(module, g, a) for a in candidates(module, g, opts))
 
 
+_TRIES = 3  # timed calls of each algorithm per layer shape before the fastest is kept
 _FASTEST: dict[tuple, str] = {}  # layer configuration and shapes -> fastest algorithm
+_TIMES: dict[tuple, dict[str, list[float]]] = {}  # the same -> seconds of each call tried
 
 
 def _key(module: nn.Module, x: Tensor, g: Tensor, options: tuple[str, ...]) -> tuple:
@@ -186,29 +190,40 @@ def _sync(x: Tensor) -> None:
 def _weight_grads(
     module: nn.Module, x: Tensor, g: Tensor, options: tuple[str, ...], out: Tensor | None
 ) -> Tensor:
-    """Individual weight gradients by the fastest of ``options`` for this layer and shape
-    (timed on first use, except while autograd records: then the first)."""
+    """Individual weight gradients ``[n, O, C/G, *K]`` by the fastest of ``options`` for this
+    layer and shape, written into ``out`` where given.
+
+    The fastest is found in use: the first ``_TRIES`` calls of each algorithm on a shape are
+    timed as they run (their results are the results: nothing is computed twice), then the
+    one with the lowest median is kept for the process. Timed where it runs, a call pays
+    what the model's real calls pay (the result's fresh memory, cold caches, the backend's
+    kernel selection), which a separate trial does not see (oneDNN's grouped weight
+    gradient times from 1x to 10x im2col's on identical layers). While autograd records,
+    the first of ``options``."""
     run = {
-        "unfold": lambda target: _unfold(module, x, g, target),
-        "grouped": lambda target: _grouped(module, _pad(module, x), g),
-        "weight_backward": lambda target: _weight_backward(module, _pad(module, x), g),
+        "unfold": lambda: _unfold(module, x, g, out),
+        "grouped": lambda: _grouped(module, _pad(module, x), g),
+        "weight_backward": lambda: _weight_backward(module, _pad(module, x), g),
     }
     if len(options) == 1 or torch.is_grad_enabled():
-        return run[options[0]](out)
+        return run[options[0]]()
     key = _key(module, x, g, options)
-    if key in _FASTEST:
-        return run[_FASTEST[key]](out)
-    best = math.inf
-    for algorithm in options:  # twice each (the first run also faults in fresh memory);
-        for _ in range(2):  # unfold writes into ``out``, the others' results are used as they are
-            _sync(x)
-            start = time.perf_counter()
-            res = run[algorithm](out)
-            _sync(x)
-            took = time.perf_counter() - start
-            if took < best:
-                best, _FASTEST[key] = took, algorithm
-    return res.view(x.shape[0], *module.weight.shape)
+    fastest = _FASTEST.get(key)
+    if fastest is not None:
+        return run[fastest]()
+    times = _TIMES.setdefault(key, {a: [] for a in options})
+    algorithm = min(options, key=lambda a: len(times[a]))  # the least tried
+    _sync(x)
+    start = time.perf_counter()
+    res = run[algorithm]().view(x.shape[0], *module.weight.shape)
+    if out is not None and res.data_ptr() != out.data_ptr():  # (every one pays the write)
+        res = out.copy_(res)
+    _sync(x)
+    times[algorithm].append(time.perf_counter() - start)
+    if all(len(t) >= _TRIES for t in times.values()):
+        _FASTEST[key] = min(options, key=lambda a: statistics.median(times[a]))
+        del _TIMES[key]
+    return res
 
 
 def _explicit_zero_padding(module: nn.Module) -> bool:
