@@ -147,11 +147,16 @@ def quantities_from_individual(grads: Tensor) -> dict[str, Tensor]:
 
 
 def ggn_blocks(
-    model: nn.Module, x: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], y: Tensor
+    model: nn.Module,
+    x: Tensor,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    y: Tensor,
+    differentiable: bool = False,
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """The generalized Gauss-Newton matrix ``G = J^T H J`` by brute force (full Jacobians of
     the output with respect to each parameter, the loss's full Hessian with respect to the
-    output), for checking curvature quantities on small problems.
+    output), for checking curvature quantities on small problems. ``differentiable``: as a
+    function of the parameters (``J`` and ``H`` both), for checking derivatives.
 
     Returns:
         ``name -> (G_pp [P, P], per-sample diagonals [N, P])`` for each trainable parameter
@@ -163,8 +168,20 @@ def ggn_blocks(
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     out = functional_call(model, params, (x,))
     n, k = out.shape[0], out[0].numel()
-    jac = jacrev(lambda ps: functional_call(model, ps, (x,)))(params)
-    hess = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), out.detach())
+    if differentiable:  # (by autograd: torch.func's derivative of jacrev through layer_norm
+        # is wrong in torch 2.13, 60 % off against finite differences)
+        names = list(params)
+        found = torch.autograd.functional.jacobian(
+            lambda *ps: functional_call(model, dict(zip(names, ps, strict=True)), (x,)),
+            tuple(params.values()), create_graph=True,
+        )  # fmt: skip
+        jac = dict(zip(names, found, strict=True))
+    else:
+        jac = jacrev(lambda ps: functional_call(model, ps, (x,)))(params)
+    at = out if differentiable else out.detach()
+    hess = torch.autograd.functional.hessian(
+        lambda o: loss_fn(o, y), at, create_graph=differentiable
+    )
     h = hess.reshape(n, k, n, k)
     h_nn = torch.diagonal(h, dim1=0, dim2=2).permute(2, 0, 1)  # [N, K, K]
     blocks = {}

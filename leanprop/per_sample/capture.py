@@ -317,6 +317,7 @@ class PerSample:
         self._sites: list[Site] = []
         self._states: dict[nn.Parameter, ParamState] = {}
         self._cycle = Cycle(self._states, self._sites)  # the current forward and its backward
+        self._cycle.watch_results = weakref.WeakMethod(self._watch_results)  # (no cycle)
         self._active = False
         self._computing_here = False
         self._layer_outputs_only = 0  # see for_layer_outputs
@@ -1450,6 +1451,7 @@ class PerSample:
             self._accumulating = accumulates
             if not passive:  # (what an earlier backward's watched uses found is not this one's)
                 self._cycle.escaped = {}
+                self._cycle.reopen()
         self._backward_depth += 1
         self._passive += passive
         try:
@@ -1778,9 +1780,29 @@ class PerSample:
                     )  # fmt: skip
                 yield batch
 
+    def _watch_results(self, nodes: list[Any]) -> None:
+        """Hook the nodes of a create_graph backward's results: a later backward that reaches
+        one differentiates them (see ``Cycle.graph_closed``). The hooks live with the nodes and
+        hold this context weakly."""
+        ref = weakref.ref(self)
+
+        def reached(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            capture = ref()
+            if capture is not None and capture._active and capture._backward_depth:
+                capture._cycle.differentiates_results()
+
+        for node in nodes:
+            node.register_prehook(reached)
+
     def _finish(self) -> None:
         """End of the backward pass: complete partial calls, write and check the results."""
         n = self._cycle.n
+        if self._cycle.differentiating:  # (it differentiates a create_graph backward's
+            # results, and also reached the model's forward: per sample, neither is defined)
+            self._computing_here = False
+            self._cycle.end_backward()
+            self._cycle.clear_attrs()
+            return
         try:
             check = self._check or self._cycle.direct_call is not None
             clip = None

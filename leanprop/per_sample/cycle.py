@@ -188,6 +188,14 @@ class Cycle:
     dropped_n: int | None = None  # samples of an earlier forward dropped before its backward
     direct_call: str | None = None  # a module of the model called on its own in this forward
     keep_calls: bool = False  # module-level calls stay for another backward (curvature passes)
+    # a create_graph backward closes the forward's sinks (differentiating its results must
+    # not compute per-sample quantities), each later backward reopens them (another backward
+    # through the retained forward computes its own) until it reaches one of those results'
+    # nodes (``watch_results`` hooks them): then it differentiates them, and computes nothing
+    graph_closed: list[Any] = field(default_factory=list)
+    differentiating: bool = False  # this backward reached a create_graph backward's results
+    # () -> the function that hooks the results' nodes (the context's, held weakly) or None
+    watch_results: Callable[[], Callable[[list[Any]], None] | None] | None = None
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -286,14 +294,41 @@ class Cycle:
         self.escaped = {}
         self.source = None
         if self.grad_mode:
-            for sink in self._sinks():
+            self.graph_closed = self._sinks()
+            for sink in self.graph_closed:
                 sink.close()
+            watch = self.watch_results() if self.watch_results is not None else None
+            if watch is not None:  # (what a later backward may differentiate)
+                watch(self._result_nodes())
         for state in self.states.values():
             state.drop_results()
         self.open = False
         self.finish_queued = False
         self.backward_done = True
         self.discarded_forward = False
+
+    def _result_nodes(self) -> list[Any]:
+        """The autograd nodes of this (create_graph) backward's results: every quantity
+        formed, and the gradients autograd handed over (``.grad``, ``autograd.grad``'s)."""
+        found: list[Any] = []
+        for state in self.states.values():
+            values = [*state.results.values(), *(g for _, _, g in state.autograd_grads)]
+            found += [v.grad_fn for v in values if isinstance(v, Tensor)]
+        return [node for node in dict.fromkeys(found) if node is not None]
+
+    def reopen(self) -> None:
+        """A backward (not passive) begins: the sinks a create_graph backward closed take
+        contributions again, until it reaches that backward's results (``differentiating``)."""
+        self.differentiating = False
+        for sink in self.graph_closed:
+            sink.reopen()
+
+    def differentiates_results(self) -> None:
+        """This backward reached a create_graph backward's results: it differentiates them,
+        and computes no per-sample quantities."""
+        self.differentiating = True
+        for sink in self.graph_closed:
+            sink.close()
 
     def drop_forward(self) -> None:
         """The current forward (and earlier ones waiting for a backward) will be dropped
@@ -309,7 +344,7 @@ class Cycle:
         self.tensor_handles.clear()
         for sink in self._sinks():
             sink.close()
-        self.contributions, self.earlier = None, []
+        self.contributions, self.earlier, self.graph_closed = None, [], []
         for site in self.sites:
             site.calls, site.running, site.fused = 0, False, False
         for state in self.states.values():

@@ -47,9 +47,9 @@ def working() -> bool:
 
 
 class Contribute:
-    """Where one forward's captured uses hand their per-sample contributions; closed when that
-    forward/backward cycle ends, so a later backward through the same graph (of a
-    ``create_graph`` result, or retained) runs the ordinary backward only."""
+    """Where one forward's captured uses hand their per-sample contributions; closed when the
+    forward's records are dropped, and while a backward differentiates a ``create_graph``
+    backward's results (``Cycle.graph_closed``): the ops then run their ordinary backward."""
 
     def __init__(
         self,
@@ -83,6 +83,11 @@ class Contribute:
 
     def close(self) -> None:
         self._closed = True
+
+    def reopen(self) -> None:
+        """Take contributions again: closed by a ``create_graph`` backward, and another
+        backward through the same forward comes (see ``Cycle.reopen``)."""
+        self._closed = False
 
     def refuse_if_dropped(self) -> None:
         """A backward through a forward whose records a later forward (of another batch size)

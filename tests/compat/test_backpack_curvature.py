@@ -108,18 +108,16 @@ def test_curvature_needs_the_extended_loss_output():
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
-@pytest.mark.parametrize(
-    "ext", [extensions.DiagGGNExact(), extensions.KFAC(), extensions.DiagHessian()], ids=repr
-)
-def test_curvature_under_create_graph_is_refused_not_left_constant(ext):
-    """BackPACK's curvature is differentiable under ``backward(create_graph=True)``; the
-    facade's carries no graph, so it is refused (it was returned without a graph, silently
-    constant), and the block stays usable; first-order quantities stay differentiable."""
+@pytest.mark.parametrize("ext", [extensions.KFAC(), extensions.DiagHessian()], ids=repr)
+def test_curvature_without_a_graph_under_create_graph_is_refused(ext):
+    """Under ``backward(create_graph=True)`` BackPACK's curvature is differentiable; the
+    facade's quantities that carry no graph are refused (they were returned without one,
+    silently constant), and the block stays usable."""
     case = build("mlp")
     model, loss_fn = extend(case.model), extend(nn.CrossEntropyLoss())
     try:
         with (
-            pytest.raises(UnsupportedModelError, match=r"create_graph=True.*no graph"),
+            pytest.raises(UnsupportedModelError, match=r"create_graph=True.*carry no graph"),
             backpack(ext, extensions.BatchGrad()),
         ):
             loss_fn(model(case.x), case.y).backward(create_graph=True)
@@ -128,13 +126,55 @@ def test_curvature_under_create_graph_is_refused_not_left_constant(ext):
         with backpack(ext):
             loss_fn(model(case.x), case.y).backward()
         assert getattr(model[0].weight, ext.attr) is not None
-        with backpack(extensions.BatchGrad()):
-            loss_fn(model(case.x), case.y).backward(create_graph=True)
-        assert model[0].weight.grad_batch.requires_grad
     finally:
         model.zero_grad(set_to_none=True)
         facade.unextend(model)
         facade.unextend(loss_fn)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_curvature_under_create_graph_is_differentiable_as_backpacks(loss):
+    """``backward(create_graph=True)`` in a ``backpack(DiagGGNExact(), ...)`` block: the
+    quantities and the gradients of a functional of them equal BackPACK's."""
+    bp = pytest.importorskip("backpack")
+    torch.manual_seed(0)
+    make = (
+        (nn.CrossEntropyLoss, torch.randint(0, 3, (6,)))
+        if loss == "ce"
+        else (lambda: nn.MSELoss(reduction="sum"), torch.randn(6, 3).double())
+    )
+    x = torch.randn(6, 4).double()
+    exts = ("DiagGGNExact", "BatchDiagGGNExact", "DiagGGNMC")
+    found = []
+    for lib in (facade, bp):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        model, loss_fn = lib.extend(model), lib.extend(make[0]())
+        with lib.backpack(*(getattr(lib.extensions, e)() for e in exts)):
+            torch.manual_seed(2)  # (the Monte-Carlo draws: BackPACK's, from torch's generator)
+            loss_fn(model(x), make[1]).backward(create_graph=True)
+        attrs = ("diag_ggn_exact", "diag_ggn_exact_batch")
+        values = [getattr(p, a) for p in model.parameters() for a in attrs]
+        # (MSE's last bias: a constant diagonal, no graph needed)
+        assert sum(v.requires_grad for v in values) >= len(values) - 2 * (loss == "mse")
+        gen = torch.Generator().manual_seed(3)
+        f = sum((v * torch.randn(v.shape, generator=gen, dtype=v.dtype)).sum() for v in values)
+        grads = torch.autograd.grad(f, list(model.parameters()), allow_unused=True)
+        grads = [
+            torch.zeros_like(p) if g is None else g
+            for p, g in zip(model.parameters(), grads, strict=True)
+        ]
+        found.append((values, grads))
+        assert model[0].weight.diag_ggn_mc.requires_grad
+        model.zero_grad(set_to_none=True)
+        if lib is facade:
+            facade.unextend(model)
+            facade.unextend(loss_fn)
+    for ours, theirs in zip(*found, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_retain_graph_gives_each_backward_its_own_results():

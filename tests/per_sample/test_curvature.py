@@ -983,3 +983,86 @@ def test_kfra_refuses_layers_of_another_context():
         out = head(enc(x))
         with pytest.raises(UnsupportedModelError, match="another per_sample context"):
             leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.KFRA())
+
+
+def _differentiable_cases():
+    for param in _cases():
+        if param.values[0] in ("mlp", "residual", "shared", "sequence", "conv2d", "attention"):
+            yield param
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize(("name", "which"), list(_differentiable_cases()))
+def test_create_graph_quantities_and_their_derivatives_against_oracle(name, which):
+    """``ggn(create_graph=True)``: the quantities as functions of the parameters (through the
+    Jacobians and the loss Hessian both): their values and the gradients of a random linear
+    functional of them equal the brute-force oracle's, differentiated by autograd."""
+    case = build(name)
+    loss_fn = _losses(case)[which]
+    y = _target(loss_fn, case.y)
+    model = case.model
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    n = case.x.shape[0]
+    weights = {
+        k: (rand(p.numel()), rand(n, p.numel()), rand(p.numel(), p.numel()), rand(2, *p.shape))
+        for k, p in params.items()
+    }
+    with sdpa_kernel(MATH), leanprop.per_sample(model) as ctx:
+        out = model(case.x)
+        leanprop.ggn(ctx, out, loss_fn, y, *EXACT, leanprop.GGNMP(), create_graph=True)
+    ours = theirs = 0
+    with sdpa_kernel(MATH):
+        ref = ggn_blocks(model, case.x, loss_fn, y, differentiable=True)
+    for k, p in params.items():
+        r, rb, rg, mat = weights[k]
+        root = p.sqrt_ggn_exact.flatten(2).flatten(0, 1)  # [M*N, P]
+        ours = ours + (p.diag_ggn_exact.flatten() * r).sum()
+        ours = ours + (p.diag_ggn_exact_batch.flatten(1) * rb).sum()
+        ours = ours + ((root.t() @ root) * rg).sum() + (p.ggnmp(mat) * mat).sum()
+        full, per = ref[k]
+        theirs = theirs + (full.diagonal() * r).sum() + (per * rb).sum() + (full * rg).sum()
+        theirs = theirs + ((mat.flatten(1) @ full) * mat.flatten(1)).sum()
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(ours, list(params.values()), allow_unused=True)
+    want = torch.autograd.grad(theirs, list(params.values()), allow_unused=True)
+    for k, a, b in zip(params, got, want, strict=True):
+        b = torch.zeros_like(params[k]) if b is None else b
+        assert a is not None or not b.any(), k
+        a = torch.zeros_like(params[k]) if a is None else a
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_create_graph_monte_carlo_quantities_are_differentiable_with_the_draws_fixed():
+    case = build("mlp")
+    loss_fn, model = nn.CrossEntropyLoss(), case.model
+    qs = (leanprop.DiagGGNMC(2), leanprop.BatchDiagGGNMC(2), leanprop.SqrtGGNMC(2))
+    found = []
+    for create_graph in (False, True):
+        with leanprop.per_sample(model) as ctx:
+            out = model(case.x)
+            leanprop.ggn(
+                ctx, out, loss_fn, case.y, *qs, generator=torch.Generator().manual_seed(3),
+                create_graph=create_graph,
+            )  # fmt: skip
+        found.append([getattr(model[0].weight, q.attr) for q in qs])
+    for plain, graph in zip(*found, strict=True):
+        assert not plain.requires_grad and graph.requires_grad
+        torch.testing.assert_close(graph, plain, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "q", [leanprop.KFAC(), leanprop.KFLR(), leanprop.KFRA(), leanprop.DiagHessian(),
+          leanprop.BatchDiagHessian(), leanprop.HMP()], ids=repr,
+)  # fmt: skip
+def test_create_graph_refuses_quantities_without_a_graph(q):
+    case = build("mlp")
+    with leanprop.per_sample(case.model) as ctx:
+        out = case.model(case.x)
+        with pytest.raises(UnsupportedModelError, match=rf"{type(q).__name__} carry no graph"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), case.y, q, create_graph=True)
+    assert not hasattr(case.model[0].weight, q.attr)

@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import leanprop
-from leanprop import BatchError, BatchGrad, LeanpropValueError, UnsupportedModelError, Variance
+from leanprop import (
+    BatchError,
+    BatchGrad,
+    BatchL2Grad,
+    LeanpropValueError,
+    UnsupportedModelError,
+    Variance,
+)
 from leanprop.testing import individual_gradients, individual_gradients_of_losses
 
 from ..cases import CASES, build
@@ -747,17 +754,68 @@ def test_leaving_with_another_mode_still_active_is_an_error_not_a_stolen_mode():
             _get_current_function_mode_stack()[-1].__exit__(None, None, None)
 
 
-def test_backward_after_a_create_graph_pass_leaves_no_stale_results():
-    """The create_graph pass computes this forward's quantities; a later ordinary backward
-    through the same forward computes none, and must not show the earlier ones as its own."""
+@pytest.mark.parametrize("how", ["grad", "backward"])
+@pytest.mark.parametrize("first", ["grad", "backward"])
+def test_each_backward_after_a_create_graph_pass_computes_its_own(first, how):
+    """A create_graph pass computes this forward's quantities; a later backward through the
+    same forward (from its outputs: not differentiating those quantities) computes its own
+    (they were left out, or the first pass's were left as this one's: stale, silently)."""
     case = build("mlp")
     params = list(case.model.parameters())
+    expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
     with leanprop.per_sample(case.model, BatchGrad()):
         loss = case.loss(case.model(case.x), case.y, "sum")
-        torch.autograd.grad(loss, params, create_graph=True)
-        assert all(hasattr(p, "grad_batch") for p in params)
-        (3 * loss).backward()
-    assert not any(hasattr(p, "grad_batch") for p in params)
+        if first == "grad":
+            torch.autograd.grad(loss, params, create_graph=True, retain_graph=True)
+        else:
+            loss.backward(create_graph=True, retain_graph=True)
+        for k, p in case.model.named_parameters():
+            assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+            p.grad = None  # (breaks the create_graph cycle)
+        for scale in (3.0, -2.0):  # (each later one too)
+            if how == "grad":
+                torch.autograd.grad(scale * loss, params, retain_graph=True)
+            else:
+                (scale * loss).backward(retain_graph=True)
+            for k, p in case.model.named_parameters():
+                assert_close(p.grad_batch, scale * expected[k], k, 1e-10, 1e-12)
+                p.grad = None
+
+
+@pytest.mark.parametrize("how", ["grad", "backward"])
+def test_differentiating_create_graph_quantities_computes_nothing_per_sample(how):
+    """A backward of a function of a create_graph pass's quantities (a penalty on the
+    individual gradients' norms) differentiates them: it is not a backward of the model's
+    loss, computes no per-sample quantities, and leaves the pass's as they are (autograd.grad)
+    or none (backward, into .grad); with the loss added (a gradient penalty), none either."""
+    case = build("mlp")
+    params = list(case.model.parameters())
+    with leanprop.per_sample(case.model, BatchL2Grad()):
+        loss = case.loss(case.model(case.x), case.y, "sum")
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        norms = [p.batch_l2 for p in params]
+        penalty = sum(n.sum() for n in norms)
+        if how == "grad":
+            got = torch.autograd.grad(penalty, params, retain_graph=True)
+            assert all(p.batch_l2 is n for p, n in zip(params, norms, strict=True))
+        else:
+            penalty.backward(retain_graph=True)
+            got = [p.grad for p in params]
+            assert not any(hasattr(p, "batch_l2") for p in params)
+        expected = torch.autograd.grad(
+            sum(individual_gradients(case.model, case.loss, case.x, case.y, "sum",
+                                     create_graph=True)[k].square().sum()
+                for k, _ in case.model.named_parameters()),
+            params,
+        )  # fmt: skip
+        for a, b in zip(got, expected, strict=True):
+            assert_close(a, b, "d penalty", 1e-9, 1e-12)
+        for p in params:
+            p.grad = None
+        (loss + sum(g.square().sum() for g in grads)).backward()  # the loss and a penalty
+        assert not any(hasattr(p, "batch_l2") for p in params)
+    for p in params:
+        p.grad = None
 
 
 @pytest.mark.parametrize("how", ["grad", "backward-inputs"])

@@ -173,15 +173,6 @@ def _curvature_first(
     ]
     if not contexts:
         return  # (no extended model's parameters behind this loss)
-    if torch.is_grad_enabled():  # (in backward: the backward's create_graph)
-        names = ", ".join(sorted({type(q).__name__ for qs in by_mc.values() for q in qs}))
-        raise UnsupportedModelError(
-            f"backpack({names}): this backward runs with create_graph=True. BackPACK's "
-            "curvature quantities are then differentiable; leanprop's carry no graph, and "
-            "would silently act as constants. Run the backward without create_graph for "
-            "curvature (first-order quantities such as BatchGrad and BatchL2Grad are "
-            "differentiable under create_graph)."
-        )
     task = current_graph_task_id()
     if task in _CURVATURE_DONE:
         raise UnsupportedModelError(
@@ -192,7 +183,8 @@ def _curvature_first(
     _CURVATURE_DONE.add(task)
     _CURVATURE_RUNNING.append(True)
     try:
-        compute_ggn(contexts, output, module, target, by_mc, None)
+        # (in backward, grad mode is the backward's create_graph)
+        compute_ggn(contexts, output, module, target, by_mc, None, torch.is_grad_enabled())
     finally:
         _CURVATURE_RUNNING.pop()
 

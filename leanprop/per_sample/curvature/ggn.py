@@ -92,6 +92,7 @@ def ggn(
     target: Tensor,
     *quantities: CurvatureQuantity,
     generator: torch.Generator | None = None,
+    create_graph: bool = False,
 ) -> None:
     """Compute GGN quantities of ``loss_fn(output, target)`` for the context's parameters.
 
@@ -102,8 +103,7 @@ def ggn(
     attributes (``diag_ggn_exact``, ...; see :mod:`leanprop.per_sample.curvature.quantities`);
     the others lose those of an earlier call. The passes are ``autograd.grad`` calls: no
     ``.grad`` changes, no hook of an optimizer stepping in backward fires; the context's
-    first-order results are left as they were; the results carry no autograd graph (not
-    differentiable). The output must hold the samples in one
+    first-order results are left as they were. The output must hold the samples in one
     dimension (the one leanprop followed from the inputs, e.g. ``[T, N, C]`` with
     ``batch_dim=1``).
 
@@ -135,6 +135,10 @@ def ggn(
             Hessian's blocks: ``hessian_products.py``; then run the backward with
             ``retain_graph=True``).
         generator: random numbers of the Monte-Carlo targets.
+        create_graph: the quantities as differentiable functions of the parameters (through
+            the Jacobians and the loss Hessian's factor; Monte-Carlo draws fixed): the GGN's
+            diagonals, square roots and ``GGNMP``; the others are refused. Without it they
+            carry no graph.
 
     Raises:
         LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
@@ -142,7 +146,8 @@ def ggn(
         UnsupportedModelError: ``DiagHessian`` of a model whose Hessian has terms besides the
             GGN and the curved activations' (refused before any pass where the graph shows
             them, during the passes for an activation inside a module hooked as a whole);
-            curvature through ``torch.utils.checkpoint``.
+            curvature through ``torch.utils.checkpoint``. With ``create_graph``, a
+            quantity that carries no graph.
     """
     by_mc = validate_curvature(quantities)
     if not isinstance(context, PerSample) or not context.active:
@@ -151,7 +156,7 @@ def ggn(
             "`with leanprop.per_sample(model, ...) as ctx: out = model(x); leanprop.ggn(ctx, "
             "out, loss_fn, y, ...)`."
         )
-    compute_ggn([context], output, loss_fn, target, by_mc, generator)
+    compute_ggn([context], output, loss_fn, target, by_mc, generator, create_graph)
 
 
 def compute_ggn(
@@ -161,10 +166,13 @@ def compute_ggn(
     target: Tensor,
     by_mc: dict[int | None, list[CurvatureQuantity]],
     generator: torch.Generator | None,
+    create_graph: bool = False,
 ) -> None:
     """:func:`ggn` for the parameters of several entered contexts whose forwards ``output``
     depends on (the BackPACK facade: one per extended model); ``by_mc``: the quantities by
     Monte-Carlo sample count (None: exact)."""
+    if create_graph:
+        _refuse_without_graph(by_mc)
     check_loss(loss_fn, output, target)
     bd = _output_batch_dim(contexts, output)
     params = list({p: None for c in contexts for p in c.model.parameters() if p.requires_grad})
@@ -201,7 +209,9 @@ def compute_ggn(
             averaged, qs = [q for q in qs if q.averaged], [q for q in qs if not q.averaged]
             if qs or averaged:
                 with own_work(contexts):
-                    front = sqrt_hessian(loss_fn, output_front, target_front, mc, generator)
+                    front = sqrt_hessian(
+                        loss_fn, output_front, target_front, mc, generator, create_graph
+                    )
                     factor = front.movedim(1, bd + 1)
             if averaged:  # KFRA: its own recursion
                 for c in contexts:
@@ -210,7 +220,9 @@ def compute_ggn(
                 for p, factors in kfra_factors(contexts, output, front, bd, params).items():
                     results[at[id(p)]][KFRA.attr] = factors
             if qs:
-                layers = linear_layers(output.grad_fn, params) if covers(qs) else None
+                layers = None
+                if covers(qs) and not create_graph:
+                    layers = linear_layers(output.grad_fn, params)
                 found = None
                 if layers is not None:  # an MLP: all the columns at once
                     for c in contexts:  # (what the passes would refuse)
@@ -221,7 +233,7 @@ def compute_ggn(
                         add_diagonals(layers, squares_of(found), params, qs, results)
                         add_kronecker_factors(layers, found, params, qs, results)
                 else:
-                    _passes(contexts, output, factor, params, qs, results)
+                    _passes(contexts, output, factor, params, qs, results, create_graph)
         refuse_recomputation()
         loss = None
         if second_order or (curved and hessian):
@@ -261,6 +273,27 @@ def compute_ggn(
                 setattr(p, attr, res[attr])
             elif hasattr(p, attr):
                 delattr(p, attr)
+
+
+def _refuse_without_graph(by_mc: dict[int | None, list[CurvatureQuantity]]) -> None:
+    """``create_graph``: the quantities formed from the passes alone are differentiable; the
+    others are refused (their closed forms are not written to be differentiated)."""
+    refused = sorted(
+        {
+            type(q).__name__
+            for qs in by_mc.values()
+            for q in qs
+            if q.kronecker or q.averaged or q.second_order or q.hessian
+        }
+    )
+    if refused:
+        raise UnsupportedModelError(
+            f"leanprop.ggn(create_graph=True) (the BackPACK facade: backward(create_graph=True)"
+            f"): {', '.join(refused)} carry no graph in leanprop yet, and would silently act as "
+            "constants. Differentiable: DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, "
+            "BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP; compute the others without "
+            "create_graph."
+        )
 
 
 def _output_batch_dim(contexts: Sequence[PerSample], output: Tensor) -> int:
@@ -415,8 +448,10 @@ def _passes(
     params: list[nn.Parameter],
     quantities: list[CurvatureQuantity],
     results: list[dict[str, object]],
+    create_graph: bool = False,
 ) -> None:
-    """One backward per column of ``factor`` ``[M, N, *S]``; squares and roots accumulated."""
+    """One backward per column of ``factor`` ``[M, N, *S]``; squares and roots accumulated
+    (differentiable with ``create_graph``)."""
     need_batch = any(q.per_sample or q.root or q.product for q in quantities)
     kinds = frozenset({BatchGrad} if need_batch else {SumGradSquared})
     kronecker = [q for q in quantities if q.kronecker]
@@ -434,7 +469,10 @@ def _passes(
             if factors is not None:
                 factors.next_pass()
             try:  # (autograd.grad: nothing accumulates into .grad, nothing steps an optimizer)
-                torch.autograd.grad(output, params, column, retain_graph=True, allow_unused=True)
+                torch.autograd.grad(
+                    output, params, column, retain_graph=True, create_graph=create_graph,
+                    allow_unused=True,
+                )  # fmt: skip
             except UnsupportedModelError as e:
                 raise UnsupportedModelError(
                     f"leanprop.ggn: pass {m + 1} of {factor.shape[0]} (one backward per column "

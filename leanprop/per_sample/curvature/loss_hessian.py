@@ -104,6 +104,7 @@ def sqrt_hessian(
     target: Tensor,
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
+    differentiable: bool = False,
 ) -> Tensor:
     """The factor ``V`` ``[M, N, *S]`` of the loss's Hessian with respect to ``output``.
 
@@ -114,11 +115,12 @@ def sqrt_hessian(
         mc_samples: None for the exact factor; else the number of Monte-Carlo columns, each
             the gradient of the loss at a target drawn from the model's prediction.
         generator: random numbers of the Monte-Carlo draws.
+        differentiable: ``V`` as a function of ``output`` (the Monte-Carlo draws fixed).
 
     Returns:
-        ``V`` in the output's dtype, detached.
+        ``V`` in the output's dtype, detached unless ``differentiable``.
     """
-    f = output.detach()
+    f = output if differentiable else output.detach()
     n = f.shape[0]
     m = mc_samples
     if isinstance(loss_fn, nn.CrossEntropyLoss):
