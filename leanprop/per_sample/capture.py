@@ -70,7 +70,7 @@ from .quantities import (
     subsampling_of,
     validate_quantities,
 )
-from .registry import Rule, RuleOptions, rule_for
+from .registry import INPUT, Rule, RuleOptions, rule_for
 from .rules.fallback import batch_dim_of, fallback_batch_grads
 from .rules.packed_rnn import packed_rnn_batch_grads, sample_count, sorted_order
 from .stats import Reducer, quantities_from_batch, widen
@@ -1646,13 +1646,31 @@ class PerSample:
             k: Reducer(kinds if k in single else shared, call.params[k], call.n, scratch, k)
             for k in names
         }
+        inputs: list[Tensor] = []  # the input's gradient, where the rule gives it too
         if names:
-            for chunk in self._chunks(call, names, opts, reducers):
+            asked = names | {INPUT} if self._input_grad_too(call) else names
+            for chunk in self._chunks(call, asked, opts, reducers):
                 for k, b in chunk.items():
-                    reducers[k].add(b)
+                    if k == INPUT:
+                        inputs.append(b)
+                    else:
+                        reducers[k].add(b)
         for k, r in reducers.items():
             sums[k] = self._store(call.params[k], k in multi, r.result())
+        x = call.args[0] if call.args else None
+        grad_x = inputs[0] if len(inputs) == 1 else torch.cat(inputs) if inputs else None
+        if grad_x is not None and isinstance(x, Tensor) and grad_x.shape == x.shape:
+            sums[INPUT] = grad_x if grad_x.dtype == x.dtype else grad_x.to(x.dtype)
         return sums
+
+    def _input_grad_too(self, call: Call) -> bool:
+        """Whether to ask a replaced op's rule for the input's gradient with the individual
+        gradients (its layout is the input's: the batch first, not split)."""
+        rule = call.site.rule
+        return (
+            call.replaced and rule is not None and rule.input_grad_too
+            and not torch.is_grad_enabled() and call.in_bd.dim == 0 and call.in_bd.inner == 1
+        )  # fmt: skip
 
     def _leave_reweighers(self, call: Call, names: frozenset[str]) -> frozenset[str]:
         """Clipping: each parameter ``names`` of a rule call whose rule gives the summed
@@ -1728,13 +1746,16 @@ class PerSample:
         self, call: Call, names: frozenset[str], opts: RuleOptions, reducers: dict[str, Reducer]
     ) -> Iterator[dict]:
         site, n = call.site, call.n
+        own = names - {INPUT}  # (INPUT: the rule's input gradient asked for too)
         if site.rule is not None:
             front_args, front_g = self._fronted(call)
             per_sample = (
                 site.rule.workspace(site.module, front_args, front_g, opts)
                 if site.rule.workspace is not None
-                else sum(call.params[k].numel() for k in names) * front_g.element_size()
+                else sum(call.params[k].numel() for k in own) * front_g.element_size()
             )
+            if INPUT in names:
+                per_sample += front_args[0][0].numel() * front_g.element_size()
             dim = 0
         else:
             per_sample = 2 * sum(call.params[k].numel() for k in names) * 4
@@ -1750,7 +1771,7 @@ class PerSample:
                 g = cut(front_g)
                 args = tuple(_like(cut(a), g) for a in front_args)
                 if site.rule.accepts_out:
-                    out = {k: reducers[k].target(start, stop, g) for k in names}
+                    out = {k: reducers[k].target(start, stop, g) for k in own}
                     yield site.rule.batch_grads(site.module, args, g, names, opts, out=out)
                 else:
                     yield site.rule.batch_grads(site.module, args, g, names, opts)

@@ -25,6 +25,7 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
 from .._torch_compat import engine_backward, engine_grad, function_modes
+from .registry import INPUT
 
 if TYPE_CHECKING:
     from .capture import PerSample
@@ -79,12 +80,16 @@ class FusedOp(torch.autograd.Function):
         if ctx.capture.layer_outputs_only:  # (a backward to layer outputs: the curvature's)
             want = frozenset()
         sums = ctx.capture.fused_backward(ctx.call, x, g) or {}
+        grad_x = sums.get(INPUT)  # (computed with the individual gradients, by some rules)
         sums = {k: v for k, v in sums.items() if k in want}
         missing = want - sums.keys()
         with ctx.capture.own_work():  # the layer's backward ops are not the model's
             if missing:
                 sums.update(rule.param_grads(module, x, g, missing))
-            grad_x = rule.input_grad(module, x, g) if ctx.needs_input_grad[3] else None
+            if not ctx.needs_input_grad[3]:
+                grad_x = None
+            elif grad_x is None:
+                grad_x = rule.input_grad(module, x, g)
         return (None, None, None, grad_x, sums.get("weight"), sums.get("bias")) + (
             None,
         ) * ctx.n_extra

@@ -26,6 +26,9 @@ BatchL2Fn = Callable[..., "dict[str, Tensor] | None"]
 FactorsFn = Callable[..., "dict[str, Factors]"]
 # workspace(module, inputs, grad_out, options) -> bytes of scratch memory per sample
 WorkspaceFn = Callable[..., int]
+# the name under which batch_grads returns the input's gradient, where asked (see
+# Rule.input_grad_too)
+INPUT = "<input>"
 # input_grad(module, x, grad_out) -> gradient w.r.t. the input (ordinary backward)
 InputGradFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 # param_grads(module, x, grad_out, names) -> {name: summed gradient} (ordinary backward)
@@ -72,6 +75,10 @@ class Rule:
     # the individual gradients as factors: the norms of a weight used several times (tied)
     # are formed from them without materialising it (see factors.py)
     factors: FactorsFn | None = None
+    # batch_grads may also return the input's gradient ``[n, ...]`` under ``INPUT`` where
+    # ``INPUT`` is among the names (and autograd does not record): computed with the
+    # individual gradients for little more; the replaced op's backward then takes it
+    input_grad_too: bool = False
 
     def at_op_level(self, module: nn.Module) -> bool:
         """Whether the rule runs at the module's own op (else the module is hooked as a
@@ -94,6 +101,7 @@ def register_rule(
     batch_first: bool = False,
     op_takes_module_input: Callable[[nn.Module], bool] | None = None,
     factors: FactorsFn | None = None,
+    input_grad_too: bool = False,
 ) -> Callable[[BatchGradsFn], BatchGradsFn]:
     """Register ``batch_grads`` (the decorated function) as the rule of ``module_types``.
 
@@ -114,12 +122,15 @@ def register_rule(
         factors: the individual gradients as :mod:`factors` (``Outer``/``Lookup``), where
             norms from them are cheaper; used for ``BatchL2Grad`` of a weight used several
             times.
+        input_grad_too: ``batch_grads`` may return the input's gradient too, under
+            ``INPUT``, when ``INPUT`` is among the names it gets (it may leave it out);
+            where it comes, the replaced op's backward does not call ``input_grad``.
     """
 
     def decorate(fn: BatchGradsFn) -> BatchGradsFn:
         rule = Rule(
             fn, batch_l2, workspace, check_input, input_grad, param_grads, can_fuse, accepts_out,
-            batch_first, op_takes_module_input, factors,
+            batch_first, op_takes_module_input, factors, input_grad_too,
         )  # fmt: skip
         for t in module_types:
             _RULES[t] = rule

@@ -117,6 +117,65 @@ def test_ordinary_backward_of_a_fused_rule_equals_autograds(kind, recording):
         assert_close(v, expected[k], f"{kind.__name__}.{k}", 1e-10, 1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", list(_cases()), ids=lambda k: k.__name__)
+def test_input_gradient_given_with_the_individual_ones_is_the_ordinary_one(kind, dtype):
+    """A rule that gives the input's gradient with the individual gradients (``INPUT``
+    asked for) gives the ordinary one bit for bit (the backward is unchanged by it), and the
+    individual gradients as without it; where autograd records it gives none."""
+    module, x, g, names, _ = _setup(kind)
+    rule = rule_for(module)
+    if not rule.input_grad_too:
+        pytest.skip(f"{kind.__name__} gives no input gradient")
+    module, x, g = module.to(dtype), x.to(dtype), g.to(dtype)
+    opts = RuleOptions("auto", 2**30)
+    with torch.no_grad():  # (as in backward)
+        both = rule.batch_grads(module, (x,), g, names | {registry.INPUT}, opts)
+        alone = rule.batch_grads(module, (x,), g, names, opts)
+        assert torch.equal(both.pop(registry.INPUT), rule.input_grad(module, x, g))
+    assert both.keys() == alone.keys() == names
+    for k in names:
+        assert torch.equal(both[k], alone[k]), k
+    with torch.enable_grad():
+        recorded = rule.batch_grads(module, (x,), g, names | {registry.INPUT}, opts)
+    assert registry.INPUT not in recorded
+
+
+def test_group_norm_backward_takes_the_input_gradient_from_its_individual_gradients(
+    monkeypatch,
+):
+    """A GroupNorm replaced in a per_sample backward gets its input gradient from the call
+    that gives the individual gradients: the separate input-gradient call does not run."""
+    calls = []
+    monkeypatch.setattr(registry, "_RULES", {**registry._RULES, nn.GroupNorm: _counting(calls)})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten()).double()
+    x = torch.randn(5, 2, 5, 5, dtype=torch.float64)
+    y = torch.zeros(5, 36, dtype=torch.float64)
+
+    def loss(out, y, reduction):
+        return nn.functional.mse_loss(out, y, reduction=reduction)
+
+    expected = individual_gradients(model, loss, x, y, "sum")
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        loss(model(x), y, "sum").backward()
+    assert calls == []  # (the rule's input_grad not called)
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+def _counting(calls):
+    import dataclasses
+
+    rule = registry._RULES[nn.GroupNorm]
+
+    def input_grad(*args):
+        calls.append(1)
+        return rule.input_grad(*args)
+
+    return dataclasses.replace(rule, input_grad=input_grad)
+
+
 def test_linear_gram_norms_equal_materialised_ones():
     """A layer wide for its sequence (T == N) gets weight norms from Gram matrices."""
     torch.manual_seed(0)

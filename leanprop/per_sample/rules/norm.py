@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..registry import RuleOptions, register_rule
+from ..registry import INPUT, RuleOptions, register_rule
 from ..stats import widen
 
 
@@ -110,7 +110,7 @@ def _group_norm_check(module: nn.Module, inputs: tuple[Any, ...]) -> str | None:
 @register_rule(
     nn.GroupNorm, check_input=_group_norm_check, batch_first=True,
     op_takes_module_input=lambda module: True, input_grad=norm_input_grad,
-    param_grads=norm_param_grads,
+    param_grads=norm_param_grads, input_grad_too=True,
 )  # fmt: skip
 def group_norm_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
@@ -119,8 +119,10 @@ def group_norm_batch_grads(
 
     With each sample's groups taken as groups of their own (``[1, N*C, ...]`` in ``N*G``
     groups: the same statistics), torch's backward kernel sums over the one "sample" only, so
-    its weight and bias gradients ``[N*C]`` are the individual ones; where autograd records
-    (``create_graph``: that kernel has no derivative) or the dtypes differ, by formula."""
+    its weight and bias gradients ``[N*C]`` are the individual ones, and its input gradient
+    (asked for as ``INPUT``: the weight repeated for each sample) is the ordinary one, bit for
+    bit, in the same call; where autograd records (``create_graph``: that kernel has no
+    derivative) or the dtypes differ, by formula."""
     x = inputs[0]
     n, c = x.shape[0], x.shape[1]
     if not torch.is_grad_enabled() and x.dtype == g.dtype and x.numel():
@@ -130,13 +132,18 @@ def group_norm_batch_grads(
         xs = widen(x.reshape(1, rows, hw)).contiguous()
         gs = widen(g.reshape(1, rows, hw)).contiguous()
         _, mean, rstd = torch.native_group_norm(xs, None, None, 1, rows, hw, groups, module.eps)
-        mask = [False, "weight" in names, "bias" in names]
-        ones = gs.new_ones(rows)  # (the weight only scales the input gradient, not asked for)
-        _, weight, bias = torch.ops.aten.native_group_norm_backward(
-            gs, xs, mean, rstd, ones, 1, rows, hw, groups, mask
+        wants_input = INPUT in names and xs.dtype == x.dtype and module.weight is not None
+        mask = [wants_input, "weight" in names, "bias" in names]
+        # (the weight only scales the input gradient)
+        weight = module.weight.to(xs.dtype).repeat(n) if wants_input else gs.new_ones(rows)
+        grad_x, grad_w, grad_b = torch.ops.aten.native_group_norm_backward(
+            gs, xs, mean, rstd, weight, 1, rows, hw, groups, mask
         )
-        found = (("weight", weight), ("bias", bias))
-        return {k: v.view(n, c) for k, v in found if v is not None}
+        pairs = (("weight", grad_w), ("bias", grad_b))
+        found = {k: v.view(n, c) for k, v in pairs if v is not None}
+        if grad_x is not None:
+            found[INPUT] = grad_x.view(x.shape)
+        return found
     out: dict[str, Tensor] = {}
     if "weight" in names:
         x_hat = F.group_norm(x, module.num_groups, eps=module.eps).to(g.dtype)
