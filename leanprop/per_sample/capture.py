@@ -1754,8 +1754,6 @@ class PerSample:
                 if site.rule.workspace is not None
                 else sum(call.params[k].numel() for k in own) * front_g.element_size()
             )
-            if INPUT in names:
-                per_sample += front_args[0][0].numel() * front_g.element_size()
             dim = 0
         else:
             per_sample = 2 * sum(call.params[k].numel() for k in names) * 4

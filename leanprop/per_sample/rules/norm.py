@@ -83,20 +83,32 @@ def norm_param_grads(
 
 @register_rule(
     nn.LayerNorm, check_input=_layer_norm_check, op_takes_module_input=lambda module: True,
-    input_grad=norm_input_grad, param_grads=norm_param_grads,
+    input_grad=norm_input_grad, param_grads=norm_param_grads, input_grad_too=True,
 )  # fmt: skip
 def layer_norm_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:
-    """Individual gradients ``[N, *normalized_shape]`` of weight and bias."""
+    """Individual gradients ``[N, *normalized_shape]`` of weight and bias; asked for
+    (``INPUT``, autograd not recording, one dtype), the ordinary input gradient too, from the
+    statistics the weight's gradients normalise with (bit for bit torch's kernel's)."""
     x = inputs[0]
     n, shape = x.shape[0], tuple(module.normalized_shape)
     out: dict[str, Tensor] = {}
+    stats = None
+    if INPUT in names and not torch.is_grad_enabled() and x.dtype == g.dtype:
+        x_hat, mean, rstd = torch.native_layer_norm(x, shape, None, None, module.eps)
+        stats = mean, rstd
+    elif "weight" in names:
+        x_hat = F.layer_norm(x, shape, eps=module.eps)  # torch's own kernel
     if "weight" in names:
-        x_hat = F.layer_norm(x, shape, eps=module.eps).to(g.dtype)  # torch's own kernel
-        out["weight"] = (g * x_hat).reshape(n, -1, *shape).sum(1)
+        out["weight"] = (g * x_hat.to(g.dtype)).reshape(n, -1, *shape).sum(1)
     if "bias" in names:
         out["bias"] = g.reshape(n, -1, *shape).sum(1)
+    if stats is not None:
+        weight, bias = module.weight, module.bias
+        out[INPUT] = torch.ops.aten.native_layer_norm_backward(
+            g, x, shape, *stats, weight, bias, [True, False, False]
+        )[0]
     return out
 
 
