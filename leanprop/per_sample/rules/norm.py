@@ -89,13 +89,16 @@ def layer_norm_batch_grads(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str], _: RuleOptions
 ) -> dict[str, Tensor]:
     """Individual gradients ``[N, *normalized_shape]`` of weight and bias; asked for
-    (``INPUT``, autograd not recording, one dtype), the ordinary input gradient too, from the
-    statistics the weight's gradients normalise with (bit for bit torch's kernel's)."""
+    (``INPUT``, autograd not recording, one dtype throughout), the ordinary input gradient
+    too, from the statistics the weight's gradients normalise with (bit for bit torch's)."""
     x = inputs[0]
     n, shape = x.shape[0], tuple(module.normalized_shape)
     out: dict[str, Tensor] = {}
     stats = None
-    if INPUT in names and not torch.is_grad_enabled() and x.dtype == g.dtype:
+    same = x.dtype == g.dtype and all(
+        t is None or t.dtype == x.dtype for t in (module.weight, module.bias)
+    )  # (mixed dtypes: torch keeps the statistics in float32, the kernel wants them so)
+    if INPUT in names and not torch.is_grad_enabled() and same:
         x_hat, mean, rstd = torch.native_layer_norm(x, shape, None, None, module.eps)
         stats = mean, rstd
     elif "weight" in names:
@@ -144,10 +147,13 @@ def group_norm_batch_grads(
         xs = widen(x.reshape(1, rows, hw)).contiguous()
         gs = widen(g.reshape(1, rows, hw)).contiguous()
         _, mean, rstd = torch.native_group_norm(xs, None, None, 1, rows, hw, groups, module.eps)
-        wants_input = INPUT in names and xs.dtype == x.dtype and module.weight is not None
+        wants_input = (
+            INPUT in names and xs.dtype == x.dtype and module.weight is not None
+            and module.weight.dtype == x.dtype  # (mixed dtypes: the ordinary kernel's way)
+        )  # fmt: skip
         mask = [wants_input, "weight" in names, "bias" in names]
         # (the weight only scales the input gradient)
-        weight = module.weight.to(xs.dtype).repeat(n) if wants_input else gs.new_ones(rows)
+        weight = module.weight.repeat(n) if wants_input else gs.new_ones(rows)
         grad_x, grad_w, grad_b = torch.ops.aten.native_group_norm_backward(
             gs, xs, mean, rstd, weight, 1, rows, hw, groups, mask
         )
