@@ -1120,8 +1120,10 @@ class PerSample:
         another module (a tied embedding and head) may be split wrongly, so this forward's
         quantities are checked even with ``check=False``."""
         if not self._root_running and torch.is_grad_enabled() and site.module is not self.model:
-            if self._cycle.backward_done:  # the first call of a new forward: start it here, so
-                self._abort_cycle()  # that a model call taking its output does not drop it
+            # the first call of a new forward: start it here, so that a model call taking its
+            # output does not drop it (not a checkpoint's recomputation, inside a backward)
+            if self._cycle.backward_done and current_graph_task_id() == -1:
+                self._abort_cycle()
             self._cycle.direct_call = site.name
 
     def begin_fused(self, x: Any, weight: Any) -> Call | None:
@@ -1434,13 +1436,17 @@ class PerSample:
             queue_callback(self._finish)
 
     @contextmanager
-    def backward_scope(self, passive: bool, accumulates: bool = False) -> Iterator[None]:
+    def backward_scope(
+        self, passive: bool, accumulates: bool = False, roots: tuple[Any, ...] = ()
+    ) -> Iterator[None]:
         """A backward (or autograd.grad) called inside the context. The cycle ends when the
         outermost one returns, so backward passes nested in it (a reentrant checkpoint's) are
         part of it. ``passive``: a pass that is not for the parameters (with respect to inputs
         only, e.g. a gradient penalty, or batched) computes nothing per sample, and ends no
         cycle. ``accumulates``: a backward into ``.grad``; one that computed nothing per sample
-        (after a ``create_graph`` pass through the same forward) leaves no earlier results."""
+        leaves no earlier results (nor does an ``autograd.grad``, unless it differentiates a
+        ``create_graph`` backward's results: those stay). ``roots``: the tensors it starts
+        from."""
         if self._computing or not self._active:  # our own autograd calls
             yield
             return
@@ -1451,7 +1457,7 @@ class PerSample:
             self._accumulating = accumulates
             if not passive:  # (what an earlier backward's watched uses found is not this one's)
                 self._cycle.escaped = {}
-                self._cycle.reopen()
+                self._cycle.begin_backward(list(roots))
         self._backward_depth += 1
         self._passive += passive
         try:
@@ -1473,8 +1479,14 @@ class PerSample:
             self._cycle.backward_done = self._cycle.backward_done or not self._cycle.open
         elif self._cycle.open:
             self._finish()
-        elif accumulates and not self._cycle_seen and self._params_reached:
-            self._cycle.clear_attrs()  # no quantities for this backward: none of an earlier one
+        elif not self._cycle_seen and self._params_reached:
+            # no quantities for this backward: none of an earlier one (an autograd.grad that
+            # differentiates a create_graph backward's results leaves them, for reading)
+            if accumulates or not self._cycle.is_differentiating():
+                self._cycle.clear_attrs()
+            for state in self._states.values():  # (they may hold graphs: not kept)
+                state.autograd_grads = []
+        self._cycle.differentiating = False
 
     def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
         # not while computing: the fallback's own per-sample autograd calls fire it too;
@@ -1532,13 +1544,21 @@ class PerSample:
     def _on_output_grad(self, call: Call, index: int, grad: Tensor) -> None:
         if not self._active or not self._kinds or self._computing or self._passive:
             return
+        cycle = self._cycle
+        if cycle.is_differentiating():  # (of a create_graph backward's results: not the model's)
+            return
         if call.closed:
-            if call.forward is not None and not call.forward.closed:
+            # (a sink a create_graph backward closed: this backward is another through the
+            # forward, the BackPACK facade's, which reopens none)
+            forward = call.forward
+            if forward is not None and (not forward.closed or forward in cycle.graph_closed):
                 raise UnsupportedModelError(
                     f"per_sample: a second backward through the same forward reached "
                     f"{type(call.site.module).__name__} '{call.site.name}', whose inputs "
                     "leanprop keeps for one backward only (a module hooked as a whole: "
-                    "RNNs, convolutions with a padding_mode other than 'zeros'). Run the "
+                    "RNNs, convolutions with a padding_mode other than 'zeros'; any layer "
+                    "in the BackPACK facade or in a per_sample context nested in another). "
+                    "Run the "
                     "forward again before each backward (leanprop.ggn: call it before "
                     "loss.backward(); BackPACK facade: backpack(..., retain_graph=True))."
                 )
@@ -1807,7 +1827,7 @@ class PerSample:
 
         def reached(grad_outputs: tuple[Tensor | None, ...]) -> None:
             capture = ref()
-            if capture is not None and capture._active and capture._backward_depth:
+            if capture is not None and capture._active and not capture._computing:
                 capture._cycle.differentiates_results()
 
         for node in nodes:
@@ -1816,7 +1836,7 @@ class PerSample:
     def _finish(self) -> None:
         """End of the backward pass: complete partial calls, write and check the results."""
         n = self._cycle.n
-        if self._cycle.differentiating:  # (it differentiates a create_graph backward's
+        if self._cycle.is_differentiating():  # (it differentiates a create_graph backward's
             # results, and also reached the model's forward: per sample, neither is defined)
             self._computing_here = False
             self._cycle.end_backward()

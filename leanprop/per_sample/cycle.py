@@ -53,6 +53,22 @@ def bits(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits
 
 
+def _reaches(roots: list[Any], nodes: dict[int, Any]) -> bool:
+    """Whether the autograd graph of ``roots`` (tensors or gradient edges) contains one of
+    ``nodes`` (by ``id``)."""
+    seen: set[int] = set()
+    todo = [t.grad_fn if isinstance(t, Tensor) else getattr(t, "node", None) for t in roots]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in nodes:
+            return True
+        seen.add(id(node))
+        todo.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
 @dataclass(eq=False)
 class Call:
     """One call of a site during forward, waiting for its output gradients."""
@@ -188,12 +204,16 @@ class Cycle:
     dropped_n: int | None = None  # samples of an earlier forward dropped before its backward
     direct_call: str | None = None  # a module of the model called on its own in this forward
     keep_calls: bool = False  # module-level calls stay for another backward (curvature passes)
-    # a create_graph backward closes the forward's sinks (differentiating its results must
-    # not compute per-sample quantities), each later backward reopens them (another backward
-    # through the retained forward computes its own) until it reaches one of those results'
-    # nodes (``watch_results`` hooks them): then it differentiates them, and computes nothing
+    # a create_graph backward closes the forward's sinks: a later backward that differentiates
+    # its results (their autograd nodes, ``result_nodes``, reached from its roots, or its
+    # hooks on them firing: ``watch_results``) computes no per-sample quantities; any other
+    # backward through the retained forward reopens them and computes its own
     graph_closed: list[Any] = field(default_factory=list)
-    differentiating: bool = False  # this backward reached a create_graph backward's results
+    # id -> node of the create_graph backward passes' results (held until the next forward,
+    # so that their ids stay theirs)
+    result_nodes: dict[int, Any] = field(default_factory=dict)
+    differentiating: bool = False  # the backward running was found to differentiate them
+    differentiating_task: int | None = None  # ... by a hook firing in this graph task
     # () -> the function that hooks the results' nodes (the context's, held weakly) or None
     watch_results: Callable[[], Callable[[list[Any]], None] | None] | None = None
 
@@ -278,8 +298,8 @@ class Cycle:
 
     def end_backward(self) -> None:
         """Forget this backward's results. Another backward through the same forward (a
-        retained graph) computes its own, except after ``create_graph=True`` (its quantities
-        are in the graph: differentiating them must not start another cycle)."""
+        retained graph) computes its own; one that differentiates the results of a
+        ``create_graph`` backward computes none (see ``graph_closed``)."""
         kept = []
         for call in self.calls:  # module-level calls: their inputs are gone (see the hook)
             if self.keep_calls and call.args is not None:  # ready for the next backward
@@ -297,9 +317,11 @@ class Cycle:
             self.graph_closed = self._sinks()
             for sink in self.graph_closed:
                 sink.close()
+            nodes = self._result_nodes()
+            self.result_nodes.update((id(node), node) for node in nodes)
             watch = self.watch_results() if self.watch_results is not None else None
             if watch is not None:  # (what a later backward may differentiate)
-                watch(self._result_nodes())
+                watch(nodes)
         for state in self.states.values():
             state.drop_results()
         self.open = False
@@ -316,19 +338,31 @@ class Cycle:
             found += [v.grad_fn for v in values if isinstance(v, Tensor)]
         return [node for node in dict.fromkeys(found) if node is not None]
 
-    def reopen(self) -> None:
-        """A backward (not passive) begins: the sinks a create_graph backward closed take
-        contributions again, until it reaches that backward's results (``differentiating``)."""
-        self.differentiating = False
+    def begin_backward(self, roots: list[Any]) -> None:
+        """A backward (not passive) from ``roots`` begins: whether it differentiates a
+        create_graph backward's results (its graph reaches one of their nodes) decides
+        whether the sinks that backward closed take contributions again."""
+        self.differentiating = bool(self.result_nodes) and _reaches(roots, self.result_nodes)
         for sink in self.graph_closed:
-            sink.reopen()
+            if self.differentiating:
+                sink.close()
+            else:
+                sink.reopen()
 
     def differentiates_results(self) -> None:
-        """This backward reached a create_graph backward's results: it differentiates them,
-        and computes no per-sample quantities."""
-        self.differentiating = True
+        """A hook on a create_graph backward's result fired: this backward differentiates
+        them, and computes no per-sample quantities (where the roots did not tell: the
+        BackPACK facade's backward passes run without the op interception)."""
+        self.differentiating_task = current_graph_task_id()
         for sink in self.graph_closed:
             sink.close()
+
+    def is_differentiating(self) -> bool:
+        """Whether the backward running differentiates a create_graph backward's results."""
+        return self.differentiating or (
+            self.differentiating_task is not None
+            and self.differentiating_task == current_graph_task_id()
+        )
 
     def drop_forward(self) -> None:
         """The current forward (and earlier ones waiting for a backward) will be dropped
@@ -345,6 +379,7 @@ class Cycle:
         for sink in self._sinks():
             sink.close()
         self.contributions, self.earlier, self.graph_closed = None, [], []
+        self.result_nodes, self.differentiating, self.differentiating_task = {}, False, None
         for site in self.sites:
             site.calls, site.running, site.fused = 0, False, False
         for state in self.states.values():

@@ -183,7 +183,8 @@ class Intercept(TorchFunctionMode):
             with contextlib.ExitStack() as scopes:
                 for c in self._captures():  # every per_sample context active here
                     passive = call is not None and bool(call[4]) and not any(map(c.tracks, call[4]))
-                    scopes.enter_context(c.backward_scope(passive, accumulates=True))
+                    roots = call[0] if call is not None else ()
+                    scopes.enter_context(c.backward_scope(passive, True, roots))
                 if call is None:
                     return func(*args, **kwargs)
                 with self:
@@ -195,7 +196,8 @@ class Intercept(TorchFunctionMode):
                     # with respect to inputs only (a gradient penalty, an adversarial step), or
                     # batched (vmap's tensors must not reach the results): nothing per sample
                     passive = call is None or call[6] or not any(map(c.tracks, call[1]))
-                    scopes.enter_context(c.backward_scope(passive))
+                    roots = call[0] if call is not None else ()
+                    scopes.enter_context(c.backward_scope(passive, False, roots))
                 if call is None:
                     return func(*args, **kwargs)
                 with self:

@@ -177,6 +177,35 @@ def test_curvature_under_create_graph_is_differentiable_as_backpacks(loss):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+@pytest.mark.parametrize("how", ["grad", "backward"])
+def test_after_a_create_graph_backward_another_one_is_refused_not_stale(how):
+    """In a plain ``backpack(...)`` block a second backward through one forward is refused
+    (the facade keeps the layers' inputs for one); after a create_graph backward it was let
+    through, with the first one's results left as its own. Differentiating the results (a
+    penalty on the individual gradients) is no such backward: it computes nothing."""
+    case = build("mlp")
+    model, loss_fn = extend(case.model), extend(nn.CrossEntropyLoss())
+    params = list(model.parameters())
+    try:
+        with backpack(extensions.BatchGrad()):
+            loss = loss_fn(model(case.x), case.y)
+            loss.backward(create_graph=True, retain_graph=True)
+            first = [p.grad_batch for p in params]
+            penalty = sum(p.grad_batch.square().sum() for p in params)
+            torch.autograd.grad(penalty, params, retain_graph=True)
+            assert all(p.grad_batch is f for p, f in zip(params, first, strict=True))
+            with pytest.raises(UnsupportedModelError, match="second backward through the same"):
+                if how == "grad":
+                    torch.autograd.grad(3 * loss, params)
+                else:
+                    (3 * loss).backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        facade.unextend(model)
+        facade.unextend(loss_fn)
+
+
 def test_retain_graph_gives_each_backward_its_own_results():
     """BackPACK's batched-Jacobian pattern: one backward per output through one forward, each
     with the individual gradients of that output, also through modules hooked as a whole."""

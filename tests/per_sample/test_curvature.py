@@ -1066,3 +1066,13 @@ def test_create_graph_refuses_quantities_without_a_graph(q):
         with pytest.raises(UnsupportedModelError, match=rf"{type(q).__name__} carry no graph"):
             leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), case.y, q, create_graph=True)
     assert not hasattr(case.model[0].weight, q.attr)
+
+
+def test_create_graph_with_autograd_off_is_refused():
+    """Under no_grad the quantities would carry no graph: refused (they were returned
+    without one, silently constant)."""
+    case = build("mlp")
+    with leanprop.per_sample(case.model) as ctx:
+        out = case.model(case.x)
+        with torch.no_grad(), pytest.raises(LeanpropValueError, match="autograd off"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), case.y, *EXACT, create_graph=True)

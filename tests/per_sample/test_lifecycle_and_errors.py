@@ -782,6 +782,112 @@ def test_each_backward_after_a_create_graph_pass_computes_its_own(first, how):
                 p.grad = None
 
 
+@pytest.mark.parametrize("thread", ["main", "worker"])
+@pytest.mark.parametrize("how", ["grad", "backward"])
+def test_a_backward_differentiating_results_is_told_by_its_graph_not_by_node_order(how, thread):
+    """Loss plus a penalty on one head's gradient from a create_graph pass: differentiating
+    results, told from the backward's graph. The pass's nodes may be numbered below the
+    forward's (CUDA runs that backward on its device thread; here a worker thread), so that the
+    other head's nodes run first: they computed (an LSTM head then raised a misleading error),
+    and autograd.grad's results were removed."""
+    import threading
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head1 = nn.Linear(3, 4), nn.Linear(4, 2)
+            self.head2 = nn.LSTM(4, 2, batch_first=True)
+
+        def forward(self, x):
+            h = torch.tanh(self.body(x))
+            return self.head1(h), self.head2(h[:, None])[0][:, -1]
+
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    params = list(model.parameters())
+    with leanprop.per_sample(model, BatchL2Grad()):
+        o1, o2 = model(x)
+        loss = F.cross_entropy(o1, y, reduction="sum") + F.cross_entropy(o2, y, reduction="sum")
+        found = {}
+
+        def first():
+            found["g"] = torch.autograd.grad(loss, params, create_graph=True, retain_graph=True)
+
+        if thread == "main":
+            first()
+        else:
+            worker = threading.Thread(target=first)
+            worker.start()
+            worker.join()
+        norms = [p.batch_l2 for p in params]
+        at = next(i for i, p in enumerate(params) if p is model.head1.weight)
+        root = loss + found["g"][at].square().sum()
+        if how == "backward":
+            root.backward()
+            assert not any(hasattr(p, "batch_l2") for p in params)
+        else:
+            torch.autograd.grad(root, params)
+            assert all(p.batch_l2 is n for p, n in zip(params, norms, strict=True))
+    for p in params:
+        p.grad = None
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_second_backward_through_a_non_reentrant_checkpoint_computes_its_own(create_graph):
+    """The checkpoint recomputes its module in the second backward through a retained
+    forward: not a new forward (that dropped every record: no quantities, silently)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.h = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+            self.ckpt = True
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            f = lambda t: torch.tanh(self.b(t))  # noqa: E731
+            return self.h(checkpoint(f, h, use_reentrant=False) if self.ckpt else f(h))
+
+    def loss_fn(out, y, reduction):
+        return F.cross_entropy(out, y, reduction=reduction)
+
+    torch.manual_seed(0)
+    model = M().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    model.ckpt = False
+    expected = individual_gradients(model, loss_fn, x, y, "sum")
+    model.ckpt = True
+    params = list(model.parameters())
+    with leanprop.per_sample(model, BatchGrad()):
+        loss = loss_fn(model(x), y, "sum")
+        loss.backward(create_graph=create_graph, retain_graph=True)
+        for p in params:
+            p.grad = None
+        (3 * loss).backward(retain_graph=True)
+        for k, p in model.named_parameters():
+            assert_close(p.grad_batch, 3 * expected[k], k, 1e-10, 1e-12)
+            p.grad = None
+
+
+@pytest.mark.parametrize("how", ["grad", "backward"])
+def test_a_backward_through_a_forward_replaced_by_a_later_one_leaves_no_stale_results(how):
+    """Forward A, its backward, forward B, then another backward through A: it computes
+    nothing (B's records replaced A's) and must not show A's first results as its own."""
+    case = build("mlp")
+    params = list(case.model.parameters())
+    with leanprop.per_sample(case.model, BatchGrad()):
+        loss_a = case.loss(case.model(case.x), case.y, "sum")
+        loss_a.backward(retain_graph=True)
+        case.model(case.x)  # forward B
+        if how == "grad":
+            torch.autograd.grad(3 * loss_a, params)
+        else:
+            (3 * loss_a).backward()
+    assert not any(hasattr(p, "grad_batch") for p in params)
+
+
 @pytest.mark.parametrize("how", ["grad", "backward"])
 def test_differentiating_create_graph_quantities_computes_nothing_per_sample(how):
     """A backward of a function of a create_graph pass's quantities (a penalty on the

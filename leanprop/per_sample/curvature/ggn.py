@@ -173,6 +173,12 @@ def compute_ggn(
     Monte-Carlo sample count (None: exact)."""
     if create_graph:
         _refuse_without_graph(by_mc)
+        if not torch.is_grad_enabled():
+            raise LeanpropValueError(
+                "leanprop.ggn(create_graph=True) was called with autograd off (torch.no_grad() "
+                "or inference mode): the quantities would carry no graph. Call it with "
+                "autograd on, or without create_graph."
+            )
     check_loss(loss_fn, output, target)
     bd = _output_batch_dim(contexts, output)
     params = list({p: None for c in contexts for p in c.model.parameters() if p.requires_grad})
