@@ -166,9 +166,9 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (32,), reps: int = 5) ->
                 warnings.simplefilter("ignore")  # (Opacus' notes: secure RNG, backward hooks)
                 agrees = _agree(name, batch, device)
                 variants, models = _variants(name, batch, device, NOISE)
-                res = leanprop.compare(
+                res = leanprop.compare(  # (warm-up: the "auto" convolution algorithm's trials)
                     variants, device=device, reps=reps, check=False, existing=tuple(models),
-                    show=False,
+                    show=False, warmup=4,
                 )  # fmt: skip
             for r in res:
                 row = as_dict(r, batch=batch, method=f"{name}: {r.name}")

@@ -180,7 +180,9 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (64,), reps: int = 10) -
         steps = {m: make_step(m, torch.device(device), batch) for m in ok}
         with warnings.catch_warnings():  # BackPACK's and Opacus's module hooks warn each call
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            timings = time_interleaved(steps, device, reps=reps)
+            # (warm-up: leanprop's "auto" convolution algorithm tries the algorithms in turn
+            # on a layer's first calls)
+            timings = time_interleaved(steps, device, reps=reps, warmup=4)
         for m, t in timings.items():
             next(r for r in recs if r["method"] == m).update(median_s=t.median, min_s=t.min)
         del steps

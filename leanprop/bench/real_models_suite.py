@@ -10,9 +10,9 @@ fresh pages), leanprop's ``BatchGrad`` /
 ``BatchL2Grad`` / ``Variance``, ``torch.func`` (``vmap(grad)`` with per-sample randomness)
 and Opacus' ``GradSampleModule``, where each runs. Peak memory is the exact tensor peak of one
 step (:class:`leanprop.track_memory`); time is measured in rounds, every method once per round.
-leanprop's individual gradients are checked to add up to the batch gradient (its own sum
-check, on); their exactness on these model families is what tests/per_sample/test_models.py
-tests.
+Each method runs ``WARM_UP`` steps first. leanprop's individual gradients are checked to add
+up to the batch gradient (its own sum check, on); their exactness on these model families is
+what tests/per_sample/test_models.py tests.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ import leanprop
 from ..measure import time_interleaved, track_memory
 
 Problem = tuple[nn.Module, Callable[[nn.Module, int], dict], Callable[..., Tensor]]
+# steps each method runs before it is measured (leanprop's "auto" convolution algorithm tries
+# the algorithms in turn on a layer's first calls)
+WARM_UP = 4
 LEANPROP = {
     "leanprop_batchgrad": leanprop.BatchGrad(),
     "leanprop_l2": leanprop.BatchL2Grad(),
@@ -228,7 +231,8 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (16,), reps: int = 10) -
                     step = make_step(m, problem, n)
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        step()  # warm-up, then the exact tensor peak of one step
+                        for _ in range(WARM_UP):  # then the exact tensor peak of one step
+                            step()
                         with track_memory() as mem:
                             step()
                 except Exception as e:  # a competitor that cannot run this model

@@ -171,7 +171,7 @@ def test_auto_conv_algorithm_is_chosen_once_per_shape(monkeypatch):
 
 def test_auto_conv_algorithm_times_each_in_use_and_keeps_the_fastest(monkeypatch):
     """Each trial's result is the call's result, written into the caller's buffer whatever
-    the algorithm; a slower algorithm is not kept."""
+    the algorithm; a clearly slower algorithm is tried once only, and not kept."""
     import time
 
     from torch import nn
@@ -203,13 +203,19 @@ def test_auto_conv_algorithm_times_each_in_use_and_keeps_the_fastest(monkeypatch
         for i in range(5)
         for conv_out in [m(x[i : i + 1])]
     ])  # fmt: skip
-    tries = len(conv.ALGORITHMS) * conv._TRIES
+    chosen_after = None  # calls until the fastest was kept
     with torch.no_grad():
-        for _ in range(tries + 2):
+        for i in range(20):
             out = torch.full_like(want, float("nan"))
             res = conv._weight_grads(m, x, g, conv.ALGORITHMS, out)
             assert res.data_ptr() == out.data_ptr()
             torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
-    assert sorted(ran[:tries]) == sorted(["_unfold", "_grouped", "_weight_backward"] * conv._TRIES)
+            if conv._FASTEST and chosen_after is None:
+                chosen_after = i + 1
     (kept,) = conv._FASTEST.values()
-    assert kept != "weight_backward" and ran[tries:] == ["_" + kept] * 2 and not conv._TIMES
+    assert set(ran[:3]) == {"_unfold", "_grouped", "_weight_backward"}  # one each first
+    assert ran.count("_weight_backward") == 1  # 20 ms slower: not tried again
+    assert kept != "weight_backward" and not conv._TIMES
+    assert chosen_after <= 3 * conv._TRIES and ran[chosen_after:] == ["_" + kept] * (
+        20 - chosen_after
+    )

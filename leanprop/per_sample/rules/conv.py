@@ -171,6 +171,7 @@ def _workspace(module: nn.Module, inputs: tuple[Any, ...], g: Tensor, opts: Rule
 
 
 _TRIES = 3  # timed calls of each algorithm per layer shape before the fastest is kept
+_SLOWER = 1.5  # after one call each, algorithms this much slower than the best are dropped
 _FASTEST: dict[tuple, str] = {}  # layer configuration and shapes -> fastest algorithm
 _TIMES: dict[tuple, dict[str, list[float]]] = {}  # the same -> seconds of each call tried
 
@@ -193,9 +194,10 @@ def _weight_grads(
     """Individual weight gradients ``[n, O, C/G, *K]`` by the fastest of ``options`` for this
     layer and shape, written into ``out`` where given.
 
-    The fastest is found in use: the first ``_TRIES`` calls of each algorithm on a shape are
-    timed as they run (their results are the results: nothing is computed twice), then the
-    one with the lowest median is kept for the process. Timed where it runs, a call pays
+    The fastest is found in use: the first calls of each algorithm on a shape are timed as
+    they run (their results are the results: nothing is computed twice): one each, then
+    ``_TRIES`` of those within ``_SLOWER`` times the best, and the one with the lowest median
+    is kept for the process. Timed where it runs, a call pays
     what the model's real calls pay (the result's fresh memory, cold caches, the backend's
     kernel selection), which a separate trial does not see (oneDNN's grouped weight
     gradient times from 1x to 10x im2col's on identical layers). While autograd records,
@@ -212,7 +214,7 @@ def _weight_grads(
     if fastest is not None:
         return run[fastest]()
     times = _TIMES.setdefault(key, {a: [] for a in options})
-    algorithm = min(options, key=lambda a: len(times[a]))  # the least tried
+    algorithm = min(times, key=lambda a: len(times[a]))  # the least tried
     _sync(x)
     start = time.perf_counter()
     res = run[algorithm]().view(x.shape[0], *module.weight.shape)
@@ -220,8 +222,12 @@ def _weight_grads(
         res = out.copy_(res)
     _sync(x)
     times[algorithm].append(time.perf_counter() - start)
+    if all(times.values()):  # each tried once: the clearly slower ones are not tried again
+        best = min(min(t) for t in times.values())
+        for a in [a for a, t in times.items() if min(t) > _SLOWER * best]:
+            del times[a]
     if all(len(t) >= _TRIES for t in times.values()):
-        _FASTEST[key] = min(options, key=lambda a: statistics.median(times[a]))
+        _FASTEST[key] = min(times, key=lambda a: statistics.median(times[a]))
         del _TIMES[key]
     return res
 
