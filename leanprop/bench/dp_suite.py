@@ -168,7 +168,7 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (32,), reps: int = 5) ->
                 variants, models = _variants(name, batch, device, NOISE)
                 res = leanprop.compare(  # (warm-up: the "auto" convolution algorithm's trials)
                     variants, device=device, reps=reps, check=False, existing=tuple(models),
-                    show=False, warmup=4,
+                    show=False, warmup=10,
                 )  # fmt: skip
             for r in res:
                 row = as_dict(r, batch=batch, method=f"{name}: {r.name}")

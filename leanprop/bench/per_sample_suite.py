@@ -182,7 +182,7 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (64,), reps: int = 10) -
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             # (warm-up: leanprop's "auto" convolution algorithm tries the algorithms in turn
             # on a layer's first calls)
-            timings = time_interleaved(steps, device, reps=reps, warmup=4)
+            timings = time_interleaved(steps, device, reps=reps, warmup=10)
         for m, t in timings.items():
             next(r for r in recs if r["method"] == m).update(median_s=t.median, min_s=t.min)
         del steps

@@ -33,7 +33,7 @@ from ..measure import time_interleaved, track_memory
 Problem = tuple[nn.Module, Callable[[nn.Module, int], dict], Callable[..., Tensor]]
 # steps each method runs before it is measured (leanprop's "auto" convolution algorithm tries
 # the algorithms in turn on a layer's first calls)
-WARM_UP = 4
+WARM_UP = 10
 LEANPROP = {
     "leanprop_batchgrad": leanprop.BatchGrad(),
     "leanprop_l2": leanprop.BatchL2Grad(),

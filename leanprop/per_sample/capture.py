@@ -679,8 +679,9 @@ class PerSample:
         died = (self._cycle.finish_queued or self._root_running) and current_graph_task_id() == -1
         if died or not self._root_running:  # (a forward that raised inside a rule site left it)
             self._in_rule.clear()
-        anew = died or self._cycle.backward_done or self.reset_on_forward
-        if died or self._cycle.backward_done:
+        done = self._cycle.backward_done and not self._recomputing()
+        anew = died or done or self.reset_on_forward
+        if died or done:
             # a new forward after a backward; or a backward that raised never ended its cycle,
             # or a forward raised: start anew
             self._abort_cycle()
@@ -1121,10 +1122,17 @@ class PerSample:
         quantities are checked even with ``check=False``."""
         if not self._root_running and torch.is_grad_enabled() and site.module is not self.model:
             # the first call of a new forward: start it here, so that a model call taking its
-            # output does not drop it (not a checkpoint's recomputation, inside a backward)
-            if self._cycle.backward_done and current_graph_task_id() == -1:
+            # output does not drop it
+            if self._cycle.backward_done and not self._recomputing():
                 self._abort_cycle()
             self._cycle.direct_call = site.name
+
+    def _recomputing(self) -> bool:
+        """A module call inside a backward after one that kept the forward's graph: a
+        non-reentrant checkpoint recomputing that forward, not a new forward (a reentrant
+        checkpoint's forward, run under no_grad, is recorded only when its backward
+        recomputes it: a new forward, after a backward that freed the last one)."""
+        return self._cycle.retained and current_graph_task_id() != -1
 
     def begin_fused(self, x: Any, weight: Any) -> Call | None:
         """Called by the op interceptor: record a call of a running fusable site whose own
@@ -1437,8 +1445,9 @@ class PerSample:
 
     @contextmanager
     def backward_scope(
-        self, passive: bool, accumulates: bool = False, roots: tuple[Any, ...] = ()
-    ) -> Iterator[None]:
+        self, passive: bool, accumulates: bool = False, roots: tuple[Any, ...] = (),
+        retains: bool = False,
+    ) -> Iterator[None]:  # fmt: skip
         """A backward (or autograd.grad) called inside the context. The cycle ends when the
         outermost one returns, so backward passes nested in it (a reentrant checkpoint's) are
         part of it. ``passive``: a pass that is not for the parameters (with respect to inputs
@@ -1446,7 +1455,7 @@ class PerSample:
         cycle. ``accumulates``: a backward into ``.grad``; one that computed nothing per sample
         leaves no earlier results (nor does an ``autograd.grad``, unless it differentiates a
         ``create_graph`` backward's results: those stay). ``roots``: the tensors it starts
-        from."""
+        from; ``retains``: it keeps the graph (``retain_graph``)."""
         if self._computing or not self._active:  # our own autograd calls
             yield
             return
@@ -1475,6 +1484,8 @@ class PerSample:
         if not outermost or in_eager_backward():
             return
         self._accumulating = False
+        if not passive:
+            self._cycle.retained = retains
         if passive:
             self._cycle.backward_done = self._cycle.backward_done or not self._cycle.open
         elif self._cycle.open:

@@ -216,6 +216,10 @@ class Cycle:
     differentiating_task: int | None = None  # ... by a hook firing in this graph task
     # () -> the function that hooks the results' nodes (the context's, held weakly) or None
     watch_results: Callable[[], Callable[[list[Any]], None] | None] | None = None
+    _written: list[Any] = field(default_factory=list)  # nodes made for the results written
+    # the last backward kept its graph (retain_graph): a module recomputed inside a later
+    # backward is a non-reentrant checkpoint's recomputation of this forward, not a new one
+    retained: bool = False
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -287,6 +291,13 @@ class Cycle:
                         if attr in asked:
                             if attr == BatchGrad.attr:  # (BatchGrad(subsampling=...))
                                 value = subsample(value, subsampling, 0, "BatchGrad")
+                            if self.grad_mode and value.grad_fn is not None:
+                                # a node of its own, made now: a later backward that reaches
+                                # it differentiates this result (the value's own node may be
+                                # the forward's: a bias's individual gradients are its output
+                                # gradient, the user's grad_outputs)
+                                value = value.view_as(value)
+                                self._written.append(value.grad_fn)
                             setattr(state.param, attr, value)
                 if Variance not in kinds:
                     return {}
@@ -330,12 +341,12 @@ class Cycle:
         self.discarded_forward = False
 
     def _result_nodes(self) -> list[Any]:
-        """The autograd nodes of this (create_graph) backward's results: every quantity
-        formed, and the gradients autograd handed over (``.grad``, ``autograd.grad``'s)."""
-        found: list[Any] = []
+        """The autograd nodes of this (create_graph) backward's results: those made for the
+        quantities written, and those of the gradients autograd handed over (``.grad``,
+        ``autograd.grad``'s: made by this backward)."""
+        found, self._written = self._written, []
         for state in self.states.values():
-            values = [*state.results.values(), *(g for _, _, g in state.autograd_grads)]
-            found += [v.grad_fn for v in values if isinstance(v, Tensor)]
+            found += [g.grad_fn for _, _, g in state.autograd_grads]
         return [node for node in dict.fromkeys(found) if node is not None]
 
     def begin_backward(self, roots: list[Any]) -> None:
@@ -380,6 +391,7 @@ class Cycle:
             sink.close()
         self.contributions, self.earlier, self.graph_closed = None, [], []
         self.result_nodes, self.differentiating, self.differentiating_task = {}, False, None
+        self.retained = False
         for site in self.sites:
             site.calls, site.running, site.fused = 0, False, False
         for state in self.states.values():

@@ -871,6 +871,90 @@ def test_a_second_backward_through_a_non_reentrant_checkpoint_computes_its_own(c
             p.grad = None
 
 
+def test_a_loss_backward_after_a_create_graph_vector_jacobian_product_computes_its_own():
+    """A create_graph VJP with the residual as grad_outputs (a Gauss-Newton or meta step),
+    then the loss's own backward: the last bias's individual gradients of the VJP are the
+    residual itself, a node of the forward; the loss's backward reaches it without
+    differentiating the VJP's results. It was taken for that: the VJP's results stayed as the
+    loss's (silently wrong)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    params = list(model.parameters())
+
+    def loss_fn(out, y, reduction):
+        return F.mse_loss(out, y, reduction=reduction)
+
+    expected = individual_gradients(model, loss_fn, x, y, "sum")
+    with leanprop.per_sample(model, BatchGrad()):
+        out = model(x)
+        r = out - y
+        torch.autograd.grad(out, params, grad_outputs=r, create_graph=True, retain_graph=True)
+        torch.autograd.grad((r**2).sum(), params)
+        for k, p in model.named_parameters():
+            assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_second_backward_through_a_checkpointed_model_computes_its_own(reentrant):
+    """The whole model under checkpoint: its recomputation in a second backward through the
+    retained forward is not a new forward (every quantity was missing, silently)."""
+    from torch.utils.checkpoint import checkpoint
+
+    case = build("mlp")
+    params = list(case.model.parameters())
+    expected = individual_gradients(case.model, case.loss, case.x, case.y, "sum")
+    with leanprop.per_sample(case.model, BatchGrad()):
+        out = checkpoint(case.model, case.x.requires_grad_(), use_reentrant=reentrant)
+        loss = case.loss(out, case.y, "sum")
+        loss.backward(retain_graph=True)
+        for p in params:
+            p.grad = None
+        loss.backward()
+        for k, p in case.model.named_parameters():
+            assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_steps_of_modules_called_directly_each_start_anew(reentrant):
+    """Modules called directly (not the root) inside a checkpoint, steps of 5, 5 and 7
+    samples: a reentrant checkpoint's forward runs under no_grad, so each step is recorded
+    first in its backward; it must not be taken for a recomputation of the step before (a
+    BatchError about 7 vs 5 samples)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Sequential(nn.Linear(3, 4), nn.Tanh())}).double()
+    model["head"] = nn.Linear(4, 2).double()
+
+    def forward(t):
+        return model["head"](model["body"](t))
+
+    def loss_fn(out, y, reduction):
+        return F.cross_entropy(out, y, reduction=reduction)
+
+    class Whole(nn.Module):  # (the oracle's model)
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, t):
+            return forward(t)
+
+    steps = []
+    for n in (5, 5, 7):
+        x = torch.randn(n, 3, dtype=torch.float64, requires_grad=True)
+        y = torch.randint(0, 2, (n,))
+        steps.append((x, y, individual_gradients(Whole(), loss_fn, x.detach(), y, "sum")))
+    with leanprop.per_sample(model, BatchGrad()):
+        for x, y, expected in steps:
+            out = checkpoint(forward, x, use_reentrant=reentrant)
+            loss_fn(out, y, "sum").backward()
+            for k, p in model.named_parameters():
+                assert_close(p.grad_batch, expected[f"m.{k}"], k, 1e-10, 1e-12)
+                p.grad = None
+
+
 @pytest.mark.parametrize("how", ["grad", "backward"])
 def test_a_backward_through_a_forward_replaced_by_a_later_one_leaves_no_stale_results(how):
     """Forward A, its backward, forward B, then another backward through A: it computes

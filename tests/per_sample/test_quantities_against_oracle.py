@@ -219,3 +219,38 @@ def test_auto_conv_algorithm_times_each_in_use_and_keeps_the_fastest(monkeypatch
     assert chosen_after <= 3 * conv._TRIES and ran[chosen_after:] == ["_" + kept] * (
         20 - chosen_after
     )
+
+
+def test_auto_conv_algorithm_chosen_by_several_threads_at_once(monkeypatch):
+    """Backward passes on two threads (one model each) choosing for the same shape: each
+    result exact, no error (the shared choice raised a KeyError)."""
+    import threading
+
+    from torch import nn
+
+    from leanprop.per_sample.rules import conv
+
+    monkeypatch.setattr(conv, "_FASTEST", {})
+    monkeypatch.setattr(conv, "_TIMES", {})
+    torch.manual_seed(0)
+    m = nn.Conv2d(3, 4, 3, padding=1).double()
+    x, g = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, 4, 6, 6).double()
+    want = conv._unfold(m, x, g, None)
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            with torch.no_grad():
+                for _ in range(30):
+                    got = conv._weight_grads(m, x, g, conv.ALGORITHMS, None)
+                    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        except BaseException as e:  # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert conv._FASTEST and not conv._TIMES

@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -174,11 +175,12 @@ _TRIES = 3  # timed calls of each algorithm per layer shape before the fastest i
 _SLOWER = 1.5  # after one call each, algorithms this much slower than the best are dropped
 _FASTEST: dict[tuple, str] = {}  # layer configuration and shapes -> fastest algorithm
 _TIMES: dict[tuple, dict[str, list[float]]] = {}  # the same -> seconds of each call tried
+_LOCK = threading.Lock()  # guards the two
 
 
 def _key(module: nn.Module, x: Tensor, g: Tensor, options: tuple[str, ...]) -> tuple:
     return (
-        x.device.type, x.dtype, tuple(x.shape), tuple(g.shape), tuple(module.weight.shape),
+        x.device, x.dtype, tuple(x.shape), tuple(g.shape), tuple(module.weight.shape),
         module.stride, module.dilation, module.groups, options,
     )  # fmt: skip
 
@@ -213,22 +215,28 @@ def _weight_grads(
     fastest = _FASTEST.get(key)
     if fastest is not None:
         return run[fastest]()
-    times = _TIMES.setdefault(key, {a: [] for a in options})
-    algorithm = min(times, key=lambda a: len(times[a]))  # the least tried
+    with _LOCK:  # (backward passes on several threads: one model per device, per thread)
+        times = _TIMES.setdefault(key, {a: [] for a in options})
+        algorithm = min(times, key=lambda a: len(times[a]))  # the least tried
     _sync(x)
     start = time.perf_counter()
     res = run[algorithm]().view(x.shape[0], *module.weight.shape)
     if out is not None and res.data_ptr() != out.data_ptr():  # (every one pays the write)
         res = out.copy_(res)
     _sync(x)
-    times[algorithm].append(time.perf_counter() - start)
-    if all(times.values()):  # each tried once: the clearly slower ones are not tried again
-        best = min(min(t) for t in times.values())
-        for a in [a for a, t in times.items() if min(t) > _SLOWER * best]:
-            del times[a]
-    if all(len(t) >= _TRIES for t in times.values()):
-        _FASTEST[key] = min(times, key=lambda a: statistics.median(times[a]))
-        del _TIMES[key]
+    took = time.perf_counter() - start
+    with _LOCK:
+        times = _TIMES.get(key)
+        if times is None or algorithm not in times:  # (decided meanwhile, on another thread)
+            return res
+        times[algorithm].append(took)
+        if all(times.values()):  # each tried once: the clearly slower ones are not tried again
+            best = min(min(t) for t in times.values())
+            for a in [a for a, t in times.items() if min(t) > _SLOWER * best]:
+                del times[a]
+        if all(len(t) >= _TRIES for t in times.values()):
+            _FASTEST[key] = min(times, key=lambda a: statistics.median(times[a]))
+            del _TIMES[key]
     return res
 
 
