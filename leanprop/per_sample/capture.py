@@ -43,6 +43,7 @@ from .._torch_compat import (
     BatchNormBase,
     current_graph_task_id,
     function_modes,
+    in_reentrant_checkpoint_backward,
     pop_innermost_mode,
     push_mode,
     queue_callback,
@@ -1128,11 +1129,11 @@ class PerSample:
             self._cycle.direct_call = site.name
 
     def _recomputing(self) -> bool:
-        """A module call inside a backward after one that kept the forward's graph: a
-        non-reentrant checkpoint recomputing that forward, not a new forward (a reentrant
-        checkpoint's forward, run under no_grad, is recorded only when its backward
-        recomputes it: a new forward, after a backward that freed the last one)."""
-        return self._cycle.retained and current_graph_task_id() != -1
+        """A module call inside a backward, but for a reentrant checkpoint's: a non-reentrant
+        checkpoint recomputing the recorded forward, not a new forward (a reentrant
+        checkpoint's forward runs under no_grad, and is recorded when its backward runs it
+        again: a new forward)."""
+        return current_graph_task_id() != -1 and not in_reentrant_checkpoint_backward()
 
     def begin_fused(self, x: Any, weight: Any) -> Call | None:
         """Called by the op interceptor: record a call of a running fusable site whose own
@@ -1445,9 +1446,8 @@ class PerSample:
 
     @contextmanager
     def backward_scope(
-        self, passive: bool, accumulates: bool = False, roots: tuple[Any, ...] = (),
-        retains: bool = False,
-    ) -> Iterator[None]:  # fmt: skip
+        self, passive: bool, accumulates: bool = False, roots: tuple[Any, ...] = ()
+    ) -> Iterator[None]:
         """A backward (or autograd.grad) called inside the context. The cycle ends when the
         outermost one returns, so backward passes nested in it (a reentrant checkpoint's) are
         part of it. ``passive``: a pass that is not for the parameters (with respect to inputs
@@ -1455,7 +1455,7 @@ class PerSample:
         cycle. ``accumulates``: a backward into ``.grad``; one that computed nothing per sample
         leaves no earlier results (nor does an ``autograd.grad``, unless it differentiates a
         ``create_graph`` backward's results: those stay). ``roots``: the tensors it starts
-        from; ``retains``: it keeps the graph (``retain_graph``)."""
+        from."""
         if self._computing or not self._active:  # our own autograd calls
             yield
             return
@@ -1484,8 +1484,6 @@ class PerSample:
         if not outermost or in_eager_backward():
             return
         self._accumulating = False
-        if not passive:
-            self._cycle.retained = retains
         if passive:
             self._cycle.backward_done = self._cycle.backward_done or not self._cycle.open
         elif self._cycle.open:

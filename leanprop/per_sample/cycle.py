@@ -217,9 +217,6 @@ class Cycle:
     # () -> the function that hooks the results' nodes (the context's, held weakly) or None
     watch_results: Callable[[], Callable[[list[Any]], None] | None] | None = None
     _written: list[Any] = field(default_factory=list)  # nodes made for the results written
-    # the last backward kept its graph (retain_graph): a module recomputed inside a later
-    # backward is a non-reentrant checkpoint's recomputation of this forward, not a new one
-    retained: bool = False
 
     def next_forward(self) -> None:
         """Another forward of the model starts before a backward: its uses hand their
@@ -391,7 +388,6 @@ class Cycle:
             sink.close()
         self.contributions, self.earlier, self.graph_closed = None, [], []
         self.result_nodes, self.differentiating, self.differentiating_task = {}, False, None
-        self.retained = False
         for site in self.sites:
             site.calls, site.running, site.fused = 0, False, False
         for state in self.states.values():

@@ -184,9 +184,7 @@ class Intercept(TorchFunctionMode):
                 for c in self._captures():  # every per_sample context active here
                     passive = call is not None and bool(call[4]) and not any(map(c.tracks, call[4]))
                     roots = call[0] if call is not None else ()
-                    # (retain_graph, by default create_graph)
-                    retains = call is not None and bool(call[3] if call[2] is None else call[2])
-                    scopes.enter_context(c.backward_scope(passive, True, roots, retains))
+                    scopes.enter_context(c.backward_scope(passive, True, roots))
                 if call is None:
                     return func(*args, **kwargs)
                 with self:
@@ -199,8 +197,7 @@ class Intercept(TorchFunctionMode):
                     # batched (vmap's tensors must not reach the results): nothing per sample
                     passive = call is None or call[6] or not any(map(c.tracks, call[1]))
                     roots = call[0] if call is not None else ()
-                    retains = call is not None and bool(call[4] if call[3] is None else call[3])
-                    scopes.enter_context(c.backward_scope(passive, False, roots, retains))
+                    scopes.enter_context(c.backward_scope(passive, False, roots))
                 if call is None:
                     return func(*args, **kwargs)
                 with self:

@@ -915,12 +915,13 @@ def test_a_second_backward_through_a_checkpointed_model_computes_its_own(reentra
             assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["freed", "graph-kept"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpointed_steps_of_modules_called_directly_each_start_anew(reentrant):
+def test_checkpointed_steps_of_modules_called_directly_each_start_anew(reentrant, keep):
     """Modules called directly (not the root) inside a checkpoint, steps of 5, 5 and 7
     samples: a reentrant checkpoint's forward runs under no_grad, so each step is recorded
     first in its backward; it must not be taken for a recomputation of the step before (a
-    BatchError about 7 vs 5 samples)."""
+    BatchError about 7 vs 5 samples), also where the step before kept its graph."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -949,9 +950,33 @@ def test_checkpointed_steps_of_modules_called_directly_each_start_anew(reentrant
     with leanprop.per_sample(model, BatchGrad()):
         for x, y, expected in steps:
             out = checkpoint(forward, x, use_reentrant=reentrant)
-            loss_fn(out, y, "sum").backward()
+            loss_fn(out, y, "sum").backward(retain_graph=keep)
             for k, p in model.named_parameters():
                 assert_close(p.grad_batch, expected[f"m.{k}"], k, 1e-10, 1e-12)
+                p.grad = None
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["model", "modules"])
+def test_input_gradient_then_backward_through_a_non_reentrant_checkpoint(whole):
+    """An input-gradient pass (an adversarial step) keeps the graph, then the loss's
+    backward recomputes the checkpoint: not a new forward (every quantity was missing)."""
+    from torch.utils.checkpoint import checkpoint
+
+    case = build("mlp")
+    model = case.model
+    expected = individual_gradients(model, case.loss, case.x, case.y, "sum")
+    with leanprop.per_sample(model, BatchGrad()):
+        for _ in range(2):
+            x = case.x.clone().requires_grad_()
+            if whole:
+                out = checkpoint(model, x, use_reentrant=False)
+            else:
+                out = checkpoint(lambda t: model[2](model[1](model[0](t))), x, use_reentrant=False)
+            loss = case.loss(out, case.y, "sum")
+            torch.autograd.grad(loss, x, retain_graph=True)
+            loss.backward()
+            for k, p in model.named_parameters():
+                assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
                 p.grad = None
 
 
