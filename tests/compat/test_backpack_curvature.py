@@ -108,7 +108,7 @@ def test_curvature_needs_the_extended_loss_output():
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
-@pytest.mark.parametrize("ext", [extensions.KFAC(), extensions.DiagHessian()], ids=repr)
+@pytest.mark.parametrize("ext", [extensions.KFRA(), extensions.DiagHessian()], ids=repr)
 def test_curvature_without_a_graph_under_create_graph_is_refused(ext):
     """Under ``backward(create_graph=True)`` BackPACK's curvature is differentiable; the
     facade's quantities that carry no graph are refused (they were returned without one,
@@ -204,6 +204,46 @@ def test_after_a_create_graph_backward_another_one_is_refused_not_stale(how):
         model.zero_grad(set_to_none=True)
         facade.unextend(model)
         facade.unextend(loss_fn)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("conv", [False, True], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_kflr_under_create_graph_is_differentiable_as_backpacks(conv, loss):
+    bp = pytest.importorskip("backpack")
+    found = []
+    for lib in (facade, bp):
+        torch.manual_seed(1)
+        if conv:
+            model = nn.Sequential(
+                nn.Conv2d(2, 3, 3, padding=1), nn.Sigmoid(), nn.Flatten(), nn.Linear(75, 3)
+            ).double()
+            x = torch.randn(6, 2, 5, 5).double()
+        else:
+            model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+            x = torch.randn(6, 4).double()
+        y = torch.randint(0, 3, (6,)) if loss == "ce" else torch.randn(6, 3).double()
+        loss_fn = nn.CrossEntropyLoss() if loss == "ce" else nn.MSELoss()
+        model, loss_fn = lib.extend(model), lib.extend(loss_fn)
+        with lib.backpack(lib.extensions.KFLR()):
+            loss_fn(model(x), y).backward(create_graph=True)
+        values = [t for p in model.parameters() for t in p.kflr]
+        gen = torch.Generator().manual_seed(3)
+        f = sum((v * torch.randn(v.shape, generator=gen, dtype=v.dtype)).sum() for v in values)
+        grads = torch.autograd.grad(f, list(model.parameters()), allow_unused=True)
+        params = list(model.parameters())
+        grads = [
+            torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
+        ]
+        found.append((values, grads))
+        model.zero_grad(set_to_none=True)
+        if lib is facade:
+            facade.unextend(model)
+            facade.unextend(loss_fn)
+    for ours, theirs in zip(*found, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_retain_graph_gives_each_backward_its_own_results():

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import leanprop
@@ -277,6 +277,39 @@ def test_kflr_is_the_ggn_block_where_it_is_exact(conv):
                 assert b.shape == (p.shape[0],) * 2 and a.shape == (p[0].numel(),) * 2
                 if n == 1 and p.dim() == 2:
                     torch.testing.assert_close(torch.kron(b, a), full, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("conv", [None, 2], ids=["linear", "conv2d"])
+def test_kflr_under_create_graph_differentiates_as_the_ggn_block(conv):
+    """``ggn(KFLR(), create_graph=True)``: where the factors are exact GGN blocks (the bias's
+    ``B`` for any batch, a linear weight's ``B ⊗ A`` for one sample), the gradient of a random
+    functional of them equals that of the oracle's blocks (autograd through J and H)."""
+    for n in (1, 5):
+        model, x, y = _kron_problem(conv, n)
+        loss_fn = nn.CrossEntropyLoss()
+        with leanprop.per_sample(model) as ctx:
+            leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.KFLR(), create_graph=True)
+        ref = ggn_blocks(model, x, loss_fn, y, differentiable=True)
+        gen = torch.Generator().manual_seed(n)
+        ours = theirs = 0
+        for k, p in model.named_parameters():
+            full = ref[k][0]
+            if k.endswith("bias"):
+                (block,) = p.kflr
+            elif n == 1 and p.dim() == 2:
+                block = torch.kron(*p.kflr)
+            else:
+                continue
+            r = torch.randn(full.shape, generator=gen, dtype=full.dtype)
+            ours, theirs = ours + (block * r).sum(), theirs + (full * r).sum()
+        params = list(model.parameters())
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+        got = torch.autograd.grad(ours, params, allow_unused=True)
+        want = torch.autograd.grad(theirs, params, allow_unused=True)
+        for p, a, b in zip(params, got, want, strict=True):
+            a = torch.zeros_like(p) if a is None else a
+            b = torch.zeros_like(p) if b is None else b
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
 def test_kfac_estimates_kflr():
@@ -1040,7 +1073,8 @@ def test_create_graph_quantities_and_their_derivatives_against_oracle(name, whic
 def test_create_graph_monte_carlo_quantities_are_differentiable_with_the_draws_fixed():
     case = build("mlp")
     loss_fn, model = nn.CrossEntropyLoss(), case.model
-    qs = (leanprop.DiagGGNMC(2), leanprop.BatchDiagGGNMC(2), leanprop.SqrtGGNMC(2))
+    qs = (leanprop.DiagGGNMC(2), leanprop.BatchDiagGGNMC(2), leanprop.SqrtGGNMC(2),
+          leanprop.KFAC(2))  # fmt: skip
     found = []
     for create_graph in (False, True):
         with leanprop.per_sample(model) as ctx:
@@ -1051,12 +1085,13 @@ def test_create_graph_monte_carlo_quantities_are_differentiable_with_the_draws_f
             )  # fmt: skip
         found.append([getattr(model[0].weight, q.attr) for q in qs])
     for plain, graph in zip(*found, strict=True):
+        plain, graph = (plain, graph) if isinstance(plain, Tensor) else (plain[0], graph[0])
         assert not plain.requires_grad and graph.requires_grad
         torch.testing.assert_close(graph, plain, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize(
-    "q", [leanprop.KFAC(), leanprop.KFLR(), leanprop.KFRA(), leanprop.DiagHessian(),
+    "q", [leanprop.KFRA(), leanprop.DiagHessian(),
           leanprop.BatchDiagHessian(), leanprop.HMP()], ids=repr,
 )  # fmt: skip
 def test_create_graph_refuses_quantities_without_a_graph(q):

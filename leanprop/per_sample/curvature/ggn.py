@@ -137,8 +137,8 @@ def ggn(
         generator: random numbers of the Monte-Carlo targets.
         create_graph: the quantities as differentiable functions of the parameters (through
             the Jacobians and the loss Hessian's factor; Monte-Carlo draws fixed): the GGN's
-            diagonals, square roots and ``GGNMP``; the others are refused. Without it they
-            carry no graph.
+            diagonals, square roots, ``GGNMP`` and the Kronecker factors (KFLR, KFAC); the
+            others are refused. Without it they carry no graph.
 
     Raises:
         LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
@@ -289,7 +289,7 @@ def _refuse_without_graph(by_mc: dict[int | None, list[CurvatureQuantity]]) -> N
             type(q).__name__
             for qs in by_mc.values()
             for q in qs
-            if q.kronecker or q.averaged or q.second_order or q.hessian
+            if q.averaged or q.second_order or q.hessian
         }
     )
     if refused:
@@ -297,8 +297,8 @@ def _refuse_without_graph(by_mc: dict[int | None, list[CurvatureQuantity]]) -> N
             f"leanprop.ggn(create_graph=True) (the BackPACK facade: backward(create_graph=True)"
             f"): {', '.join(refused)} carry no graph in leanprop yet, and would silently act as "
             "constants. Differentiable: DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, "
-            "BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP; compute the others without "
-            "create_graph."
+            "BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP, KFLR, KFAC; compute the others "
+            "without create_graph."
         )
 
 
