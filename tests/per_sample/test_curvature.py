@@ -279,25 +279,31 @@ def test_kflr_is_the_ggn_block_where_it_is_exact(conv):
                     torch.testing.assert_close(torch.kron(b, a), full, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("conv", [None, 2], ids=["linear", "conv2d"])
-def test_kflr_under_create_graph_differentiates_as_the_ggn_block(conv):
-    """``ggn(KFLR(), create_graph=True)``: where the factors are exact GGN blocks (the bias's
-    ``B`` for any batch, a linear weight's ``B ⊗ A`` for one sample), the gradient of a random
-    functional of them equals that of the oracle's blocks (autograd through J and H)."""
-    for n in (1, 5):
+@pytest.mark.parametrize(
+    ("conv", "kind"), [(None, "KFLR"), (2, "KFLR"), (None, "KFRA")],
+    ids=["linear-KFLR", "conv2d-KFLR", "linear-KFRA"],
+)  # fmt: skip
+def test_kronecker_factors_under_create_graph_differentiate_as_the_ggn_block(conv, kind):
+    """``ggn(KFLR() or KFRA(), create_graph=True)``: where the factors are exact GGN blocks
+    (KFLR: the bias's ``B`` for any batch; both: a linear weight's ``B ⊗ A`` and the bias's
+    ``B`` for one sample), the gradient of a random functional of them equals that of the
+    oracle's blocks (autograd through J and H)."""
+    q = getattr(leanprop, kind)()
+    for n in (1, 5) if kind == "KFLR" else (1,):
         model, x, y = _kron_problem(conv, n)
         loss_fn = nn.CrossEntropyLoss()
         with leanprop.per_sample(model) as ctx:
-            leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.KFLR(), create_graph=True)
+            leanprop.ggn(ctx, model(x), loss_fn, y, q, create_graph=True)
         ref = ggn_blocks(model, x, loss_fn, y, differentiable=True)
         gen = torch.Generator().manual_seed(n)
         ours = theirs = 0
         for k, p in model.named_parameters():
             full = ref[k][0]
+            factors = getattr(p, q.attr)
             if k.endswith("bias"):
-                (block,) = p.kflr
+                (block,) = factors
             elif n == 1 and p.dim() == 2:
-                block = torch.kron(*p.kflr)
+                block = torch.kron(*factors)
             else:
                 continue
             r = torch.randn(full.shape, generator=gen, dtype=full.dtype)
@@ -1091,7 +1097,7 @@ def test_create_graph_monte_carlo_quantities_are_differentiable_with_the_draws_f
 
 
 @pytest.mark.parametrize(
-    "q", [leanprop.KFRA(), leanprop.DiagHessian(),
+    "q", [leanprop.DiagHessian(),
           leanprop.BatchDiagHessian(), leanprop.HMP()], ids=repr,
 )  # fmt: skip
 def test_create_graph_refuses_quantities_without_a_graph(q):

@@ -137,8 +137,8 @@ def ggn(
         generator: random numbers of the Monte-Carlo targets.
         create_graph: the quantities as differentiable functions of the parameters (through
             the Jacobians and the loss Hessian's factor; Monte-Carlo draws fixed): the GGN's
-            diagonals, square roots, ``GGNMP`` and the Kronecker factors (KFLR, KFAC); the
-            others are refused. Without it they carry no graph.
+            diagonals, square roots, ``GGNMP`` and the Kronecker factors (KFLR, KFAC, KFRA);
+            the others are refused. Without it they carry no graph.
 
     Raises:
         LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
@@ -223,7 +223,8 @@ def compute_ggn(
                 for c in contexts:
                     c.raise_pending_refusal()
                 at = {id(p): i for i, p in enumerate(params)}
-                for p, factors in kfra_factors(contexts, output, front, bd, params).items():
+                found = kfra_factors(contexts, output, front, bd, params, create_graph)
+                for p, factors in found.items():
                     results[at[id(p)]][KFRA.attr] = factors
             if qs:
                 layers = None
@@ -285,20 +286,15 @@ def _refuse_without_graph(by_mc: dict[int | None, list[CurvatureQuantity]]) -> N
     """``create_graph``: the quantities formed from the passes alone are differentiable; the
     others are refused (their closed forms are not written to be differentiated)."""
     refused = sorted(
-        {
-            type(q).__name__
-            for qs in by_mc.values()
-            for q in qs
-            if q.averaged or q.second_order or q.hessian
-        }
+        {type(q).__name__ for qs in by_mc.values() for q in qs if q.second_order or q.hessian}
     )
     if refused:
         raise UnsupportedModelError(
             f"leanprop.ggn(create_graph=True) (the BackPACK facade: backward(create_graph=True)"
             f"): {', '.join(refused)} carry no graph in leanprop yet, and would silently act as "
             "constants. Differentiable: DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, "
-            "BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP, KFLR, KFAC; compute the others "
-            "without create_graph."
+            "BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP, KFLR, KFAC, KFRA; compute the "
+            "others without create_graph."
         )
 
 

@@ -191,12 +191,13 @@ def _kind(node: Any) -> str:
 
 
 def _averaged_through(
-    contexts: Sequence[PerSample], b: Tensor, target: Tensor, layer: Any
+    contexts: Sequence[PerSample], b: Tensor, target: Tensor, layer: Any, create_graph: bool
 ) -> Tensor:
     """``b`` (over ``target``'s units per sample) carried back to ``layer``'s output op by op:
     ``b <- 1/N sum_n J_n^T b J_n``. An elementwise op's ``J_n = diag(d_n)`` (``d`` from one
     backward pass of ones): ``b * (d^T d) / N``; a view keeping the samples first leaves ``b``
-    as it is. Any other op is refused."""
+    as it is. Any other op is refused. ``create_graph``: ``d`` as a function of the
+    parameters."""
     n, shape = target.shape[0], tuple(target.shape)
     with ExitStack() as stack:
         for c in contexts:  # (passes of ours: nothing per sample, nothing recorded)
@@ -204,7 +205,7 @@ def _averaged_through(
             stack.enter_context(c.for_layer_outputs())
         for out, inp in _ops_between(target, layer):
             ones = torch.ones(shape, dtype=target.dtype, device=target.device)
-            (d,) = torch.autograd.grad(out, inp, ones, retain_graph=True)
+            (d,) = torch.autograd.grad(out, inp, ones, retain_graph=True, create_graph=create_graph)
             kind, before = _kind(out.node), tuple(d.shape)
             if kind in _ELEMENTWISE and before == shape:
                 d = d.reshape(n, -1).to(b.dtype)
@@ -223,11 +224,12 @@ def _averaged_through(
 
 def kfra_factors(
     contexts: Sequence[PerSample], output: Tensor, front: Tensor, batch_dim: int,
-    params: Sequence[nn.Parameter],
+    params: Sequence[nn.Parameter], create_graph: bool = False,
 ) -> dict[nn.Parameter, list[Tensor]]:  # fmt: skip
     """``{weight: [B, A], bias: [B]}`` of each layer of the chain behind ``output`` (its
     samples in ``batch_dim``; see the module docstring); ``front``: the loss Hessian's factor
-    ``[M, N, *S]``, samples first."""
+    ``[M, N, *S]``, samples first. ``create_graph``: the factors as functions of the
+    parameters (``front`` one too)."""
     if batch_dim != 0:
         raise UnsupportedModelError(
             _REFUSAL.format(what=f"the output holds the samples in dimension {batch_dim}, not 0")
@@ -239,13 +241,16 @@ def kfra_factors(
     out: dict[nn.Parameter, list[Tensor]] = {}
     for layer in chain:
         if target.grad_fn is not layer.node:  # ops between: averaged through each one's J_n
-            b = _averaged_through(contexts, b, target, layer.node)
-        module, x = layer.module, layer.x.detach()
+            b = _averaged_through(contexts, b, target, layer.node, create_graph)
+        module = layer.module
+        x, weight = layer.x, module.weight
+        if not create_graph:
+            x, weight = x.detach(), weight.detach()
         b = b.to(module.weight.dtype)
         if module.weight.requires_grad:
             out[module.weight] = [b, x.mT @ x / x.shape[0]]
         if module.bias is not None and module.bias.requires_grad:
             out[module.bias] = [b]
-        b = module.weight.detach().mT @ b @ module.weight.detach()
+        b = weight.mT @ b @ weight
         target = layer.x
     return out
