@@ -21,6 +21,15 @@ from ..helpers import assert_close, positive_curvature_blocks
 EXACT = (extensions.DiagGGNExact(), extensions.BatchDiagGGNExact(), extensions.SqrtGGNExact())
 
 
+def _functional_gradients(values, params):
+    """Gradients with respect to ``params`` of a fixed random linear functional of the
+    quantities ``values`` (zeros where one does not depend on a parameter)."""
+    gen = torch.Generator().manual_seed(3)
+    f = sum((v * torch.randn(v.shape, generator=gen, dtype=v.dtype)).sum() for v in values)
+    grads = torch.autograd.grad(f, params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+
+
 def _loss_module(case):
     return nn.CrossEntropyLoss() if not case.y.is_floating_point() else nn.MSELoss(reduction="sum")
 
@@ -159,14 +168,7 @@ def test_curvature_under_create_graph_is_differentiable_as_backpacks(loss):
         values = [getattr(p, a) for p in model.parameters() for a in attrs]
         # (MSE's last bias: a constant diagonal, no graph needed)
         assert sum(v.requires_grad for v in values) >= len(values) - 2 * (loss == "mse")
-        gen = torch.Generator().manual_seed(3)
-        f = sum((v * torch.randn(v.shape, generator=gen, dtype=v.dtype)).sum() for v in values)
-        grads = torch.autograd.grad(f, list(model.parameters()), allow_unused=True)
-        grads = [
-            torch.zeros_like(p) if g is None else g
-            for p, g in zip(model.parameters(), grads, strict=True)
-        ]
-        found.append((values, grads))
+        found.append((values, _functional_gradients(values, list(model.parameters()))))
         assert model[0].weight.diag_ggn_mc.requires_grad
         model.zero_grad(set_to_none=True)
         if lib is facade:
@@ -233,14 +235,7 @@ def test_kronecker_factors_under_create_graph_are_differentiable_as_backpacks(ki
         with lib.backpack(getattr(lib.extensions, kind)()):
             loss_fn(model(x), y).backward(create_graph=True)
         values = [t for p in model.parameters() for t in getattr(p, kind.lower())]
-        gen = torch.Generator().manual_seed(3)
-        f = sum((v * torch.randn(v.shape, generator=gen, dtype=v.dtype)).sum() for v in values)
-        grads = torch.autograd.grad(f, list(model.parameters()), allow_unused=True)
-        params = list(model.parameters())
-        grads = [
-            torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
-        ]
-        found.append((values, grads))
+        found.append((values, _functional_gradients(values, list(model.parameters()))))
         model.zero_grad(set_to_none=True)
         if lib is facade:
             facade.unextend(model)
