@@ -56,7 +56,8 @@ def bits(dtype: torch.dtype) -> int:
 def _reaches(roots: list[Any], nodes: dict[int, Any]) -> bool:
     """Whether the autograd graph of ``roots`` (tensors or gradient edges) contains one of
     ``nodes`` (by ``id``)."""
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # id -> the node itself: kept alive, so that no node visited
+    # later gets its id (torch makes a node's Python object anew when none holds it)
     todo = [t.grad_fn if isinstance(t, Tensor) else getattr(t, "node", None) for t in roots]
     while todo:
         node = todo.pop()
@@ -64,7 +65,7 @@ def _reaches(roots: list[Any], nodes: dict[int, Any]) -> bool:
             continue
         if id(node) in nodes:
             return True
-        seen.add(id(node))
+        seen[id(node)] = node
         todo.extend(fn for fn, _ in node.next_functions)
     return False
 
