@@ -128,9 +128,11 @@ def engine_grad(
     create_graph: bool,
     allow_unused: bool,
     is_grads_batched: bool,
+    materialize_grads: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad`` after its ``__torch_function__`` check (see
-    :func:`engine_backward`)."""
+    :func:`engine_backward`); ``materialize_grads``: zeros for the unused inputs (whose
+    gradient is None), as torch's."""
     from torch import _vmap_internals
     from torch.autograd import _make_grads
 
@@ -142,8 +144,15 @@ def engine_grad(
         return run(outputs, g, retain, create_graph, inputs, allow_unused, accumulate_grad=False)
 
     if is_grads_batched:
-        return _vmap_internals._vmap(vjp, 0, 0, allow_none_pass_through=True)(grads)
-    return vjp(grads)
+        result = _vmap_internals._vmap(vjp, 0, 0, allow_none_pass_through=True)(grads)
+    else:
+        result = vjp(grads)
+    if materialize_grads:
+        result = tuple(
+            torch.zeros_like(x, requires_grad=create_graph) if r is None else r
+            for r, x in zip(result, inputs, strict=True)
+        )
+    return result
 
 
 def register_packed_sequence_pytree() -> None:

@@ -126,13 +126,13 @@ def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 def _grad_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
     """The arguments of :func:`engine_grad` for a plain ``torch.autograd.grad`` call, or None
-    for forms left to torch (gradient edges, dict inputs, materialize_grads)."""
+    for forms left to torch (gradient edges, dict inputs)."""
     names = ("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph", "only_inputs",
              "allow_unused", "is_grads_batched", "materialize_grads")  # fmt: skip
     if len(args) > len(names) or any(k not in names for k in kwargs):
         return None
     bound = dict(zip(names, args, strict=False)) | kwargs
-    if bound.get("materialize_grads") or "outputs" not in bound or "inputs" not in bound:
+    if "outputs" not in bound or "inputs" not in bound:
         return None
     outputs, inputs = bound["outputs"], bound["inputs"]
     # (an output may be a GradientEdge, a NamedTuple: the Hessian's passes start at one)
@@ -151,7 +151,7 @@ def _grad_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
     return (
         outputs, tuple(inputs), grads, bound.get("retain_graph"),
         bool(bound.get("create_graph")), bool(bound.get("allow_unused")),
-        bool(bound.get("is_grads_batched")),
+        bool(bound.get("is_grads_batched")), bool(bound.get("materialize_grads")),
     )  # fmt: skip
 
 

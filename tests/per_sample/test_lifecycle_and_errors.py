@@ -1813,3 +1813,23 @@ def test_penalties_next_to_other_sums_of_samples_are_refused(join):
             losses = out.square().sum(1)
             loss = torch.dot(losses, weights) if join == "dot" else losses @ weights
         (loss + 1e-9 * model[0].weight.square().sum()).backward()
+
+
+def test_autograd_grad_with_materialize_grads_computes_its_own_results():
+    """``autograd.grad(..., materialize_grads=True)`` was taken for a form left to torch: it
+    computed nothing and the previous backward's results stayed on the parameters as its own
+    (stale, silently). Its results now are its own, and unused inputs get zeros, as torch's."""
+    case = build("mlp")
+    params = list(case.model.parameters())
+    unused = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    with leanprop.per_sample(case.model, BatchGrad()):
+        case.loss(case.model(case.x), case.y, "sum").backward()
+        for p in params:
+            p.grad = None
+        loss = case.loss(case.model(2 * case.x), case.y, "sum")
+        grads = torch.autograd.grad(loss, [*params, unused], materialize_grads=True)
+    expected = individual_gradients(case.model, case.loss, 2 * case.x, case.y, "sum")
+    for (k, p), g in zip(case.model.named_parameters(), grads, strict=False):
+        assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
+        assert_close(g, expected[k].sum(0), k, 1e-10, 1e-12)
+    assert torch.equal(grads[-1], torch.zeros_like(unused))
