@@ -166,12 +166,25 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
     }, models
 
 
+def _then_free(step: Callable[[], None], params: list[nn.Parameter]) -> Callable[[], None]:
+    def run() -> None:
+        step()
+        for p in params:
+            p.grad = None
+
+    return run
+
+
 def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float]:
     """Median extra time (µs) of one InBackward bucket step on ``tensors`` tiny tensors (so
-    that only the per-call cost is left), each timed with fresh gradients, in turn:
+    that only the per-call cost is left), each timed with fresh gradients, in turn, with SGD
+    (momentum, multi-tensor: a kernel of a few µs, so the Python shows clearly). A bucket step
+    frees its gradients; so do the ordinary loop's ``zero_grad()`` and each reference below
+    (timed with it). Each figure is the median of the rounds' differences (a slow round slows
+    both sides: paired, it cancels):
 
-    * ``"over_step"``: norms recorded (the default), over the plain AdamW ``step()`` on the
-      same tensors;
+    * ``"over_step"``: norms recorded (the default), over the plain ``step()`` on the same
+      tensors;
     * ``"over_kernel"``: norms recorded, over the bare functional kernel on lists built
       beforehand (the floor): the Python of bucketing and checks, plus the norm kernel (on CPU
       one ``vector_norm`` call per tensor);
@@ -182,14 +195,16 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
     from leanprop.optim.kernels import DirectKernels
 
     sets = [[nn.Parameter(torch.randn(8)) for _ in range(tensors)] for _ in range(4)]
-    ours = leanprop.InBackward(sets[0], torch.optim.AdamW, lr=1e-3)
-    bare = leanprop.InBackward(sets[3], torch.optim.AdamW, lr=1e-3, record_norms=False)
-    plain = torch.optim.AdamW(sets[1], lr=1e-3)
-    floor = torch.optim.AdamW(sets[2], lr=1e-3)
+    # (SGD with momentum, multi-tensor: a kernel of a few µs, so the Python shows clearly)
+    opts = {"lr": 1e-3, "momentum": 0.9, "foreach": True}
+    ours = leanprop.InBackward(sets[0], torch.optim.SGD, **opts)
+    bare = leanprop.InBackward(sets[3], torch.optim.SGD, record_norms=False, **opts)
+    plain = torch.optim.SGD(sets[1], **opts)
+    floor = torch.optim.SGD(sets[2], **opts)
     steps = {
         "ours": lambda: ours.step_bucket(sets[0]),
         "no_norms": lambda: bare.step_bucket(sets[3]),
-        "step": plain.step,
+        "step": _then_free(plain.step, sets[1]),
     }
     times: dict[str, list[float]] = {k: [] for k in (*steps, "kernel")}
     try:
@@ -199,7 +214,9 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
                     p.grad = torch.ones_like(p)
             if i == 0:  # state created by a first step of each
                 floor.step()
-                steps["kernel"] = DirectKernels(floor).bare_call(sets[2])
+            # (the floor's lists built now, untimed: the kernel reads this round's gradients;
+            # then the gradients freed, as the ordinary loop's zero_grad() and a bucket step do)
+            steps["kernel"] = _then_free(DirectKernels(floor).bare_call(sets[2]), sets[2])
             for name, fn in steps.items():
                 with torch.no_grad():
                     t0 = time.perf_counter()
@@ -208,11 +225,15 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
     finally:
         ours.remove()
         bare.remove()
-    median = {k: sorted(v[1:])[len(v) // 2] * 1e6 for k, v in times.items()}
+
+    def over(a: str, b: str) -> float:
+        diffs = sorted(x - y for x, y in zip(times[a][1:], times[b][1:], strict=True))
+        return diffs[len(diffs) // 2] * 1e6
+
     return {
-        "over_step": median["ours"] - median["step"],
-        "over_kernel": median["ours"] - median["kernel"],
-        "over_kernel_no_norms": median["no_norms"] - median["kernel"],
+        "over_step": over("ours", "step"),
+        "over_kernel": over("ours", "kernel"),
+        "over_kernel_no_norms": over("no_norms", "kernel"),
     }
 
 

@@ -681,14 +681,15 @@ class InBackward(torch.optim.Optimizer):
         """``id(p) -> (group, position in it)`` for ``params``; the map is built once and
         rebuilt when a lookup finds the groups changed (parameters added, moved, replaced)."""
         where = self._where
-        for p in params:
-            at = where.get(id(p))
-            if at is None or at[0] >= len(group_params) or at[1] >= len(group_params[at[0]]):
-                break
-            if group_params[at[0]][at[1]] is not p:
-                break
-        else:
-            return where
+        try:  # (indices from the map are never negative)
+            for p in params:
+                group, at = where[id(p)]
+                if group_params[group][at] is not p:
+                    break
+            else:
+                return where
+        except (KeyError, IndexError):
+            pass
         self._where = {id(p): (i, j) for i, ps in enumerate(group_params) for j, p in enumerate(ps)}
         return self._where
 

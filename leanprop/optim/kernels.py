@@ -47,17 +47,21 @@ def _accepts(fn: Callable[..., Any], names: Sequence[str]) -> bool:
     return all(n in params for n in names)
 
 
+_EXP_AVG, _EXP_AVG_SQ = op.itemgetter("exp_avg"), op.itemgetter("exp_avg_sq")
+_MAX_EXP_AVG_SQ, _STEP = op.itemgetter("max_exp_avg_sq"), op.itemgetter("step")
+
+
 def _adam_args(group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                states: list[dict[str, Any]]) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
     """What ``Adam.step`` passes to ``torch.optim.adam.adam`` for these parameters."""
     amsgrad = group["amsgrad"]
     beta1, beta2 = group["betas"]
     lists = (
-        params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-        [s["max_exp_avg_sq"] for s in states] if amsgrad else [], [s["step"] for s in states],
+        params, grads, list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states)),
+        list(map(_MAX_EXP_AVG_SQ, states)) if amsgrad else [], list(map(_STEP, states)),
     )  # fmt: skip
     kwargs = dict(
-        amsgrad=amsgrad, has_complex=any(p.is_complex() for p in params), beta1=beta1,
+        amsgrad=amsgrad, has_complex=any(map(Tensor.is_complex, params)), beta1=beta1,
         beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
         maximize=group["maximize"], foreach=group["foreach"], capturable=group["capturable"],
         differentiable=group["differentiable"], fused=group["fused"], grad_scale=None,
@@ -213,15 +217,18 @@ class DirectKernels:
         group = opt.param_groups[call.group]
         if group["differentiable"] or group.get("capturable") or isinstance(group["lr"], Tensor):
             raise _NotSame
-        grads = [p.grad for p in call.params]
-        if any(g is None or g.is_sparse for g in grads):
-            raise _NotSame
+        grads = list(map(_GRAD, call.params))
+        for g in grads:
+            if g is None or g.is_sparse:
+                raise _NotSame
         # (a parameter without state stands in with {}: a kernel that needs it finds none)
-        states = [opt.state.get(p, _NO_STATE) for p in call.params]
+        state = opt.state.get
+        states = [state(p, _NO_STATE) for p in call.params]
         return kernel.args(group, call.params, grads, states)
 
 
 _NO_STATE: dict[str, Any] = {}
+_GRAD = op.attrgetter("grad")
 
 
 class _NotSame(Exception):
