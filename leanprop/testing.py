@@ -217,13 +217,18 @@ def hessian_blocks(
 
 
 def hessian_diagonals(
-    model: nn.Module, x: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], y: Tensor
+    model: nn.Module,
+    x: Tensor,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    y: Tensor,
+    differentiable: bool = False,
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """The Hessian's diagonal by brute force (autograd's full Hessian of the loss with respect
     to each parameter), and each sample's share (the Hessian of the loss with every other
     sample's output held fixed at its value), for checking ``DiagHessian`` on small problems
     whose model keeps samples apart (no BatchNorm in training mode, no dropout) and whose
-    output holds them in dimension 0.
+    output holds them in dimension 0. ``differentiable``: as functions of the parameters,
+    for checking derivatives.
 
     Returns:
         ``name -> (diagonal p.shape, per-sample diagonals [N, *p.shape])`` for each trainable
@@ -231,8 +236,12 @@ def hessian_diagonals(
     """
     from torch.func import functional_call
 
-    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
-    with torch.no_grad():
+    params = {
+        k: p if differentiable else p.detach()
+        for k, p in model.named_parameters()
+        if p.requires_grad
+    }
+    with torch.set_grad_enabled(differentiable):
         fixed = functional_call(model, params, (x,))
     n = x.shape[0]
     out = {}
@@ -247,7 +256,7 @@ def hessian_diagonals(
             return loss_fn(o, y)
 
         def diag(f: Callable[[Tensor], Tensor], p: Tensor = p) -> Tensor:
-            h = torch.autograd.functional.hessian(f, p)
+            h = torch.autograd.functional.hessian(f, p, create_graph=differentiable)
             return h.reshape(p.numel(), p.numel()).diagonal().view_as(p)
 
         full = diag(loss_of)

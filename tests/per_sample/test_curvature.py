@@ -1097,8 +1097,7 @@ def test_create_graph_monte_carlo_quantities_are_differentiable_with_the_draws_f
 
 
 @pytest.mark.parametrize(
-    "q", [leanprop.DiagHessian(),
-          leanprop.BatchDiagHessian(), leanprop.HMP()], ids=repr,
+    "q", [leanprop.HMP(), leanprop.PCHMP()], ids=repr,
 )  # fmt: skip
 def test_create_graph_refuses_quantities_without_a_graph(q):
     case = build("mlp")

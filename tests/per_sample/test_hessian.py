@@ -322,3 +322,80 @@ def test_an_activation_of_a_layer_fed_the_data_takes_no_passes(monkeypatch):
     x, y = torch.randn(4, 1, 4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
     _check(model, x, nn.CrossEntropyLoss(), y)
     assert not columns
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.Sigmoid(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 4),
+        nn.Tanh(), nn.Linear(4, 3),
+    )  # fmt: skip
+
+
+def _mlp(first: str, second: str) -> nn.Module:
+    a, b = ACTIVATIONS[first], ACTIVATIONS[second]
+    return nn.Sequential(nn.Linear(3, 5), a(), nn.Linear(5, 4), b(), nn.Linear(4, 3))
+
+
+_GRAPH_CASES = {
+    # (the first activation's term: closed form, its layer takes the data; the second's: the
+    # passes, as each has a graph now)
+    "mlp-tanh-gelu": (lambda: _mlp("tanh", "gelu"), (6, 3)),
+    "mlp-elu-inplace-sigmoid": (lambda: _mlp("elu-inplace", "sigmoid"), (6, 3)),
+    "mlp-silu-celu-inplace": (lambda: _mlp("silu", "celu-inplace"), (6, 3)),
+    "cnn": (_cnn, (4, 1, 6, 6)),
+}
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [nn.CrossEntropyLoss(), nn.MSELoss(reduction="sum"), nn.BCEWithLogitsLoss()],
+    ids=["ce", "mse-sum", "bce"],
+)
+@pytest.mark.parametrize("name", list(_GRAPH_CASES))
+def test_create_graph_diag_hessian_and_its_derivatives_against_autograd(name, loss_fn):
+    """``ggn(DiagHessian(), BatchDiagHessian(), create_graph=True)`` (BackPACK's are
+    differentiable): the values, and the gradients of a random linear functional of them,
+    equal autograd's Hessian diagonals differentiated by autograd (float64). The residual
+    terms' ``δ`` and ``σ''(z)`` carry their graphs, and the square roots of their parts have
+    no infinite derivative at 0 (ReLU-free activations still give exact zeros: sigmoid's
+    ``σ''`` at 0, units whose ``δ`` is 0)."""
+    torch.manual_seed(0)
+    build, shape = _GRAPH_CASES[name]
+    model = build().double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    n = shape[0]
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
+        y = torch.randint(0, 3, (n,))
+    else:
+        y = torch.rand(n, 3, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    weights = {
+        k: (
+            torch.randn(p.shape, generator=gen, dtype=torch.float64),
+            torch.randn(n, *p.shape, generator=gen, dtype=torch.float64),
+        )
+        for k, p in params.items()
+    }
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        leanprop.ggn(
+            ctx, out, loss_fn, y, leanprop.DiagHessian(), leanprop.BatchDiagHessian(),
+            create_graph=True,
+        )  # fmt: skip
+    ref = hessian_diagonals(model, x, loss_fn, y, differentiable=True)
+    ours = theirs = 0
+    for k, p in params.items():
+        full, per = ref[k]
+        assert_close(p.diag_h, full, f"{k}.diag_h", 1e-10, 1e-12)
+        assert_close(p.diag_h_batch, per, f"{k}.diag_h_batch", 1e-10, 1e-12)
+        r, rb = weights[k]
+        ours = ours + (p.diag_h * r).sum() + (p.diag_h_batch * rb).sum()
+        theirs = theirs + (full * r).sum() + (per * rb).sum()
+    got = torch.autograd.grad(ours, list(params.values()), allow_unused=True)
+    want = torch.autograd.grad(theirs, list(params.values()), allow_unused=True)
+    for k, a, b in zip(params, got, want, strict=True):
+        b = torch.zeros_like(params[k]) if b is None else b
+        assert a is not None or not b.any(), k
+        a = torch.zeros_like(params[k]) if a is None else a
+        assert_close(a, b, f"d/d{k}", 1e-9, 1e-12)

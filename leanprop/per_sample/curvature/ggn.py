@@ -137,8 +137,9 @@ def ggn(
         generator: random numbers of the Monte-Carlo targets.
         create_graph: the quantities as differentiable functions of the parameters (through
             the Jacobians and the loss Hessian's factor; Monte-Carlo draws fixed): the GGN's
-            diagonals, square roots, ``GGNMP`` and the Kronecker factors (KFLR, KFAC, KFRA);
-            the others are refused. Without it they carry no graph.
+            diagonals, square roots, ``GGNMP``, the Kronecker factors (KFLR, KFAC, KFRA)
+            and the Hessian's diagonals (through the activations' ``δ`` and ``σ''(z)`` too);
+            ``HMP`` and ``PCHMP`` are refused. Without it they carry no graph.
 
     Raises:
         LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
@@ -261,7 +262,7 @@ def compute_ggn(
             refuse_recomputation()
         hessian = [q for q in hessian if not q.second_order]
         if curved and hessian:
-            _residual_passes(contexts, loss, curved, params, hessian, results)
+            _residual_passes(contexts, loss, curved, params, hessian, results, create_graph)
             refuse_recomputation()
     except RuntimeError as e:  # (torch's own refusals inside a checkpoint's backward, and
         refuse_recomputation(e)  # those of a pass through what a checkpoint recomputed)
@@ -283,18 +284,16 @@ def compute_ggn(
 
 
 def _refuse_without_graph(by_mc: dict[int | None, list[CurvatureQuantity]]) -> None:
-    """``create_graph``: the quantities formed from the passes alone are differentiable; the
-    others are refused (their closed forms are not written to be differentiated)."""
-    refused = sorted(
-        {type(q).__name__ for qs in by_mc.values() for q in qs if q.second_order or q.hessian}
-    )
+    """``create_graph``: the quantities formed from passes and closed forms are
+    differentiable; the Hessian's products are refused (not written to be differentiated)."""
+    refused = sorted({type(q).__name__ for qs in by_mc.values() for q in qs if q.second_order})
     if refused:
         raise UnsupportedModelError(
             f"leanprop.ggn(create_graph=True) (the BackPACK facade: backward(create_graph=True)"
             f"): {', '.join(refused)} carry no graph in leanprop yet, and would silently act as "
             "constants. Differentiable: DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, "
-            "BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP, KFLR, KFAC, KFRA; compute the "
-            "others without create_graph."
+            "BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP, KFLR, KFAC, KFRA, DiagHessian, "
+            "BatchDiagHessian; compute the others without create_graph."
         )
 
 
@@ -371,9 +370,12 @@ def _residual_passes(
     params: list[nn.Parameter],
     quantities: list[CurvatureQuantity],
     results: list[dict[str, object]],
+    create_graph: bool = False,
 ) -> None:
     """Add the curved activations' terms to the Hessian quantities in ``results`` (which hold
-    the GGN's): one backward per column of each activation's residual, from its input."""
+    the GGN's): one backward per column of each activation's residual, from its input
+    (``create_graph``: as functions of the parameters, through ``δ``, ``σ''(z)`` and the
+    passes' Jacobians)."""
     per_sample = any(q.per_sample for q in quantities)
     kind = BatchGrad if per_sample else SumGradSquared
 
@@ -392,16 +394,17 @@ def _residual_passes(
         with ExitStack() as outputs_only:  # (no parameter's gradient in this pass)
             for c in contexts:
                 outputs_only.enter_context(c.for_layer_outputs())
-            deltas = activation_gradients(loss, curved)
+            deltas = activation_gradients(loss, curved, create_graph)
         index = {p: i for i, p in enumerate(params)}
         for act, delta in zip(curved, deltas, strict=True):
-            r = residual(act, delta)
+            r = residual(act, delta, create_graph)
             if act.layer is not None:  # a closed form: no passes
                 for p, value in layer_term(act, r, per_sample).items():
                     if p in index:
                         add(index[p], value, 1.0)
                 continue
-            layers = linear_layers(act.z.node, params) if act.dim == 0 and r.dim() == 2 else None
+            batched = act.dim == 0 and r.dim() == 2 and not create_graph
+            layers = linear_layers(act.z.node, params) if batched else None
             parts = None
             if layers is not None:  # behind it, linear layers only: its columns at once
                 parts = _batched(_both_signs, contexts, act, r, layers)
@@ -417,8 +420,9 @@ def _residual_passes(
                             delattr(p, kind.attr)
                     try:
                         reached = torch.autograd.grad(
-                            [act.z], params, [column], retain_graph=True, allow_unused=True
-                        )
+                            [act.z], params, [column], retain_graph=True,
+                            create_graph=create_graph, allow_unused=True,
+                        )  # fmt: skip
                     except UnsupportedModelError as e:
                         raise UnsupportedModelError(
                             f"DiagHessian: a pass from the input of "

@@ -70,27 +70,49 @@ _MULTILINEAR_OPS = frozenset({
 _NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm"})
 
 
-def _generic(fn: Callable[[Tensor, Any], Tensor]) -> Callable[[Any], Tensor]:
-    """``σ''(z)`` of an elementwise op whose node saved its input ``z``, by differentiating
-    ``fn(z, node)`` twice."""
+def _saved_input(node: Any, graph: bool) -> Tensor:
+    """The input ``z`` a node saved; ``graph``: as a function of the parameters (its graph)."""
+    return node._saved_self if graph else node._saved_self.detach()
 
-    def second(node: Any) -> Tensor:
-        z = node._saved_self.detach()
+
+def _saved_output(node: Any, graph: bool) -> Tensor:
+    """The output ``a`` a node saved; ``graph``: as a function of the parameters."""
+    return node._saved_result if graph else node._saved_result.detach()
+
+
+def _generic(fn: Callable[[Tensor, Any], Tensor]) -> Callable[[Any, bool], Tensor]:
+    """``σ''(z)`` of an elementwise op whose node saved its input ``z``, by differentiating
+    ``fn(z, node)`` twice (``graph``: as a function of the parameters, through ``z``)."""
+
+    def second(node: Any, graph: bool) -> Tensor:
+        z = _saved_input(node, graph)
         with torch.enable_grad():
-            z = z.requires_grad_()
+            if not (graph and z.requires_grad):  # (a leaf of its own: no graph wanted)
+                z = z.detach().requires_grad_()
             (d1,) = torch.autograd.grad(fn(z, node).sum(), z, create_graph=True)
-            (d2,) = torch.autograd.grad(d1.sum(), z)
+            (d2,) = torch.autograd.grad(d1.sum(), z, create_graph=graph)
         return d2
 
     return second
 
 
-def _from_result(fn: Callable[[Tensor], Tensor]) -> Callable[[Any], Tensor]:
-    return lambda node: fn(node._saved_result.detach())
+def _from_result(fn: Callable[[Tensor], Tensor]) -> Callable[[Any, bool], Tensor]:
+    return lambda node, graph: fn(_saved_output(node, graph))
 
 
-# σ''(z) of each curved elementwise node, from what it saved
-_CURVED: dict[str, Callable[[Any], Tensor]] = {
+def _elu_inplace(n: Any, graph: bool) -> Tensor:
+    a = _saved_output(n, graph)  # (negative exactly where z is)
+    return torch.where(a <= 0, n._saved_input_scale**2 * (a + n._saved_scale * n._saved_alpha), 0.0)
+
+
+def _celu_inplace(n: Any, graph: bool) -> Tensor:
+    a = _saved_output(n, graph)
+    return torch.where(a <= 0, (a + n._saved_alpha) / n._saved_alpha**2, 0.0)
+
+
+# σ''(z) of each curved elementwise node, from what it saved (``graph``: as a function of the
+# parameters)
+_CURVED: dict[str, Callable[[Any, bool], Tensor]] = {
     "TanhBackward0": _from_result(lambda a: -2 * a * (1 - a * a)),
     "SigmoidBackward0": _from_result(lambda s: s * (1 - s) * (1 - 2 * s)),
     "ExpBackward0": _from_result(lambda e: e),
@@ -104,17 +126,9 @@ _CURVED: dict[str, Callable[[Any], Tensor]] = {
         lambda z, n: torch.ops.aten.elu(z, n._saved_alpha, n._saved_scale, n._saved_input_scale)
     ),
     "CeluBackward0": _generic(lambda z, n: F.celu(z, n._saved_alpha)),
-    # in place (inplace=True): from the output, which is negative exactly where z is
-    "EluBackward1": lambda n: torch.where(
-        n._saved_result.detach() <= 0,
-        n._saved_input_scale**2 * (n._saved_result.detach() + n._saved_scale * n._saved_alpha),
-        0.0,
-    ),
-    "CeluBackward1": lambda n: torch.where(
-        n._saved_result.detach() <= 0,
-        (n._saved_result.detach() + n._saved_alpha) / n._saved_alpha**2,
-        0.0,
-    ),
+    # in place (inplace=True): from the output
+    "EluBackward1": _elu_inplace,
+    "CeluBackward1": _celu_inplace,
     "LogSigmoidBackward0": _generic(lambda z, n: F.logsigmoid(z)),
     "SinBackward0": _generic(lambda z, n: torch.sin(z)),
     "CosBackward0": _generic(lambda z, n: torch.cos(z)),
@@ -329,17 +343,23 @@ def curved_activations(
     return found
 
 
-def residual(curved: Curved, delta: Tensor) -> Tensor:
+def residual(curved: Curved, delta: Tensor, graph: bool = False) -> Tensor:
     """The activation's diagonal "loss Hessian" at its input, ``r = δ ⊙ σ''(z)`` (the shape
-    of ``z``), from ``delta``: ``δ = ∂L/∂a``."""
-    return delta * _CURVED[type(curved.node).__name__](curved.node).to(delta.dtype)
+    of ``z``), from ``delta``: ``δ = ∂L/∂a``; ``graph``: ``σ''(z)`` as a function of the
+    parameters (``delta`` carries its own graph where it has one)."""
+    return delta * _CURVED[type(curved.node).__name__](curved.node, graph).to(delta.dtype)
 
 
 def residual_columns(curved: Curved, r: Tensor, sign: float) -> Iterator[Tensor]:
     """The columns of one part of an activation's residual term ``r`` (:func:`residual`):
     ``sqrt(max(0, sign * r))`` at unit k of every sample (zero elsewhere), for each unit k
-    where any sample has one."""
-    root = (sign * r).clamp(min=0).sqrt().movedim(curved.dim, 0)  # [N, *unit dims]
+    where any sample has one. (Differentiable where ``r`` is: the square root is taken of
+    the positive entries only, whose squares the passes sum, so its derivative is never
+    ``inf * 0`` at a zero.)"""
+    part = sign * r
+    positive = part > 0
+    root = torch.where(positive, part.where(positive, 1.0).sqrt(), 0.0)
+    root = root.movedim(curved.dim, 0)  # [N, *unit dims]
     flat = root.reshape(root.shape[0], -1)  # [N, K]
     for k in flat.any(0).nonzero().flatten().tolist():
         column = torch.zeros_like(flat)
@@ -352,10 +372,15 @@ def _saved(node: Any) -> Tensor:
     return node._saved_result if hasattr(node, "_saved_result") else node._saved_self
 
 
-def activation_gradients(loss: Tensor, curved: list[Curved]) -> list[Tensor]:
-    """``δ = ∂L/∂a`` at each curved activation's output (one pass, nothing accumulates)."""
+def activation_gradients(
+    loss: Tensor, curved: list[Curved], create_graph: bool = False
+) -> list[Tensor]:
+    """``δ = ∂L/∂a`` at each curved activation's output (one pass, nothing accumulates;
+    ``create_graph``: as functions of the parameters)."""
     edges = [GradientEdge(c.node, 0) for c in curved]
-    found = torch.autograd.grad(loss, edges, retain_graph=True, allow_unused=True)
+    found = torch.autograd.grad(
+        loss, edges, retain_graph=True, create_graph=create_graph, allow_unused=True
+    )
     return [
         torch.zeros_like(_saved(c.node)) if d is None else d
         for c, d in zip(curved, found, strict=True)
