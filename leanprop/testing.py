@@ -194,25 +194,35 @@ def ggn_blocks(
 
 
 def hessian_blocks(
-    model: nn.Module, x: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], y: Tensor
+    model: nn.Module,
+    x: Tensor,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    y: Tensor,
+    differentiable: bool = False,
 ) -> dict[str, Tensor]:
     """Each trainable parameter's diagonal block of the loss's Hessian by brute force
     (autograd's full Hessian with respect to that parameter, the others held fixed), for
-    checking ``HMP`` on small problems whose forward is deterministic.
+    checking ``HMP`` on small problems whose forward is deterministic. ``differentiable``: as
+    functions of the parameters, for checking derivatives.
 
     Returns:
         ``name -> H_pp [P, P]`` (P the parameter's number of elements).
     """
     from torch.func import functional_call
 
-    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    params = {
+        k: p if differentiable else p.detach()
+        for k, p in model.named_parameters()
+        if p.requires_grad
+    }
     out = {}
     for name, p in params.items():
 
         def loss_of(w: Tensor, name: str = name) -> Tensor:
             return loss_fn(functional_call(model, {**params, name: w}, (x,)), y)
 
-        out[name] = torch.autograd.functional.hessian(loss_of, p).reshape(p.numel(), p.numel())
+        h = torch.autograd.functional.hessian(loss_of, p, create_graph=differentiable)
+        out[name] = h.reshape(p.numel(), p.numel())
     return out
 
 

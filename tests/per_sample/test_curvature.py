@@ -1096,16 +1096,77 @@ def test_create_graph_monte_carlo_quantities_are_differentiable_with_the_draws_f
         torch.testing.assert_close(graph, plain, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize(
-    "q", [leanprop.HMP(), leanprop.PCHMP()], ids=repr,
-)  # fmt: skip
-def test_create_graph_refuses_quantities_without_a_graph(q):
-    case = build("mlp")
-    with leanprop.per_sample(case.model) as ctx:
-        out = case.model(case.x)
-        with pytest.raises(UnsupportedModelError, match=rf"{type(q).__name__} carry no graph"):
-            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), case.y, q, create_graph=True)
-    assert not hasattr(case.model[0].weight, q.attr)
+def test_create_graph_hessian_products_and_their_derivatives_against_autograd():
+    """``ggn(HMP(), create_graph=True)``: each product ``H_pp mat`` is a function of the
+    parameters (as BackPACK's): its values and the gradients of a random functional of them
+    equal autograd's Hessian blocks differentiated by autograd (float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 3), nn.Tanh(),
+                          nn.Linear(3, 2)).double()  # fmt: skip
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    mats = {k: torch.randn(2, *p.shape, generator=gen, dtype=torch.float64)
+            for k, p in params.items()}  # fmt: skip
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.HMP(), create_graph=True)
+    ref = hessian_blocks(model, x, loss_fn, y, differentiable=True)
+    ours = theirs = 0
+    for k, p in params.items():
+        mat = mats[k]
+        mine = p.hmp(mat)
+        want = (mat.flatten(1) @ ref[k]).view_as(mat)  # (H symmetric)
+        torch.testing.assert_close(mine, want, rtol=1e-10, atol=1e-12, msg=k)
+        ours, theirs = ours + (mine * mat).sum(), theirs + (want * mat).sum()
+        del p.hmp
+    got = torch.autograd.grad(ours, list(params.values()), allow_unused=True)
+    want = torch.autograd.grad(theirs, list(params.values()), allow_unused=True)
+    for k, a, b in zip(params, got, want, strict=True):
+        b = torch.zeros_like(params[k]) if b is None else b
+        a = torch.zeros_like(params[k]) if a is None else a
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("modify", ["clip", "abs"])
+def test_create_graph_positive_curvature_products_differentiate_as_finite_differences(modify):
+    """``ggn(PCHMP(modify), create_graph=True)``: the gradient of ``<pchmp(mat), mat>`` (the
+    activations' terms through ``δ``, ``σ''(z)`` and the Jacobians) equals central finite
+    differences of the products computed without a graph (float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 3), nn.Tanh(),
+                          nn.Linear(3, 2)).double()  # fmt: skip
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    mats = [torch.randn(2, *p.shape, generator=gen, dtype=torch.float64) for p in params]
+    q = leanprop.PCHMP(modify=modify)
+
+    def functional(create_graph):
+        with leanprop.per_sample(model) as ctx:
+            out = model(x)
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, q, create_graph=create_graph)
+        total = sum((p.pchmp(m) * m).sum() for p, m in zip(params, mats, strict=True))
+        for p in params:
+            del p.pchmp
+        return total
+
+    got = torch.autograd.grad(functional(True), params)
+    eps = 1e-6
+    for p, g in zip(params, got, strict=True):
+        fd = torch.zeros_like(p)
+        for i in range(p.numel()):
+            with torch.no_grad():
+                p.view(-1)[i] += eps
+            up = functional(False).item()
+            with torch.no_grad():
+                p.view(-1)[i] -= 2 * eps
+            down = functional(False).item()
+            with torch.no_grad():
+                p.view(-1)[i] += eps
+            fd.view(-1)[i] = (up - down) / (2 * eps)
+        torch.testing.assert_close(g, fd, rtol=1e-6, atol=1e-8)
 
 
 def test_create_graph_with_autograd_off_is_refused():

@@ -139,7 +139,8 @@ def ggn(
             the Jacobians and the loss Hessian's factor; Monte-Carlo draws fixed): the GGN's
             diagonals, square roots, ``GGNMP``, the Kronecker factors (KFLR, KFAC, KFRA)
             and the Hessian's diagonals (through the activations' ``δ`` and ``σ''(z)`` too);
-            ``HMP`` and ``PCHMP`` are refused. Without it they carry no graph.
+            ``HMP`` and ``PCHMP`` give products that are (one more order of
+            differentiation). Without it they carry no graph.
 
     Raises:
         LeanpropValueError: an unknown quantity, a loss or shape not supported, a context
@@ -147,8 +148,7 @@ def ggn(
         UnsupportedModelError: ``DiagHessian`` of a model whose Hessian has terms besides the
             GGN and the curved activations' (refused before any pass where the graph shows
             them, during the passes for an activation inside a module hooked as a whole);
-            curvature through ``torch.utils.checkpoint``. With ``create_graph``, a
-            quantity that carries no graph.
+            curvature through ``torch.utils.checkpoint``.
     """
     by_mc = validate_curvature(quantities)
     if not isinstance(context, PerSample) or not context.active:
@@ -172,14 +172,12 @@ def compute_ggn(
     """:func:`ggn` for the parameters of several entered contexts whose forwards ``output``
     depends on (the BackPACK facade: one per extended model); ``by_mc``: the quantities by
     Monte-Carlo sample count (None: exact)."""
-    if create_graph:
-        _refuse_without_graph(by_mc)
-        if not torch.is_grad_enabled():
-            raise LeanpropValueError(
-                "leanprop.ggn(create_graph=True) was called with autograd off (torch.no_grad() "
-                "or inference mode): the quantities would carry no graph. Call it with "
-                "autograd on, or without create_graph."
-            )
+    if create_graph and not torch.is_grad_enabled():
+        raise LeanpropValueError(
+            "leanprop.ggn(create_graph=True) was called with autograd off (torch.no_grad() "
+            "or inference mode): the quantities would carry no graph. Call it with "
+            "autograd on, or without create_graph."
+        )
     check_loss(loss_fn, output, target)
     bd = _output_batch_dim(contexts, output)
     params = list({p: None for c in contexts for p in c.model.parameters() if p.requires_grad})
@@ -254,10 +252,12 @@ def compute_ggn(
             refuse_recomputation()
             for q in second_order:  # (PCHMP: the Hessian's plus its activations' terms)
                 terms = (
-                    positive_curvature_terms(contexts, loss, curved, q.modify) if q.hessian else ()
+                    positive_curvature_terms(contexts, loss, curved, q.modify, create_graph)
+                    if q.hessian
+                    else ()
                 )
-                products = product_functions(contexts, params, grads, terms)  # (not where
-                for i, f in products.items():  # None: the output does not depend on it)
+                products = product_functions(contexts, params, grads, terms, create_graph)
+                for i, f in products.items():  # (none where the output does not depend on it)
                     results[i][q.attr] = f
             refuse_recomputation()
         hessian = [q for q in hessian if not q.second_order]
@@ -281,20 +281,6 @@ def compute_ggn(
                 setattr(p, attr, res[attr])
             elif hasattr(p, attr):
                 delattr(p, attr)
-
-
-def _refuse_without_graph(by_mc: dict[int | None, list[CurvatureQuantity]]) -> None:
-    """``create_graph``: the quantities formed from passes and closed forms are
-    differentiable; the Hessian's products are refused (not written to be differentiated)."""
-    refused = sorted({type(q).__name__ for qs in by_mc.values() for q in qs if q.second_order})
-    if refused:
-        raise UnsupportedModelError(
-            f"leanprop.ggn(create_graph=True) (the BackPACK facade: backward(create_graph=True)"
-            f"): {', '.join(refused)} carry no graph in leanprop yet, and would silently act as "
-            "constants. Differentiable: DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, "
-            "BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC, GGNMP, KFLR, KFAC, KFRA, DiagHessian, "
-            "BatchDiagHessian; compute the others without create_graph."
-        )
 
 
 def _output_batch_dim(contexts: Sequence[PerSample], output: Tensor) -> int:

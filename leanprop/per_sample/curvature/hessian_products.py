@@ -50,34 +50,37 @@ def gradient_functions(
 
 
 def positive_curvature_terms(
-    contexts: Sequence[PerSample], loss: Tensor, curved: list[Curved], modify: str
-) -> tuple[tuple[GradientEdge, Tensor], ...]:
+    contexts: Sequence[PerSample], loss: Tensor, curved: list[Curved], modify: str,
+    create_graph: bool = False,
+) -> tuple[tuple[GradientEdge, Tensor], ...]:  # fmt: skip
     """What the positive-curvature Hessian adds to the Hessian: for each curved activation,
     its input's edge and ``c r₋`` (``r₋ = max(-r, 0)`` of its residual ``r``; ``c = 1`` for
-    ``modify="clip"``, whose ``max(r, 0) = r + r₋``, and 2 for ``"abs"``, ``|r| = r + 2 r₋``)."""
+    ``modify="clip"``, whose ``max(r, 0) = r + r₋``, and 2 for ``"abs"``, ``|r| = r + 2 r₋``;
+    ``create_graph``: as a function of the parameters)."""
     with quiet(contexts):
-        deltas = activation_gradients(loss, curved)
+        deltas = activation_gradients(loss, curved, create_graph)
     scale = 1.0 if modify == "clip" else 2.0
     terms = []
     for act, delta in zip(curved, deltas, strict=True):
-        negative = (-residual(act, delta)).clamp(min=0)
+        negative = scale * (-residual(act, delta, create_graph)).clamp(min=0)
         if negative.any():
-            terms.append((act.z, (scale * negative).detach()))
+            terms.append((act.z, negative if create_graph else negative.detach()))
     return tuple(terms)
 
 
 def product_functions(
     contexts: Sequence[PerSample], params: list[nn.Parameter], grads: list[Tensor | None],
-    terms: tuple[tuple[GradientEdge, Tensor], ...] = (),
+    terms: tuple[tuple[GradientEdge, Tensor], ...] = (), create_graph: bool = False,
 ) -> dict[int, functools.partial]:  # fmt: skip
     """``{i: mat -> H_pp mat}`` for each ``params[i]`` whose differentiable gradient
     ``grads[i]`` exists, formed with ``params`` as they are now (the contexts, held weakly,
     compute nothing in its passes); with ``terms`` (:func:`positive_curvature_terms`), the
-    positive-curvature Hessian's block instead."""
+    positive-curvature Hessian's block instead; ``create_graph``: products that are functions
+    of the parameters (one more order of differentiation)."""
     refs = tuple(weakref.ref(c) for c in contexts)
     snapshot = _Snapshot.of(params)
     return {
-        i: functools.partial(hessian_matrix_product, refs, snapshot, p, g, terms)
+        i: functools.partial(hessian_matrix_product, refs, snapshot, p, g, terms, create_graph)
         for i, (p, g) in enumerate(zip(params, grads, strict=True))
         if g is not None
     }
@@ -127,12 +130,13 @@ class _Snapshot:
 
 def hessian_matrix_product(
     contexts: tuple[weakref.ref, ...], snapshot: _Snapshot, p: nn.Parameter, grad: Tensor,
-    terms: tuple[tuple[GradientEdge, Tensor], ...], mat: Tensor,
+    terms: tuple[tuple[GradientEdge, Tensor], ...], create_graph: bool, mat: Tensor,
 ) -> Tensor:  # fmt: skip
     """``H_pp mat`` ``[V, *p.shape]`` for ``mat`` ``[V, *p.shape]`` (V vectors), in the
     promoted dtype of ``mat`` and the gradient (an integer basis gives floating products);
     plus ``J_zᵀ (s ⊙ J_z mat)`` for each ``(z, s)`` of ``terms`` (``J_z``: the Jacobian of the
-    activation input ``z`` with respect to ``p``, each sample's).
+    activation input ``z`` with respect to ``p``, each sample's); ``create_graph``: as a
+    function of the parameters.
 
     Raises:
         UnsupportedModelError: a parameter changed since the gradient was formed (layers
@@ -156,10 +160,13 @@ def hessian_matrix_product(
         for v in mat:
             v = v.to(grad.dtype)
             try:
-                (col,) = torch.autograd.grad(grad, p, v, retain_graph=True, allow_unused=True)
+                (col,) = torch.autograd.grad(
+                    grad, p, v, retain_graph=True, create_graph=create_graph,
+                    allow_unused=True,
+                )  # fmt: skip
                 col = torch.zeros_like(p) if col is None else col
                 for z, s in terms:
-                    col = col + _sandwich(z, s, p, v)
+                    col = col + _sandwich(z, s, p, v, create_graph)
             except RuntimeError as e:
                 raise _explained(e) from e
             columns.append(col)
@@ -168,19 +175,21 @@ def hessian_matrix_product(
     return torch.stack(columns).to(dtype)
 
 
-def _sandwich(z: GradientEdge, s: Tensor, p: nn.Parameter, v: Tensor) -> Tensor:
+def _sandwich(
+    z: GradientEdge, s: Tensor, p: nn.Parameter, v: Tensor, create_graph: bool = False
+) -> Tensor:
     """``J_zᵀ (s ⊙ J_z v)`` for ``z`` (an edge of the graph) and ``p``: ``J_z v`` by the
     double-backward trick (``J_zᵀ w`` is linear in ``w``: its gradient along ``v`` is
-    ``J_z v``), then one backward pass."""
-    w = torch.zeros_like(s, requires_grad=True)
+    ``J_z v``), then one backward pass (``create_graph``: as a function of the parameters)."""
+    w = torch.zeros_like(s.detach(), requires_grad=True)
     with torch.enable_grad():
         (jtw,) = torch.autograd.grad(z, p, w, create_graph=True, allow_unused=True)
     if jtw is None or not jtw.requires_grad:  # z does not depend on p
         return torch.zeros_like(p)
-    (jv,) = torch.autograd.grad(jtw, w, v, allow_unused=True)
+    (jv,) = torch.autograd.grad(jtw, w, v, create_graph=create_graph, allow_unused=True)
     if jv is None:
         return torch.zeros_like(p)
-    (back,) = torch.autograd.grad(z, p, s * jv, retain_graph=True)
+    (back,) = torch.autograd.grad(z, p, s * jv, retain_graph=True, create_graph=create_graph)
     return back
 
 
