@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._torch_compat import engine_grad
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
 from .op_rules import closed_form, closed_norms, linear_reweigher
@@ -164,6 +165,26 @@ class OpSpec:
     # a layer rule that takes over the captured inputs: rule(inputs, grad, out_batch) stores
     # their quantities itself and returns the summed gradients it has ({position: grad})
     rule: Callable[[list[Tensor], Tensor, BatchDim], dict[int, Tensor]] | None = None
+    nested: bool = False  # another context captured the op inside its local graph
+
+
+def _captured_inside(outs: Sequence[Tensor], local: Sequence[Tensor]) -> bool:
+    """Whether the local graph of an op (``outs`` back to the views ``local``) runs one of
+    leanprop's autograd functions: another per_sample context (nested contexts on the same
+    parameters) captured the op, or an operand of it, inside it."""
+    stop = {id(t.grad_fn) for t in local if t.grad_fn is not None}
+    seen: dict[int, Any] = {}  # (the nodes held: ids stay theirs)
+    todo = [o.grad_fn for o in outs]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen[id(node)] = node
+        forward = getattr(node, "_forward_cls", None)
+        if forward is not None and forward.__module__.startswith("leanprop."):
+            return True
+        todo.extend(fn for fn, _ in node.next_functions)
+    return False
 
 
 def _local_graph(op: OpSpec, tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
@@ -204,6 +225,7 @@ class OpCapture(torch.autograd.Function):
         local, out = _local_graph(op, tensors)
         out_leaves, op.out_spec = flatten(out)
         outs = [o for o in out_leaves if isinstance(o, Tensor)]
+        op.nested = _captured_inside(outs, local)
         op.out_leaves = [_TENSOR if isinstance(o, Tensor) else o for o in out_leaves]
         ctx.op = op
         ctx.n_local = len(local)
@@ -249,19 +271,30 @@ class OpCapture(torch.autograd.Function):
         # model's backward: it may recompute a checkpointed forward, which must be followed
         summed = summed or {}
         result = [summed.get(i) for i in range(len(local))]
-        rest = [i for i in wanted if i not in fast and i not in summed]
+        # (nested contexts: the other one captured the op inside the local graph, and gets its
+        # own contributions only from a backward through it)
+        rest = [i for i in wanted if op.nested or (i not in fast and i not in summed)]
         if rest:
-            ordinary = torch.autograd.grad(
-                [o for _, o, _ in live], [local[i] for i in rest], [g for _, _, g in live],
-                retain_graph=True, allow_unused=True, create_graph=torch.is_grad_enabled(),
+            args = (
+                tuple(o for _, o, _ in live), tuple(local[i] for i in rest),
+                tuple(g for _, _, g in live),
             )  # fmt: skip
+            if op.nested:  # the engine directly: not a backward of its own (through the
+                # interception it would be one with respect to views only, passive for every
+                # context: the other context's capture would compute nothing)
+                ordinary = engine_grad(*args, True, torch.is_grad_enabled(), True, False)
+            else:
+                ordinary = torch.autograd.grad(
+                    *args, retain_graph=True, allow_unused=True,
+                    create_graph=torch.is_grad_enabled(),
+                )  # fmt: skip
             for i, g in zip(rest, ordinary, strict=True):
                 result[i] = g
         generic = [i for i in captured if i not in fast and i not in summed]
         generic = generic if op.rule is None else []
         with op.contribute.computing():
             for i, ps in fast.items():
-                result[i] = sample_sum(ps)
+                result[i] = sample_sum(ps) if result[i] is None else result[i]
                 hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
             if generic:
                 _generic(live, generic, local, op)

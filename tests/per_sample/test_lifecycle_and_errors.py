@@ -1833,3 +1833,57 @@ def test_autograd_grad_with_materialize_grads_computes_its_own_results():
         assert_close(p.grad_batch, expected[k], k, 1e-10, 1e-12)
         assert_close(g, expected[k].sum(0), k, 1e-10, 1e-12)
     assert torch.equal(grads[-1], torch.zeros_like(unused))
+
+
+class _OpLevel(nn.Module):
+    """Layers whose parameters are used at the op level: HF's Conv1D (addmm: a closed form)
+    and MultiheadAttention (its projections in ops with none: the generic path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.proj = Conv1D(4, 3)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(x))
+        return self.head(self.attn(h, h, h, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("inner_on", ["model", "submodule"])
+@pytest.mark.parametrize("quantities", ["grad+variance", "l2+grad"])
+def test_nested_contexts_with_op_level_layers_each_compute_theirs(inner_on, quantities):
+    """Two contexts on the same op-level parameters: the inner one captured the op and the
+    outer one, whose capture ran inside it, got nothing (its closed forms skipped the op's
+    backward, or that backward was taken for one with respect to inputs only): raised "got a
+    gradient but no per-sample quantities"."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _OpLevel().double()
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    rows = [
+        torch.autograd.grad(model(x[i : i + 1]).square().sum(), list(params.values()))
+        for i in range(3)
+    ]
+    expected = {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
+    outer_q, inner_q = (
+        (BatchGrad(), Variance()) if quantities == "grad+variance" else
+        (leanprop.BatchL2Grad(), BatchGrad())
+    )  # fmt: skip
+    inner = model if inner_on == "model" else model.proj
+    with leanprop.per_sample(model, outer_q), leanprop.per_sample(inner, inner_q):
+        model(x).square().sum().backward()
+    ref = {
+        "grad_batch": lambda e: e,
+        "variance": lambda e: e.var(0, unbiased=False),
+        "batch_l2": lambda e: e.flatten(1).square().sum(1),
+    }
+    prefix = "" if inner_on == "model" else "proj."
+    for k, p in model.named_parameters():
+        assert_close(getattr(p, outer_q.attr), ref[outer_q.attr](expected[k]), k, 1e-10, 1e-12)
+    for k, p in inner.named_parameters():
+        e = expected[prefix + k]
+        assert_close(getattr(p, inner_q.attr), ref[inner_q.attr](e), k, 1e-10, 1e-12)
