@@ -195,7 +195,6 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
     from leanprop.optim.kernels import DirectKernels
 
     sets = [[nn.Parameter(torch.randn(8)) for _ in range(tensors)] for _ in range(4)]
-    # (SGD with momentum, multi-tensor: a kernel of a few µs, so the Python shows clearly)
     opts = {"lr": 1e-3, "momentum": 0.9, "foreach": True}
     ours = leanprop.InBackward(sets[0], torch.optim.SGD, **opts)
     bare = leanprop.InBackward(sets[3], torch.optim.SGD, record_norms=False, **opts)
@@ -217,7 +216,8 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
             # (the floor's lists built now, untimed: the kernel reads this round's gradients;
             # then the gradients freed, as the ordinary loop's zero_grad() and a bucket step do)
             steps["kernel"] = _then_free(DirectKernels(floor).bare_call(sets[2]), sets[2])
-            for name, fn in steps.items():
+            order = list(steps.items())
+            for name, fn in order if i % 2 else order[::-1]:  # (no side always first)
                 with torch.no_grad():
                     t0 = time.perf_counter()
                     fn()

@@ -355,15 +355,40 @@ _GRAPH_CASES = {
 def test_create_graph_diag_hessian_and_its_derivatives_against_autograd(name, loss_fn):
     """``ggn(DiagHessian(), BatchDiagHessian(), create_graph=True)`` (BackPACK's are
     differentiable): the values, and the gradients of a random linear functional of them,
-    equal autograd's Hessian diagonals differentiated by autograd (float64). The residual
-    terms' ``δ`` and ``σ''(z)`` carry their graphs, and the square roots of their parts have
-    no infinite derivative at 0 (ReLU-free activations still give exact zeros: sigmoid's
-    ``σ''`` at 0, units whose ``δ`` is 0)."""
+    equal autograd's Hessian diagonals differentiated by autograd (float64): the residual
+    terms' ``δ`` and ``σ''(z)`` carry their graphs."""
     torch.manual_seed(0)
     build, shape = _GRAPH_CASES[name]
     model = build().double()
     x = torch.randn(*shape, dtype=torch.float64)
-    n = shape[0]
+    _check_graph(model, x, loss_fn)
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["with-batch", "diag-alone"])
+@pytest.mark.parametrize("zero", ["delta", "z"])
+def test_create_graph_diag_hessian_derivatives_where_the_residual_is_zero(zero, alone):
+    """Where ``r = δ σ''(z)`` is 0 but its derivative is not (``δ = 0``: a layer after the
+    activation initialised to zero; ``σ''(z) = 0``: zero biases and a zero (padding) sample
+    before tanh), the square roots of its parts lost the term's derivative: wrong, silently
+    (0.47 off on a derivative of size 0.35). Each unit's column, weighted by ``r``, is
+    smooth."""
+    torch.manual_seed(0)
+    model = _mlp("tanh", "tanh").double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    with torch.no_grad():
+        if zero == "delta":
+            model[4].weight.zero_()
+        else:
+            for m in (model[0], model[2]):
+                m.bias.zero_()
+            x[0] = 0.0
+    _check_graph(model, x, nn.CrossEntropyLoss(), per_sample=not alone)
+
+
+def _check_graph(model, x, loss_fn, per_sample=True):
+    """DiagHessian (and BatchDiagHessian, ``per_sample``) under create_graph against the
+    oracle: values, and the gradients of a random linear functional of them."""
+    n = x.shape[0]
     if isinstance(loss_fn, nn.CrossEntropyLoss):
         y = torch.randint(0, 3, (n,))
     else:
@@ -379,19 +404,18 @@ def test_create_graph_diag_hessian_and_its_derivatives_against_autograd(name, lo
     }
     with leanprop.per_sample(model) as ctx:
         out = model(x)
-        leanprop.ggn(
-            ctx, out, loss_fn, y, leanprop.DiagHessian(), leanprop.BatchDiagHessian(),
-            create_graph=True,
-        )  # fmt: skip
+        qs = [leanprop.DiagHessian()] + [leanprop.BatchDiagHessian()] * per_sample
+        leanprop.ggn(ctx, out, loss_fn, y, *qs, create_graph=True)
     ref = hessian_diagonals(model, x, loss_fn, y, differentiable=True)
     ours = theirs = 0
     for k, p in params.items():
         full, per = ref[k]
-        assert_close(p.diag_h, full, f"{k}.diag_h", 1e-10, 1e-12)
-        assert_close(p.diag_h_batch, per, f"{k}.diag_h_batch", 1e-10, 1e-12)
         r, rb = weights[k]
-        ours = ours + (p.diag_h * r).sum() + (p.diag_h_batch * rb).sum()
-        theirs = theirs + (full * r).sum() + (per * rb).sum()
+        assert_close(p.diag_h, full, f"{k}.diag_h", 1e-10, 1e-12)
+        ours, theirs = ours + (p.diag_h * r).sum(), theirs + (full * r).sum()
+        if per_sample:
+            assert_close(p.diag_h_batch, per, f"{k}.diag_h_batch", 1e-10, 1e-12)
+            ours, theirs = ours + (p.diag_h_batch * rb).sum(), theirs + (per * rb).sum()
     got = torch.autograd.grad(ours, list(params.values()), allow_unused=True)
     want = torch.autograd.grad(theirs, list(params.values()), allow_unused=True)
     for k, a, b in zip(params, got, want, strict=True):

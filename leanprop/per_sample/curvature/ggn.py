@@ -42,6 +42,7 @@ from .hessian import (
     layer_term,
     residual,
     residual_columns,
+    unit_columns,
 )
 from .hessian_products import (
     gradient_functions,
@@ -363,13 +364,15 @@ def _residual_passes(
     (``create_graph``: as functions of the parameters, through ``δ``, ``σ''(z)`` and the
     passes' Jacobians)."""
     per_sample = any(q.per_sample for q in quantities)
-    kind = BatchGrad if per_sample else SumGradSquared
+    # (create_graph: each sample's values, weighted by its residual: see unit_columns)
+    kind = BatchGrad if per_sample or create_graph else SumGradSquared
 
-    def add(i: int, value: Tensor, sign: float) -> None:
-        """``sign * value`` (``[N, *p.shape]`` with ``per_sample``) to parameter i's results."""
+    def add(i: int, value: Tensor, sign: float, each: bool = per_sample) -> None:
+        """``sign * value`` (each sample's, ``[N, *p.shape]``, with ``each``) to parameter i's
+        results."""
         for q in quantities:
             if q.attr in results[i]:
-                part = value if q.per_sample or not per_sample else value.sum(0)
+                part = value if q.per_sample or not each else value.sum(0)
                 results[i][q.attr] = results[i][q.attr] + sign * part
 
     with ExitStack() as stack:
@@ -399,37 +402,48 @@ def _residual_passes(
                     for sign, squares in parts:
                         add_diagonals(layers, squares, params, quantities, results, sign)
                 continue
-            for sign in (1.0, -1.0):
-                for column in residual_columns(act, r, sign):
-                    for p in params:  # (a value after the pass is that pass's)
-                        if hasattr(p, kind.attr):
-                            delattr(p, kind.attr)
-                    try:
-                        reached = torch.autograd.grad(
-                            [act.z], params, [column], retain_graph=True,
-                            create_graph=create_graph, allow_unused=True,
-                        )  # fmt: skip
-                    except UnsupportedModelError as e:
+            if create_graph:  # (smooth in r: each unit's column, weighted by r after)
+                work = ((column, r_k, 1.0) for column, r_k in unit_columns(act, r))
+            else:  # (fewer passes: each part's square roots, where they are not zero)
+                work = (
+                    (column, None, sign)
+                    for sign in (1.0, -1.0)
+                    for column in residual_columns(act, r, sign)
+                )
+            for column, weight, sign in work:
+                for p in params:  # (a value after the pass is that pass's)
+                    if hasattr(p, kind.attr):
+                        delattr(p, kind.attr)
+                try:
+                    reached = torch.autograd.grad(
+                        [act.z], params, [column], retain_graph=True,
+                        create_graph=create_graph, allow_unused=True,
+                    )  # fmt: skip
+                except UnsupportedModelError as e:
+                    raise UnsupportedModelError(
+                        f"DiagHessian: a pass from the input of "
+                        f"{type(act.node).__name__} (its term of the Hessian) failed; the "
+                        "activation may lie inside a module hooked as a whole (a custom "
+                        f"or recurrent module), which such a pass cannot start in: {e}"
+                    ) from e
+                for i, p in enumerate(params):
+                    value = getattr(p, kind.attr, None)
+                    if value is None and reached[i] is not None:
                         raise UnsupportedModelError(
-                            f"DiagHessian: a pass from the input of "
-                            f"{type(act.node).__name__} (its term of the Hessian) failed; the "
-                            "activation may lie inside a module hooked as a whole (a custom "
-                            f"or recurrent module), which such a pass cannot start in: {e}"
-                        ) from e
-                    for i, p in enumerate(params):
-                        value = getattr(p, kind.attr, None)
-                        if value is None and reached[i] is not None:
-                            raise UnsupportedModelError(
-                                f"DiagHessian: the curved activation "
-                                f"{type(act.node).__name__} lies inside a module hooked as a "
-                                f"whole (a custom or recurrent module, or a module with a "
-                                f"rule of its own), whose parameters ('{_name_of(contexts, p)}') "
-                                "get no per-sample values from a pass starting inside it. Use "
-                                "the module's parts (layers with rules, activations) directly, "
-                                "or DiagGGNExact."
-                            )
-                        if value is None:
-                            continue
+                            f"DiagHessian: the curved activation "
+                            f"{type(act.node).__name__} lies inside a module hooked as a "
+                            f"whole (a custom or recurrent module, or a module with a "
+                            f"rule of its own), whose parameters ('{_name_of(contexts, p)}') "
+                            "get no per-sample values from a pass starting inside it. Use "
+                            "the module's parts (layers with rules, activations) directly, "
+                            "or DiagGGNExact."
+                        )
+                    if value is None:
+                        continue
+                    if weight is not None:  # r_nk (∂z_nk/∂θ)², each sample's
+                        shape = (-1,) + (1,) * (value.dim() - 1)
+                        add(i, weight.view(shape) * widen(value).square(), sign, each=True)
+                    else:
                         add(i, widen(value).square() if per_sample else value, sign)
 
 

@@ -353,18 +353,29 @@ def residual(curved: Curved, delta: Tensor, graph: bool = False) -> Tensor:
 def residual_columns(curved: Curved, r: Tensor, sign: float) -> Iterator[Tensor]:
     """The columns of one part of an activation's residual term ``r`` (:func:`residual`):
     ``sqrt(max(0, sign * r))`` at unit k of every sample (zero elsewhere), for each unit k
-    where any sample has one. (Differentiable where ``r`` is: the square root is taken of
-    the positive entries only, whose squares the passes sum, so its derivative is never
-    ``inf * 0`` at a zero.)"""
-    part = sign * r
-    positive = part > 0
-    root = torch.where(positive, part.where(positive, 1.0).sqrt(), 0.0)
-    root = root.movedim(curved.dim, 0)  # [N, *unit dims]
+    where any sample has one."""
+    root = (sign * r).clamp(min=0).sqrt().movedim(curved.dim, 0)  # [N, *unit dims]
     flat = root.reshape(root.shape[0], -1)  # [N, K]
     for k in flat.any(0).nonzero().flatten().tolist():
         column = torch.zeros_like(flat)
         column[:, k] = flat[:, k]
         yield column.view_as(root).movedim(0, curved.dim)
+
+
+def unit_columns(curved: Curved, r: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+    """For each unit k of an activation's input: the column that is 1 at unit k of every
+    sample (zero elsewhere), and ``r`` there ``[N]``. A pass of the column gives each
+    sample's ``∂z_nk/∂θ`` (``g``), and the unit's share of the term is ``sum_n r_nk g²``:
+    smooth in ``r`` (the derivatives, ``create_graph``), where the square roots of its parts
+    (:func:`residual_columns`) are not at ``r = 0``. Every unit (``r`` may be 0 where its
+    derivative is not): one pass per unit, where the parts take one per unit and sign
+    that has a nonzero entry."""
+    flat = r.movedim(curved.dim, 0).reshape(r.shape[curved.dim], -1)  # [N, K]
+    for k in range(flat.shape[1]):
+        column = torch.zeros_like(flat.detach())
+        column[:, k] = 1.0
+        shaped = column.view(r.movedim(curved.dim, 0).shape).movedim(0, curved.dim)
+        yield shaped, flat[:, k]
 
 
 def _saved(node: Any) -> Tensor:
