@@ -69,9 +69,12 @@ def scale_per_sample(g: Tensor, a: Tensor) -> Tensor:
 
 
 def scaled_factors(f: Outer | Lookup, a: Tensor) -> Outer | Lookup:
-    """Factors of ``a_n W_n`` for ``a: [N]``: the output-gradient side (``left: [N, S, O]``,
-    ``rows: [N, S, D]``) scaled per sample."""
+    """Factors of ``a_n W_n`` for ``a: [N]``: one side scaled per sample, the smaller one of
+    an outer product's (``left: [N, S, O]`` or ``right: [N, S, I]``: ``W_n`` is linear in
+    each), a lookup's rows (``[N, S, D]``)."""
     if isinstance(f, Outer):
+        if f.right.numel() < f.left.numel():
+            return Outer(f.left, scale_per_sample(f.right, a))
         return Outer(scale_per_sample(f.left, a), f.right)
     return Lookup(f.ids, scale_per_sample(f.rows, a), f.num)
 
@@ -94,15 +97,15 @@ def rule_reweighers(
     def by_backward(k: str, a: Tensor) -> Tensor:
         return rule.param_grads(module, args[0], scale_per_sample(g, a), frozenset({k}))[k]
 
-    def by_factors(k: str, a: Tensor) -> Tensor:
-        return total(rule.factors(module, args, scale_per_sample(g, a), frozenset({k}))[k])
+    def by_factors(k: str, a: Tensor) -> Tensor:  # (scales the smaller side)
+        return total(scaled_factors(rule.factors(module, args, g, frozenset({k}))[k], a))
 
     found: dict[str, Reweigh] = {}
     for k in names:
-        if rule.param_grads is not None:
-            found[k] = functools.partial(by_backward, k)
-        elif rule.factors is not None and k in rule.factors(module, args, g, frozenset({k})):
+        if rule.factors is not None and k in rule.factors(module, args, g, frozenset({k})):
             found[k] = functools.partial(by_factors, k)
+        elif rule.param_grads is not None:
+            found[k] = functools.partial(by_backward, k)
     return found
 
 

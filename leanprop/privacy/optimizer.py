@@ -275,11 +275,12 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_here = not self.distributed or dist.get_rank() == 0  # (noise once, not per rank)
         for p in params:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            if noise_here:
-                grad = grad + gaussian_noise(std, grad, self.generator, self.secure_mode)
+            fresh = noise_here  # (the noise's own buffer takes the sum and the average: no
+            if noise_here:  # temporaries; the same values, addition is commutative)
+                grad = gaussian_noise(std, grad, self.generator, self.secure_mode).add_(grad)
             if self.distributed:  # the clipped sums of every rank's samples, and the noise
                 grad = _all_reduced(grad)
-            p.grad = grad / divisor
+            p.grad = grad.div_(divisor) if fresh else grad / divisor
         return k
 
     @torch.no_grad()
