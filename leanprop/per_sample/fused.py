@@ -16,6 +16,7 @@ changes; only calls made while the module runs its forward are swapped.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,6 +98,32 @@ class FusedOp(torch.autograd.Function):
 
 _BACKWARD_ENTRIES = (torch.Tensor.backward, torch.autograd.backward)
 
+# what a tensor's metadata is read by (no tensor comes out, no value is used): passed through
+# without the capture's bookkeeping (each such call otherwise costs about 10 µs of Python,
+# and models and the curvature passes make dozens per step)
+_METADATA_METHODS = frozenset({
+    Tensor.dim, Tensor.size, Tensor.numel, Tensor.nelement, Tensor.ndimension, Tensor.stride,
+    Tensor.is_floating_point, Tensor.is_complex, Tensor.element_size, Tensor.is_contiguous,
+    Tensor.get_device, Tensor.data_ptr,
+})  # fmt: skip
+_METADATA_ATTRIBUTES = frozenset(
+    id(inspect.getattr_static(Tensor, name))
+    for name in (
+        "shape", "dtype", "device", "ndim", "requires_grad", "grad_fn", "is_leaf", "layout",
+        "is_cuda", "is_sparse", "is_nested", "is_meta", "is_quantized", "output_nr",
+        "_version", "itemsize", "nbytes",
+    )
+    if hasattr(Tensor, name)
+)  # fmt: skip
+
+
+def _reads_metadata(func: Any) -> bool:
+    """Whether ``func`` reads a tensor's metadata only (a method or an attribute getter)."""
+    if func in _METADATA_METHODS:
+        return True
+    getter = getattr(func, "__name__", None) == "__get__"  # (not a setter: __set__)
+    return getter and id(getattr(func, "__self__", None)) in _METADATA_ATTRIBUTES
+
 
 def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
     """``(tensors, grad_tensors, retain_graph, create_graph, inputs)`` of a plain backward
@@ -172,6 +199,8 @@ class Intercept(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _reads_metadata(func):
+            return func(*args, **kwargs)
         capture = self.capture
         # keep this mode on while the engine runs, so that the forward a checkpoint recomputes
         # during backward goes through it as the original forward did
