@@ -83,7 +83,8 @@ def rule_reweighers(
     rule: Rule, module: nn.Module, args: tuple[Any, ...], g: Tensor, names: frozenset[str]
 ) -> dict[str, Reweigh]:
     """The reweighers of the parameters ``names`` of one call of a rule: the summed gradient
-    (the rule's ordinary backward, or its factors) with the output gradient scaled per sample.
+    with each sample's part scaled (from the rule's factors, the smaller side scaled; else
+    its ordinary backward with the output gradient scaled).
 
     Args:
         rule: the layer's rule; module: the layer.

@@ -241,6 +241,8 @@ class OpCapture(torch.autograd.Function):
         k = ctx.n_local
         local, outs = list(saved[:k]), list(saved[k : len(saved) - k])
         if torch.is_grad_enabled():
+            if op.nested and not op.contribute.closed:
+                raise _nested_create_graph(op)
             # create_graph: differentiate a fresh graph of the op (a backward of the results,
             # run later, may free the saved one while passing through it)
             with op.contribute.computing():  # not an op of the model: not captured again
@@ -282,7 +284,10 @@ class OpCapture(torch.autograd.Function):
             if op.nested:  # the engine directly: not a backward of its own (through the
                 # interception it would be one with respect to views only, passive for every
                 # context: the other context's capture would compute nothing)
-                ordinary = engine_grad(*args, True, torch.is_grad_enabled(), True, False)
+                ordinary = engine_grad(
+                    *args, retain_graph=True, create_graph=torch.is_grad_enabled(),
+                    allow_unused=True, is_grads_batched=False,
+                )  # fmt: skip
             else:
                 ordinary = torch.autograd.grad(
                     *args, retain_graph=True, allow_unused=True,
@@ -299,6 +304,19 @@ class OpCapture(torch.autograd.Function):
             if generic:
                 _generic(live, generic, local, op)
         return (None, *result)
+
+
+def _nested_create_graph(op: OpSpec) -> Exception:
+    from ..errors import UnsupportedModelError
+
+    name = getattr(op.func, "__name__", repr(op.func))
+    return UnsupportedModelError(
+        f"per_sample: backward(create_graph=True) through '{name}', an op whose parameters two "
+        "nested per_sample contexts both track (parameters used at the op level, e.g. HF's "
+        "Conv1D or nn.MultiheadAttention's projections): the outer context's per-sample "
+        "values cannot be formed differentiably there. Use one context, asked for every "
+        "quantity, or a backward without create_graph."
+    )
 
 
 def _closed_forms(

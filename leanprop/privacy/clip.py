@@ -69,12 +69,15 @@ def clipping_of(
     named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
     if isinstance(max_grad_norm, Mapping):
         names = {k for k, _ in named}
-        unknown, missing = set(max_grad_norm) - names, names - set(max_grad_norm)
+        keys = list(max_grad_norm)
+        unknown = [k if isinstance(k, str) else _shown(k) for k in keys if k not in names]
+        missing = sorted(names - {k for k in keys if isinstance(k, str)})
         if unknown or missing:
             raise LeanpropValueError(
                 "clip_per_sample() got per-parameter thresholds that do not match the model's "
-                f"trainable parameters: unknown {sorted(unknown)}, missing {sorted(missing)}. "
-                "Give one threshold per trainable parameter name (model.named_parameters())."
+                f"trainable parameters: unknown {sorted(map(str, unknown))}, missing {missing}. "
+                "Give one threshold per trainable parameter name (model.named_parameters()), "
+                "keyed by the name, not by the parameter."
             )
         per = {
             p: checked_number("clip_per_sample()", f"max_grad_norm[{k!r}]", max_grad_norm[k])
@@ -92,6 +95,13 @@ def clipping_of(
             for i, ((_, p), c) in enumerate(zip(named, max_grad_norm, strict=True))
         }
     return Clipping(None, per, loss_reduction)
+
+
+def _shown(key: object) -> str:
+    """A dict key that is not a name, for a message (a tensor: its kind and shape)."""
+    if isinstance(key, torch.Tensor):
+        return f"<{type(key).__name__} of shape {tuple(key.shape)}>"
+    return repr(key)
 
 
 def clip_per_sample(
@@ -120,10 +130,11 @@ def clip_per_sample(
 
     One backward pass: the norms come from each layer's input and output gradient (closed
     forms), and each parameter's clipped gradient is then formed from the same two tensors
-    with the output gradient scaled per sample, so Linear, Conv, Embedding layers (and
-    parameters used by linear/matmul/addmm ops, such as HF's ``Conv1D``) never hold the
-    ``[N, *p.shape]`` individual gradients. Other parameters (norm layers, elementwise uses,
-    modules that go through the ``torch.func`` fallback) do, one parameter at a time. The
+    with one of them scaled per sample (the smaller one, where either will do), so Linear,
+    Conv, Embedding layers (and parameters used by linear/matmul/addmm ops, such as HF's
+    ``Conv1D``) never hold the ``[N, *p.shape]`` individual gradients. Other parameters (norm
+    layers, elementwise uses, modules that go through the ``torch.func`` fallback) do, one
+    parameter at a time. The
     layers' inputs and output gradients are kept until the end of backward (about one more
     copy of the activations at that point). Several backward passes before a step add up
     (gradient accumulation over micro-batches), each through a forward of its own.

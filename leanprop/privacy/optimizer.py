@@ -275,9 +275,13 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_here = not self.distributed or dist.get_rank() == 0  # (noise once, not per rank)
         for p in params:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            fresh = noise_here  # (the noise's own buffer takes the sum and the average: no
-            if noise_here:  # temporaries; the same values, addition is commutative)
+            # (the noise's own buffer takes the sum and the average: no temporaries, the same
+            # values, addition is commutative; not where .grad has another memory layout)
+            fresh = noise_here and grad.is_contiguous()
+            if fresh:
                 grad = gaussian_noise(std, grad, self.generator, self.secure_mode).add_(grad)
+            elif noise_here:
+                grad = grad + gaussian_noise(std, grad, self.generator, self.secure_mode)
             if self.distributed:  # the clipped sums of every rank's samples, and the noise
                 grad = _all_reduced(grad)
             p.grad = grad.div_(divisor) if fresh else grad / divisor

@@ -1884,6 +1884,32 @@ def test_nested_contexts_with_op_level_layers_each_compute_theirs(inner_on, quan
     prefix = "" if inner_on == "model" else "proj."
     for k, p in model.named_parameters():
         assert_close(getattr(p, outer_q.attr), ref[outer_q.attr](expected[k]), k, 1e-10, 1e-12)
+        assert_close(p.grad, expected[k].sum(0), f"{k}.grad", 1e-10, 1e-12)
     for k, p in inner.named_parameters():
         e = expected[prefix + k]
         assert_close(getattr(p, inner_q.attr), ref[inner_q.attr](e), k, 1e-10, 1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+def test_nested_contexts_with_op_level_layers_under_create_graph_are_refused_clearly():
+    """Under create_graph the op's graph is rebuilt without the other context's capture:
+    the outer context got nothing ("got a gradient but no per-sample quantities"). Refused
+    with what to do instead; both contexts stay usable."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(4, 3), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    with leanprop.per_sample(model, BatchGrad()), leanprop.per_sample(model[0], Variance()):
+        with pytest.raises(UnsupportedModelError, match="two nested per_sample contexts"):
+            model(x).square().sum().backward(create_graph=True)
+        for p in model.parameters():
+            p.grad = None
+        model(x).square().sum().backward()
+    rows = [
+        torch.autograd.grad(model(x[i : i + 1]).square().sum(), list(model.parameters()))
+        for i in range(3)
+    ]
+    for j, p in enumerate(model.parameters()):
+        assert_close(p.grad_batch, torch.stack([r[j] for r in rows]), f"{j}", 1e-10, 1e-12)

@@ -133,6 +133,9 @@ def test_bad_thresholds_and_reduction():
         leanprop.clip_per_sample(model, [1.0, 1.0, 1.0])
     with pytest.raises(LeanpropValueError, match=r"unknown \['x'\], missing \['1.bias'\]"):
         leanprop.clip_per_sample(model, {"0.weight": 1.0, "0.bias": 1.0, "1.weight": 1.0, "x": 1.0})
+    # keyed by the parameters themselves: the message's sort compared tensors (RuntimeError)
+    with pytest.raises(LeanpropValueError, match=r"Parameter of shape \(2, 3\).*not by the"):
+        leanprop.clip_per_sample(model, {p: 1.0 for p in model.parameters()})
     with pytest.raises(LeanpropValueError, match="loss_reduction='none'"):
         leanprop.clip_per_sample(model, 1.0, loss_reduction="none")
     with pytest.raises(LeanpropValueError, match=r"needs the model \(an nn.Module\) first"):
