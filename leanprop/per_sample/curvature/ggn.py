@@ -140,7 +140,7 @@ def ggn(
             the Jacobians and the loss Hessian's factor; Monte-Carlo draws fixed): the GGN's
             diagonals, square roots, ``GGNMP``, the Kronecker factors (KFLR, KFAC, KFRA)
             and the Hessian's diagonals (through the activations' ``δ`` and ``σ''(z)`` too);
-            ``HMP`` and ``PCHMP`` give products that are (one more order of
+            ``HMP`` and ``PCHMP`` give differentiable products (one more order of
             differentiation). Without it they carry no graph.
 
     Raises:
