@@ -187,6 +187,10 @@ def _captured_inside(outs: Sequence[Tensor], local: Sequence[Tensor]) -> bool:
     return False
 
 
+def _kept(t: Tensor) -> Tensor:
+    return t
+
+
 def _local_graph(op: OpSpec, tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
     """The op on views of its tensors: our gradients stop at the views (autograd.grad's
     inputs), which stay differentiable with respect to the op's inputs (create_graph)."""
@@ -222,7 +226,11 @@ class OpCapture(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, op: OpSpec, *tensors: Tensor) -> tuple[Tensor, ...]:
-        local, out = _local_graph(op, tensors)
+        # (the local graph keeps its own saved tensors: under a non-reentrant checkpoint they
+        # would be recomputed for each backward pass that reaches them, ours included, and
+        # checkpoint refuses a recomputation that saves differently)
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            local, out = _local_graph(op, tensors)
         out_leaves, op.out_spec = flatten(out)
         outs = [o for o in out_leaves if isinstance(o, Tensor)]
         op.nested = _captured_inside(outs, local)

@@ -130,3 +130,30 @@ def test_nested_contexts_around_a_reentrant_checkpoint():
     for k, p in model.mid.named_parameters():
         ref = expected[f"mid.{k}"].var(0, unbiased=False)
         assert_close(p.variance, ref, f"mid.{k}.variance", 1e-9, 1e-12)
+
+
+@pytest.mark.parametrize("kind", ["attention", "encoder-layer"])
+@pytest.mark.parametrize("q", [BatchGrad(), BatchL2Grad()], ids=repr)
+def test_op_level_parameters_under_a_non_reentrant_checkpoint(kind, q):
+    """MultiheadAttention's parameters are captured at the op level; the op's local graph saved
+    its tensors through the checkpoint, which recomputed them for our own per-sample pass (a
+    backward of its own) and refused the recomputation: a raw CheckpointError ("a different
+    number of tensors was saved")."""
+    torch.manual_seed(0)
+    if kind == "attention":
+        module = nn.MultiheadAttention(4, 2, batch_first=True).double()
+
+        def block(h):
+            return module(h, h, h, need_weights=False)[0]
+    else:
+        module = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True).double()
+        block = module
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    params = list(module.parameters())
+    rows = [torch.autograd.grad(block(x[i : i + 1]).square().sum(), params) for i in range(3)]
+    with leanprop.per_sample(module, q):
+        checkpoint(block, x, use_reentrant=False).square().sum().backward()
+    for j, p in enumerate(params):
+        ref = quantities_from_individual(torch.stack([r[j] for r in rows]))[q.attr]
+        assert_close(getattr(p, q.attr), ref, f"{j}", 1e-10, 1e-12)
+        assert_close(p.grad, torch.stack([r[j] for r in rows]).sum(0), f"{j}.grad", 1e-10, 1e-12)
