@@ -64,6 +64,19 @@ def is_checkpoint_error(e: BaseException) -> bool:
     )
 
 
+def checkpoint_saves_tensors() -> bool:
+    """Whether the saved-tensor hooks in effect are a non-reentrant checkpoint's (its
+    forward's, which drop what is saved, or its recomputation's); False where this torch does
+    not say."""
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        top = top_hooks(False) if top_hooks is not None else None
+    except (RuntimeError, TypeError):
+        return False
+    name = getattr(top[0], "__qualname__", "") if top else ""
+    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
+
+
 def queue_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the current backward pass ends (only inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)

@@ -19,6 +19,7 @@ the op per sample, so closed-form rules stay the fast path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import warnings
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._torch_compat import engine_grad
+from .._torch_compat import checkpoint_saves_tensors, engine_grad
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
 from .op_rules import closed_form, closed_norms, linear_reweigher
@@ -191,6 +192,12 @@ def _kept(t: Tensor) -> Tensor:
     return t
 
 
+_NO_HOOKS = contextlib.nullcontext()
+# the ops whose captured parameters have closed forms (op_rules.py): no per-sample pass
+# through their local graph
+_CLOSED_FORM_OPS = frozenset({"linear", "matmul", "mm", "addmm", "chunked_linear_cross_entropy"})
+
+
 def _local_graph(op: OpSpec, tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
     """The op on views of its tensors: our gradients stop at the views (autograd.grad's
     inputs), which stay differentiable with respect to the op's inputs (create_graph)."""
@@ -226,10 +233,12 @@ class OpCapture(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, op: OpSpec, *tensors: Tensor) -> tuple[Tensor, ...]:
-        # (the local graph keeps its own saved tensors: under a non-reentrant checkpoint they
-        # would be recomputed for each backward pass that reaches them, ours included, and
-        # checkpoint refuses a recomputation that saves differently)
-        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        # (under a non-reentrant checkpoint, the local graph of an op without a closed form
+        # keeps its own saved tensors: the checkpoint would recompute them for our per-sample
+        # pass through it, a backward of its own, and refuse that recomputation; other hooks,
+        # such as save_on_cpu's, and the linear ops' graphs, stay as they are)
+        own = op_name(op.func) not in _CLOSED_FORM_OPS and checkpoint_saves_tensors()
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept) if own else _NO_HOOKS:
             local, out = _local_graph(op, tensors)
         out_leaves, op.out_spec = flatten(out)
         outs = [o for o in out_leaves if isinstance(o, Tensor)]

@@ -276,3 +276,24 @@ def test_empty_poisson_batches_of_mappings_named_tuples_and_strings():
     )
     with pytest.raises(LeanpropValueError, match=r"cannot make an empty batch .* Custom"):
         list(loader)
+
+
+def test_noise_keeps_the_gradients_memory_layout():
+    """A channels_last convolution's clipped gradient keeps its layout through the noise and
+    the average (the noise's own buffer, contiguous, took them in place)."""
+    torch.manual_seed(0)
+    channels_last = torch.channels_last
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2))
+    model = model.to(memory_format=channels_last)
+    x = torch.randn(5, 3, 6, 6).to(memory_format=channels_last)
+    y = torch.randint(0, 2, (5,))
+    clip = leanprop.clip_per_sample(model, 1.0)
+    opt = leanprop.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), clip, noise_multiplier=1.0,
+        expected_batch_size=5,
+    )  # fmt: skip
+    with clip:
+        F.cross_entropy(model(x), y).backward()
+    assert model[0].weight.grad.is_contiguous(memory_format=channels_last)
+    opt.noise_and_average()
+    assert model[0].weight.grad.is_contiguous(memory_format=channels_last)
