@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -994,7 +994,14 @@ class PerSample:
         channels = isinstance(info, BatchDim) and info.dim == 1
         return bool(training) and torch.is_grad_enabled() and info is not None and not channels
 
-    def _count_use(self, params: frozenset[nn.Parameter]) -> None:
+    def _count_use(self, params: Iterable[nn.Parameter]) -> None:
+        """One more use of each of ``params`` in the recorded forward (several uses: their
+        contributions are summed as individual gradients). A non-reentrant checkpoint's
+        recomputation replays uses already counted: not again (the parameters of every
+        checkpointed layer were taken for shared ones, their individual gradients held to the
+        end of backward, memory growing with depth)."""
+        if self._recomputing():
+            return
         for p in params:
             self._states[p].uses += 1
 
@@ -1158,8 +1165,7 @@ class PerSample:
         # the input lives in the replaced op's autograd graph (it saves it), not in the call
         call = Call(site, dict(site.direct), None, {}, n, [None], 1, in_bd=bd, out_bd=bd)
         call.forward, call.replaced = self._sink(), True
-        for p in call.params.values():
-            self._states[p].uses += 1
+        self._count_use(call.params.values())
         return call
 
     def end_fused(
@@ -1251,8 +1257,7 @@ class PerSample:
                 )
         call.hooked = call.pending
         if call.pending and params:
-            for p in params.values():
-                self._states[p].uses += 1
+            self._count_use(params.values())
             self._cycle.calls.append(call)
         return None
 

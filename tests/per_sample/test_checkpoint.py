@@ -157,3 +157,38 @@ def test_op_level_parameters_under_a_non_reentrant_checkpoint(kind, q):
         ref = quantities_from_individual(torch.stack([r[j] for r in rows]))[q.attr]
         assert_close(getattr(p, q.attr), ref, f"{j}", 1e-10, 1e-12)
         assert_close(p.grad, torch.stack([r[j] for r in rows]).sum(0), f"{j}.grad", 1e-10, 1e-12)
+
+
+def test_a_non_reentrant_recomputation_does_not_make_parameters_shared(monkeypatch):
+    """The recomputation replays the block's parameter uses; counted again, every checkpointed
+    parameter was taken for a shared one and its individual gradients held to the end of
+    backward ([N, *p.shape] each: the peak grew with depth, above the unchecked one)."""
+    from leanprop.per_sample import cycle
+
+    held = []
+    add_batch = cycle.ParamState.add_batch
+    monkeypatch.setattr(
+        cycle.ParamState,
+        "add_batch",
+        lambda self, *a, **k: held.append(self.name) or add_batch(self, *a, **k),
+    )
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        for _ in range(3)
+    ).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+
+    def forward(h):
+        for b in blocks:
+            h = h + checkpoint(b, h, use_reentrant=False)
+        return h
+
+    params = list(blocks.parameters())
+    rows = [torch.autograd.grad(forward(x[i : i + 1]).square().sum(), params) for i in range(3)]
+    with leanprop.per_sample(blocks, BatchL2Grad()):
+        forward(x).square().sum().backward()
+    assert held == []
+    for j, p in enumerate(params):
+        ref = quantities_from_individual(torch.stack([r[j] for r in rows]))["batch_l2"]
+        assert_close(p.batch_l2, ref, f"{j}", 1e-10, 1e-12)
