@@ -26,6 +26,18 @@ def assert_close(actual: Tensor, expected: Tensor, what: str, rtol: float, atol:
     )
 
 
+def assert_same_derivatives(ours: Tensor, theirs: Tensor, params: dict[str, Tensor]) -> None:
+    """The gradients of two scalar functionals with respect to ``params`` are equal (float64,
+    rtol 1e-9); where ours has none (None), theirs must be zero."""
+    got = torch.autograd.grad(ours, list(params.values()), allow_unused=True)
+    want = torch.autograd.grad(theirs, list(params.values()), allow_unused=True)
+    for k, a, b in zip(params, got, want, strict=True):
+        b = torch.zeros_like(params[k]) if b is None else b
+        assert a is not None or not b.any(), k
+        a = torch.zeros_like(params[k]) if a is None else a
+        assert_close(a, b, f"d/d{k}", 1e-9, 1e-12)
+
+
 def positive_curvature_blocks(model, x, loss_fn, y, power=1):
     """Each parameter's block of the positive-curvature Hessian of a Sequential of linear
     layers and sigmoid/tanh activations, by brute force: the GGN's block plus, for each

@@ -30,6 +30,21 @@ def _functional_gradients(values, params):
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
 
 
+def _release(lib, model, loss_fn):
+    """After one library's run: the gradients dropped, the facade's extension undone."""
+    model.zero_grad(set_to_none=True)
+    if lib is facade:
+        facade.unextend(model)
+        facade.unextend(loss_fn)
+
+
+def _assert_same_values_and_gradients(found):
+    """``found``: the facade's and BackPACK's ``(values, functional gradients)``, equal."""
+    for ours, theirs in zip(*found, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def _loss_module(case):
     return nn.CrossEntropyLoss() if not case.y.is_floating_point() else nn.MSELoss(reduction="sum")
 
@@ -143,13 +158,8 @@ def test_hessian_products_under_create_graph_are_differentiable_as_backpacks():
         found.append((values, _functional_gradients(values, list(model.parameters()))))
         for p in model.parameters():
             del p.hmp
-        model.zero_grad(set_to_none=True)
-        if lib is facade:
-            facade.unextend(model)
-            facade.unextend(loss_fn)
-    for ours, theirs in zip(*found, strict=True):
-        for a, b in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        _release(lib, model, loss_fn)
+    _assert_same_values_and_gradients(found)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
@@ -184,13 +194,8 @@ def test_curvature_under_create_graph_is_differentiable_as_backpacks(loss):
         assert sum(v.requires_grad for v in values) >= len(values) - 4 * (loss == "mse")
         found.append((values, _functional_gradients(values, list(model.parameters()))))
         assert model[0].weight.diag_ggn_mc.requires_grad
-        model.zero_grad(set_to_none=True)
-        if lib is facade:
-            facade.unextend(model)
-            facade.unextend(loss_fn)
-    for ours, theirs in zip(*found, strict=True):
-        for a, b in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        _release(lib, model, loss_fn)
+    _assert_same_values_and_gradients(found)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
@@ -250,13 +255,8 @@ def test_kronecker_factors_under_create_graph_are_differentiable_as_backpacks(ki
             loss_fn(model(x), y).backward(create_graph=True)
         values = [t for p in model.parameters() for t in getattr(p, kind.lower())]
         found.append((values, _functional_gradients(values, list(model.parameters()))))
-        model.zero_grad(set_to_none=True)
-        if lib is facade:
-            facade.unextend(model)
-            facade.unextend(loss_fn)
-    for ours, theirs in zip(*found, strict=True):
-        for a, b in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        _release(lib, model, loss_fn)
+    _assert_same_values_and_gradients(found)
 
 
 def test_retain_graph_gives_each_backward_its_own_results():
