@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -62,6 +63,22 @@ def is_checkpoint_error(e: BaseException) -> bool:
     return (error is not None and isinstance(e, error)) or (
         isinstance(e, RuntimeError) and "checkpoint" in str(e).lower()
     )
+
+
+def graph_nodes(starts: Iterable[Any], stop: frozenset[int] = frozenset()) -> Iterator[Any]:
+    """Each autograd node reachable from ``starts`` (nodes; None is skipped), once, not going
+    past a node whose ``id`` is in ``stop``. The nodes seen are held while walking: torch
+    makes a node's Python object anew when none holds it, and a later node could otherwise
+    get a visited one's ``id`` and be skipped."""
+    seen: dict[int, Any] = {}
+    todo = list(starts)
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen[id(node)] = node
+        yield node
+        todo.extend(fn for fn, _ in node.next_functions)
 
 
 def checkpoint_saves_tensors() -> bool:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .._torch_compat import current_graph_task_id, foreach_norms
+from .._torch_compat import current_graph_task_id, foreach_norms, graph_nodes
 from ..errors import UnsupportedModelError
 from .batch import BatchDim
 from .chunks import Scratch
@@ -56,18 +56,8 @@ def bits(dtype: torch.dtype) -> int:
 def _reaches(roots: list[Any], nodes: dict[int, Any]) -> bool:
     """Whether the autograd graph of ``roots`` (tensors or gradient edges) contains one of
     ``nodes`` (by ``id``)."""
-    seen: dict[int, Any] = {}  # id -> the node itself: kept alive, so that no node visited
-    # later gets its id (torch makes a node's Python object anew when none holds it)
-    todo = [t.grad_fn if isinstance(t, Tensor) else getattr(t, "node", None) for t in roots]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        if id(node) in nodes:
-            return True
-        seen[id(node)] = node
-        todo.extend(fn for fn, _ in node.next_functions)
-    return False
+    starts = [t.grad_fn if isinstance(t, Tensor) else getattr(t, "node", None) for t in roots]
+    return any(id(node) in nodes for node in graph_nodes(starts))
 
 
 @dataclass(eq=False)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._torch_compat import checkpoint_saves_tensors, engine_grad
+from .._torch_compat import checkpoint_saves_tensors, engine_grad, graph_nodes
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
 from .op_rules import closed_form, closed_norms, linear_reweigher
@@ -173,19 +173,11 @@ def _captured_inside(outs: Sequence[Tensor], local: Sequence[Tensor]) -> bool:
     """Whether the local graph of an op (``outs`` back to the views ``local``) runs one of
     leanprop's autograd functions: another per_sample context (nested contexts on the same
     parameters) captured the op, or an operand of it, inside it."""
-    stop = {id(t.grad_fn) for t in local if t.grad_fn is not None}
-    seen: dict[int, Any] = {}  # (the nodes held: ids stay theirs)
-    todo = [o.grad_fn for o in outs]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen or id(node) in stop:
-            continue
-        seen[id(node)] = node
-        forward = getattr(node, "_forward_cls", None)
-        if forward is not None and forward.__module__.startswith("leanprop."):
-            return True
-        todo.extend(fn for fn, _ in node.next_functions)
-    return False
+    stop = frozenset(id(t.grad_fn) for t in local if t.grad_fn is not None)
+    return any(
+        getattr(node, "_forward_cls", type).__module__.startswith("leanprop.")
+        for node in graph_nodes((o.grad_fn for o in outs), stop)
+    )
 
 
 def _kept(t: Tensor) -> Tensor:
@@ -326,13 +318,12 @@ class OpCapture(torch.autograd.Function):
 def _nested_create_graph(op: OpSpec) -> Exception:
     from ..errors import UnsupportedModelError
 
-    name = getattr(op.func, "__name__", repr(op.func))
     return UnsupportedModelError(
-        f"per_sample: backward(create_graph=True) through '{name}', an op whose parameters two "
-        "nested per_sample contexts both track (parameters used at the op level, e.g. HF's "
-        "Conv1D or nn.MultiheadAttention's projections): the outer context's per-sample "
-        "values cannot be formed differentiably there. Use one context, asked for every "
-        "quantity, or a backward without create_graph."
+        f"per_sample: backward(create_graph=True) through '{op_name(op.func)}', an op whose "
+        "parameters two nested per_sample contexts both track (parameters used at the op "
+        "level, e.g. HF's Conv1D or nn.MultiheadAttention's projections): the outer context's "
+        "per-sample values cannot be formed differentiably there. Use one context, asked for "
+        "every quantity, or a backward without create_graph."
     )
 
 
