@@ -154,6 +154,18 @@ class track_memory:
         """``peak_bytes`` in MiB."""
         return self.peak_bytes / 2**20
 
+    @property
+    def current_bytes(self) -> int:
+        """Bytes allocated inside the block and alive now (read inside the block; e.g. what
+        a forward leaves saved for its backward)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device) - self._base
+        if self._mode is None:
+            raise LeanpropValueError("track_memory.current_bytes is read inside the block.")
+        self._mode._sweep()
+        return self._mode.current
+
     def __enter__(self) -> track_memory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

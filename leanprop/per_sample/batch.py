@@ -740,8 +740,15 @@ class BatchTracker:
             if t.requires_grad and (params := self.derived_params(t))
         ]
 
-    def propagate(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-        """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``."""
+    def propagate(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, replay: bool = False
+    ) -> None:
+        """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``.
+
+        ``replay``: the op runs again in a non-reentrant checkpoint's recomputation, whose
+        graph no backward goes through: its curved nodes are not recorded (held, each would
+        keep its recomputed graph alive to the end of backward, a layer's activations per
+        checkpointed block)."""
         name = op_name(func)
         if name in _NON_TENSOR or name in _FACTORIES:
             return
@@ -805,7 +812,7 @@ class BatchTracker:
                         results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
-            if name in CURVED_ELEMENTWISE and o.grad_fn is not None:
+            if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
                 self.curved[o.grad_fn] = res
 
 

@@ -67,6 +67,7 @@ from .quantities import (
     BatchL2Grad,
     Quantity,
     SumGradSquared,
+    Variance,
     computed_kinds,
     subsampling_of,
     validate_quantities,
@@ -979,7 +980,7 @@ class PerSample:
         """Where the batch went in the op's outputs; a functional batch norm in training mode
         on the batch refused."""
         if self._intercept is not None and not self._computing:
-            self._tracker.propagate(func, args, kwargs, out)
+            self._tracker.propagate(func, args, kwargs, out, replay=self._recomputing())
             if func in _BATCH_NORMS and self._batch_statistics(args, kwargs):
                 self._refuse_batch_statistics(f"'{op_name(func)}' (a functional batch norm)")
 
@@ -1072,14 +1073,17 @@ class PerSample:
         batch: dict[nn.Parameter, Tensor],
         compute_dtype: torch.dtype | None,
         source: ops.Contribute,
+        summed: dict[nn.Parameter, Tensor],
     ) -> None:
-        """Individual gradients ``[N, *p.shape]`` of one use, found outside any call."""
+        """Individual gradients ``[N, *p.shape]`` of one use, found outside any call (and
+        their sums where the op hands those to autograd)."""
         self._open_cycle()
         self._cycle.from_forward(source)
         for p, b in batch.items():
             state = self._states[p]
             state.saw(compute_dtype or b.dtype)
-            state.add_batch(b.to(p.dtype))  # 16-bit (autocast) kept in the parameter's dtype
+            # 16-bit (autocast) kept in the parameter's dtype
+            state.add_batch(b.to(p.dtype), summed=summed.get(p))
 
     def _rule_batch(self, site: Site, x: Any) -> BatchDim | None:
         """Where the batch is in a rule site's input; None if it carries none."""
@@ -1530,7 +1534,14 @@ class PerSample:
                 # differentiating create_graph quantities, or of a penalty on the weights is
                 # not the model's)
                 self._open_cycle()
-            state.autograd_grads.append((current_graph_task_id(), self._cycle.open, grad))
+            # (Variance keeps each total: all_reduce_quantities; clipping owns the gradients)
+            handed = (
+                cycle.open and self._clip is None and Variance not in self._kinds
+                and state.hand_over(grad)
+            )  # fmt: skip
+            state.autograd_grads.append(
+                (current_graph_task_id(), self._cycle.open, None if handed else grad)
+            )
             if wanted:
                 self._complete_calls_of(state.param)
             # (autograd.grad accumulates nothing; without the interception it cannot be told)

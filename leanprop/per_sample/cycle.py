@@ -12,7 +12,7 @@ recorded is dropped and the next forward starts clean.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +95,15 @@ class ParamState:
     total: Tensor | None = None  # sum of the individual gradients, for the final check
     autograd_grad: Tensor | None = None  # what autograd computed for it in this backward
     # (graph task, cycle open, gradient) as autograd handed them over: the backward itself,
-    # and backward passes nested in it (a reentrant checkpoint's) count
-    autograd_grads: list[tuple[int, bool, Tensor]] = field(default_factory=list)
+    # and backward passes nested in it (a reentrant checkpoint's) count. None: ``total``
+    # itself, not held (see ``hand_over``)
+    autograd_grads: list[tuple[int, bool, Tensor | None]] = field(default_factory=list)
+    # the sum of ``batch`` handed to autograd as the parameter's gradient (one use so far)
+    summed: Tensor | None = None
+    # autograd took ``total`` or ``summed`` itself (see ``hand_over``); where later uses
+    # came (a reentrant checkpoint's backward), the sum of what it took, for the check
+    handed: bool = False
+    handed_total: Tensor | None = None
     compute_dtype: torch.dtype | None = None  # lowest precision its contributions came in
     results: dict[str, Tensor] = field(default_factory=dict)
     # BatchL2Grad of a weight used several times: its uses as factors, instead of ``batch``
@@ -109,6 +116,39 @@ class ParamState:
         """Something was contributed in this cycle already."""
         return self.batch is not None or bool(self.results) or self.factored is not None
 
+    def hand_over(self, grad: Tensor) -> bool:
+        """Autograd is about to accumulate ``grad`` for this parameter. Where it is the sum
+        of this backward's individual gradients itself (one use, whose op handed that sum
+        over as the parameter's whole gradient: ``total``, or ``summed``), there is nothing
+        for the sum check to compare, and holding it to the end of backward would keep a
+        second copy of every such gradient (and have autograd copy it into a new ``.grad``):
+        it is dropped. Returns whether it was (not under ``create_graph``: a result's graph
+        is followed from it)."""
+        if grad.requires_grad:
+            return False
+        if grad is self.total and self.batch is None:
+            self.total = None
+        elif grad is self.summed:
+            self.summed = None
+        else:
+            return False
+        self.handed = True
+        return True
+
+    @property
+    def sum_checked(self) -> bool:
+        """Autograd took the sum of every individual gradient formed as the gradient itself:
+        the sum check has nothing to compare (see ``hand_over``)."""
+        return self.handed and self.handed_total is None
+
+    def _another_use(self) -> None:
+        """A use comes after others formed something: what autograd took (if it took it)
+        is no longer the whole."""
+        formed = self.batch if self.batch is not None else self.results.get(BatchGrad.attr)
+        if self.handed and self.handed_total is None and formed is not None:
+            self.handed_total = sample_sum(formed)
+        self.summed = None
+
     def add_factors(self, f: Factors, keep: bool, workspace_bytes: int) -> Tensor:
         """Add one more use given as factors (see ``factors.py``); returns its gradient.
 
@@ -119,6 +159,7 @@ class ParamState:
             self.factored = self.factored or FactoredUses()
             return self.factored.add(f, workspace_bytes)
         if self.batch is not None:
+            self._another_use()
             self.batch = add_into(self.batch, f, in_place=self._may_add_in_place())
             self.batch_owned = True
             return total(f)
@@ -126,12 +167,17 @@ class ParamState:
         # its sum now, before later uses are added into it: a matrix-vector product, far less
         # work than the sum from the factors (a product over all positions)
         s = sample_sum(b)
-        self.add_batch(b, owned=True)
+        self.add_batch(b, owned=True, summed=s)
         return s
 
-    def add_batch(self, b: Tensor, owned: bool = False) -> None:
+    def add_batch(self, b: Tensor, owned: bool = False, summed: Tensor | None = None) -> None:
         """Add individual gradients ``[N, *p.shape]`` of one more use (``owned``: ``b`` is a
-        fresh buffer no one else holds, which later uses may be added into)."""
+        fresh buffer no one else holds, which later uses may be added into; ``summed``: their
+        sum, as handed to autograd for this use)."""
+        if self.formed:
+            self._another_use()
+        else:
+            self.summed = summed
         if self.factored is not None:  # earlier uses kept as factors: materialised now
             b, self.factored = self.factored.added_to(b), None
             owned = True
@@ -166,6 +212,27 @@ class ParamState:
         self.batch, self.batch_owned, self.total, self.factored = None, False, None, None
         self.results, self.autograd_grad, self.compute_dtype = {}, None, None
         self.autograd_grads, self.reweigh = [], []
+        self.summed, self.handed, self.handed_total = None, False, None
+
+
+# the sum check's differences are formed this many bytes at a time (at least one parameter's)
+_CHECK_BYTES = 16 * 2**20
+
+
+def _by_bytes(pairs: list[tuple[Any, Tensor, Tensor]], limit: int) -> Iterator[list]:
+    """``pairs`` in consecutive groups whose tensors (the second) take at most ``limit``
+    bytes, or one pair."""
+    group: list[tuple[Any, Tensor, Tensor]] = []
+    size = 0
+    for pair in pairs:
+        nbytes = pair[1].numel() * pair[1].element_size()
+        if group and size + nbytes > limit:
+            yield group
+            group, size = [], 0
+        group.append(pair)
+        size += nbytes
+    if group:
+        yield group
 
 
 @dataclass(eq=False)
@@ -265,7 +332,8 @@ class Cycle:
                 for state in self.states.values():
                     if state.batch is not None:
                         state.results = quantities_of(state.batch, formed)
-                        state.total = sample_sum(state.batch)  # checks what is written
+                        if not state.sum_checked:  # (checks what is written)
+                            state.total = sample_sum(state.batch)
                     elif state.factored is not None:  # BatchL2Grad alone (add_factors)
                         state.results = {BatchL2Grad.attr: state.factored.squared_norms()}
                         state.total = state.factored.total
@@ -334,7 +402,7 @@ class Cycle:
         ``autograd.grad``'s: made by this backward)."""
         found, self._written = self._written, []
         for state in self.states.values():
-            found += [g.grad_fn for _, _, g in state.autograd_grads]
+            found += [g.grad_fn for _, _, g in state.autograd_grads if g is not None]
         return [node for node in dict.fromkeys(found) if node is not None]
 
     def begin_backward(self, roots: list[Any]) -> None:
@@ -409,6 +477,10 @@ class Cycle:
             # this backward's, and those of backward passes nested in it while the cycle was
             # open; not those of another backward (e.g. of a create_graph result) before it
             mine = [g for t, in_cycle, g in s.autograd_grads if t == task or in_cycle]
+            # (a total autograd took whole: equal to itself; where later uses were added to
+            # its individual gradients, what it was)
+            mine = [s.handed_total if g is None else g for g in mine]
+            mine = [g for g in mine if g is not None]
             s.autograd_grad = sum(mine[1:], mine[0]) if mine else None
         missing = [
             f"'{s.name}'"
@@ -458,10 +530,14 @@ class Cycle:
         ]
         if not pairs:
             return
-        totals, refs = [t for _, t, _ in pairs], [r for _, _, r in pairs]
-        diffs = [t - r for t, r in zip(totals, refs, strict=True)]
-        # multi-tensor norms: a few kernel launches for all parameters instead of three each
-        d, a, b = (torch.stack(foreach_norms(x)).double() for x in (diffs, totals, refs))
+        norms: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
+        for group in _by_bytes(pairs, _CHECK_BYTES):  # (the differences: a group at a time)
+            totals, refs = [t for _, t, _ in group], [r for _, _, r in group]
+            diffs = [t - r for t, r in zip(totals, refs, strict=True)]
+            # multi-tensor norms: a few kernel launches for all parameters instead of three each
+            for out, x in zip(norms, (diffs, totals, refs), strict=True):
+                out += foreach_norms(x)
+        d, a, b = (torch.stack(x).double() for x in norms)
         rel = (d / (a + b + 1e-30)).tolist()  # one host synchronisation per backward
         bad = [
             f"'{s.name}' (relative error {e:.2e})"

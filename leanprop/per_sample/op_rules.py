@@ -90,6 +90,35 @@ def closed_form(
     return out if set(out) == set(positions) else None
 
 
+def linear_input_grad(
+    name: str, tensors: Sequence[Tensor], positions: Sequence[int], g: Tensor, n_args: int
+) -> tuple[int, Tensor] | None:
+    """``(position, gradient)`` of the activation operand of a linear/matmul/mm/addmm call
+    whose weight is a parameter (at ``positions``), by the product autograd's own backward
+    computes (the same values, bit for bit), or None for other forms and mixed dtypes
+    (autocast: autograd's casts decide).
+
+    Computed here rather than by a backward through the op's own graph: under a
+    non-reentrant checkpoint, such a backward (a graph task of its own) would recompute the
+    checkpointed block once more, and hold what it recomputed to the end of backward."""
+    if name == "addmm":
+        if len(tensors) != 3 or n_args != 3 or 1 in positions or 2 not in positions:
+            return None
+        at, w, transposed = 1, tensors[2], True
+    elif name in ("linear", "matmul", "mm"):
+        if len(tensors) < 2 or n_args != len(tensors) or 0 in positions or 1 not in positions:
+            return None
+        at, w, transposed = 0, tensors[1], name != "linear"
+    else:
+        return None
+    x = tensors[at]
+    if w.dim() != 2 or x.dim() < 2 or not (x.dtype == w.dtype == g.dtype):
+        return None
+    if name in ("addmm", "mm") and x.dim() != 2:
+        return None
+    return at, g @ (w.mT if transposed else w)
+
+
 def closed_norms(
     name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
     positions: Sequence[int], g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,

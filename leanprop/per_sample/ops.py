@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 from .._torch_compat import checkpoint_saves_tensors, engine_grad, graph_nodes
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
-from .op_rules import closed_form, closed_norms, linear_reweigher
+from .op_rules import closed_form, closed_norms, linear_input_grad, linear_reweigher
 from .pytree import flatten, unflatten
 from .stats import sample_sum
 
@@ -107,10 +108,13 @@ class Contribute:
         )
 
     def __call__(
-        self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None
-    ) -> None:
-        """``compute_dtype``: the autocast dtype the op ran in, if any (for the sum check)."""
-        self.sink(batch, compute_dtype, self)
+        self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None,
+        summed: dict[nn.Parameter, Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        """``compute_dtype``: the autocast dtype the op ran in, if any (for the sum check);
+        ``summed``: a parameter's sum of ``batch``, where the op hands it to autograd as the
+        parameter's gradient."""
+        self.sink(batch, compute_dtype, self, summed or {})
 
 
 _TENSOR = object()  # marks where a tensor output goes back into the op's output structure
@@ -118,16 +122,17 @@ _TENSOR = object()  # marks where a tensor output goes back into the op's output
 
 def hand_back(
     w: Tensor, params: tuple[nn.Parameter, ...], per_sample: Tensor, contribute: Contribute,
-    compute_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None, summed: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Give each parameter ``w`` derives from its contributions ``(dw/dp)ᵀ per_sample[n]``.
 
     Args:
         w: a parameter, or a batch-free tensor computed from ``params``.
         per_sample: ``[N, *w.shape]``, each sample's contribution to ``w``'s gradient.
+        summed: ``per_sample``'s sum, as the op hands it to autograd for ``w``.
     """
     if len(params) == 1 and w is params[0]:
-        contribute({w: per_sample}, compute_dtype)
+        contribute({w: per_sample}, compute_dtype, {w: summed} if summed is not None else None)
         return
     grads = torch.autograd.grad(
         w, params, per_sample, retain_graph=True, allow_unused=True, is_grads_batched=True,
@@ -203,11 +208,13 @@ def _local_graph(op: OpSpec, tensors: Sequence[Tensor]) -> tuple[list[Tensor], A
 
 
 def _fresh_graph(
-    op: OpSpec, tensors: Sequence[Tensor], outs: list[Tensor]
+    op: OpSpec, tensors: Sequence[Tensor], outs: list[Tensor] | None
 ) -> tuple[list[Tensor], list[Tensor]]:
+    """The op's graph made anew from its inputs; refused where its outputs differ from the
+    forward's ``outs`` (None: a deterministic op, nothing to compare)."""
     local, out = _local_graph(op, tensors)
     fresh = [o for o in flatten(out)[0] if isinstance(o, Tensor)]
-    if not all(torch.equal(a, b) for a, b in zip(fresh, outs, strict=True)):
+    if outs is not None and not all(torch.equal(a, b) for a, b in zip(fresh, outs, strict=True)):
         from ..errors import UnsupportedModelError
 
         name = getattr(op.func, "__name__", repr(op.func))
@@ -218,6 +225,25 @@ def _fresh_graph(
             "quantities."
         )
     return local, fresh
+
+
+def _stub(o: Tensor) -> Tensor | None:
+    """What is saved of a deterministic op's output: a tensor of no elements whose graph
+    starts at the output's node. A backward from the output needs that node, not the values,
+    which saving the output would keep alive until the backward passes (an attention
+    projection's output, split into heads and copied, is otherwise freed in the forward)."""
+    if not o.requires_grad:
+        return None
+    with torch.enable_grad():  # (Function.forward runs without)
+        return o.narrow(0, 0, 0).clone() if o.dim() else o
+
+
+def _root(stub: Tensor | None) -> Tensor | GradientEdge | None:
+    """The output :func:`_stub` stands for, as a root of a backward."""
+    if stub is None or stub.dim() == 0:
+        return stub
+    ((view, _),) = stub.grad_fn.next_functions  # clone <- narrow <- the output's node
+    return GradientEdge(*view.next_functions[0])
 
 
 class OpCapture(torch.autograd.Function):
@@ -238,7 +264,12 @@ class OpCapture(torch.autograd.Function):
         op.out_leaves = [_TENSOR if isinstance(o, Tensor) else o for o in out_leaves]
         ctx.op = op
         ctx.n_local = len(local)
-        ctx.save_for_backward(*local, *outs, *tensors)
+        # a linear op's outputs are not needed by its backward; another op's are compared
+        # with a fresh graph's under create_graph (randomness inside the op)
+        ctx.stubbed = op_name(op.func) in _CLOSED_FORM_OPS
+        ctx.out_grad = [o.requires_grad for o in outs]
+        kept_outs = map(_stub, outs) if ctx.stubbed else outs
+        ctx.save_for_backward(*local, *kept_outs, *tensors)
         results = tuple(o.detach() for o in outs)
         ctx.mark_non_differentiable(*(r for r in results if not r.is_floating_point()))
         return results
@@ -255,11 +286,14 @@ class OpCapture(torch.autograd.Function):
             # create_graph: differentiate a fresh graph of the op (a backward of the results,
             # run later, may free the saved one while passing through it)
             with op.contribute.computing():  # not an op of the model: not captured again
-                local, outs = _fresh_graph(op, saved[len(saved) - k :], outs)
+                compared = None if ctx.stubbed else outs
+                local, outs = _fresh_graph(op, saved[len(saved) - k :], compared)
+        elif ctx.stubbed:
+            outs = [_root(s) for s in outs]
         live = [
             (k, o, g)
-            for k, (o, g) in enumerate(zip(outs, grads, strict=True))
-            if g is not None and o.requires_grad
+            for k, (o, g, needed) in enumerate(zip(outs, grads, ctx.out_grad, strict=True))
+            if g is not None and needed
         ]
         wanted = [i for i, t in enumerate(local) if t.requires_grad]
         result: list[Tensor | None] = [None] * len(local)
@@ -285,6 +319,11 @@ class OpCapture(torch.autograd.Function):
         # (nested contexts: the other one captured the op inside the local graph, and gets its
         # own contributions only from a backward through it)
         rest = [i for i in wanted if op.nested or (i not in fast and i not in summed)]
+        if single and op.rule is None and not op.nested and not torch.is_grad_enabled():
+            direct = linear_input_grad(op_name(op.func), local, captured, live[0][2], op.n_args)
+            if direct is not None and direct[0] in rest:
+                result[direct[0]] = direct[1]
+                rest.remove(direct[0])
         if rest:
             args = (
                 tuple(o for _, o, _ in live), tuple(local[i] for i in rest),
@@ -308,8 +347,11 @@ class OpCapture(torch.autograd.Function):
         generic = generic if op.rule is None else []
         with op.contribute.computing():
             for i, ps in fast.items():
-                result[i] = sample_sum(ps) if result[i] is None else result[i]
-                hand_back(op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype)
+                summed = sample_sum(ps) if result[i] is None else None
+                result[i] = summed if summed is not None else result[i]
+                hand_back(
+                    op.originals[i], op.captured[i], ps, op.contribute, op.autocast_dtype, summed
+                )  # fmt: skip
             if generic:
                 _generic(live, generic, local, op)
         return (None, *result)
@@ -392,9 +434,9 @@ def _per_sample(
     op: OpSpec,
 ) -> list[Tensor]:  # fmt: skip
     """Each sample's gradient contribution to each of ``inputs``: ``[N, *input.shape]``."""
-    for (o, _), bd in zip(live, batch, strict=True):
+    for (_, g), bd in zip(live, batch, strict=True):
         if bd is None:
-            raise _no_batch_error(op, o)
+            raise _no_batch_error(op, g)
     if not op.n:  # an empty batch (e.g. Poisson sampling's)
         return [t.new_zeros(0, *t.shape) for t in inputs]
     per_sample_bytes = sum(g.numel() * g.element_size() for _, g in live)
@@ -438,6 +480,7 @@ def _batched_vjp(outputs: list[Tensor], inputs: list[Tensor], masks: list[Tensor
 
 
 def _no_batch_error(op: OpSpec, o: Tensor) -> Exception:
+    """``o``: the output (or its gradient, of the same shape) without a batch dimension."""
     from ..errors import UnsupportedModelError
 
     name = getattr(op.func, "__name__", repr(op.func))

@@ -21,6 +21,19 @@ def test_peak_of_known_allocations_is_exact():
     del b, c, d
 
 
+def test_current_bytes_counts_what_is_alive_now():
+    with track_memory() as mem:
+        a = torch.empty(1000)  # 4000 B
+        b = torch.empty(500)  # 2000 B
+        assert mem.current_bytes == 6000
+        del a
+        assert mem.current_bytes == 2000
+    assert mem.peak_bytes == 6000
+    with pytest.raises(LeanpropValueError, match="inside the block"):
+        mem.current_bytes  # noqa: B018
+    del b
+
+
 def test_views_inplace_and_preexisting_are_not_counted():
     x = torch.randn(100, 100)  # 40000 B, pre-existing
     with track_memory(existing=[x]) as mem:

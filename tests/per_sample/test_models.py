@@ -341,3 +341,51 @@ def test_norm_layers_with_float32_parameters_on_bf16_activations(norm):
         err = float((mine[k] - truth[k]).norm() / truth[k].norm())
         ref = float((plain[k] - truth[k]).norm() / truth[k].norm())
         assert err <= 1.5 * ref + 1e-6, (k, err, ref)
+
+
+class LinearForms(torch.nn.Module):
+    """A module's own weights in each linear form, the weight as it is and transposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(12, 12) / 4)
+        self.b = torch.nn.Parameter(torch.randn(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, 12)
+        h = torch.nn.functional.linear(x, self.w, self.b).tanh()
+        h = torch.matmul(h, self.w).tanh() + torch.matmul(h, self.w.t())
+        h = torch.mm(h.reshape(-1, 12), self.w).view_as(x).tanh()
+        return h + torch.addmm(self.b, rows, self.w).view_as(x)
+
+
+@pytest.mark.parametrize("q", [BatchGrad(), BatchL2Grad()], ids=repr)
+def test_input_gradient_of_op_level_linear_forms_is_torchs(q, monkeypatch):
+    """The input's gradient of an op-level linear/matmul/mm/addmm is the product torch's own
+    backward computes (not a backward through the op's graph, which under a checkpoint
+    recomputed the block once more): the same values, bit for bit, in float32."""
+    from leanprop.per_sample import ops
+
+    formed = []
+    original = ops.linear_input_grad
+
+    def counted(name, *args):
+        out = original(name, *args)
+        if out is not None:
+            formed.append(name)
+        return out
+
+    monkeypatch.setattr(ops, "linear_input_grad", counted)
+    torch.manual_seed(0)
+    model = LinearForms().float()
+    x = torch.randn(5, 5, 12, dtype=torch.float32, requires_grad=True)
+
+    def input_grad(ctx) -> torch.Tensor:
+        x.grad = None
+        with ctx:
+            model(x).square().sum().backward()
+        return x.grad
+
+    plain = input_grad(contextlib.nullcontext())
+    assert torch.equal(input_grad(leanprop.per_sample(model, q)), plain)
+    assert sorted(set(formed)) == ["addmm", "linear", "matmul", "mm"]

@@ -1,0 +1,122 @@
+"""What a per_sample context holds beyond what torch alone holds: its results and a layer's
+workspace, nothing that grows with depth or keeps an activation torch frees (measured with
+``track_memory``, which counts every byte allocated: deterministic on CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import leanprop
+from leanprop import BatchGrad, BatchL2Grad
+
+N, T, E = 4, 16, 32
+
+
+class TanhBlock(nn.Module):
+    """A transformer MLP with a curved activation (its node is recorded for the Hessian)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.a, self.b = nn.LayerNorm(E), nn.Linear(E, 4 * E), nn.Linear(4 * E, E)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.b(torch.tanh(self.a(self.ln(h))))
+
+
+class AddmmBlock(nn.Module):
+    """HF's Conv1D: weights used by ``torch.addmm`` in the model's own forward (op level)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(E, 4 * E) / 8), nn.Parameter(torch.zeros(4 * E))
+        self.w2, self.b2 = nn.Parameter(torch.randn(4 * E, E) / 8), nn.Parameter(torch.zeros(E))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        u = torch.addmm(self.b1, h.reshape(-1, E), self.w1)
+        return h + torch.addmm(self.b2, torch.relu(u), self.w2).view_as(h)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, block: Callable[[], nn.Module], depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=False)
+        return h
+
+
+def _peak(model: nn.Module, x: torch.Tensor, quantities: list) -> int:
+    """Peak bytes of a forward and backward (a second step: the gradients exist)."""
+    for _ in range(2):
+        with contextlib.ExitStack() as stack:
+            if quantities:
+                stack.enter_context(leanprop.per_sample(model, *quantities))
+            with leanprop.track_memory(existing=[model, x]) as mem:
+                model(x).square().mean().backward()
+    return mem.peak_bytes
+
+
+@pytest.mark.parametrize("block", [TanhBlock, AddmmBlock], ids=["tanh", "addmm"])
+@pytest.mark.parametrize("q", [BatchGrad(), BatchL2Grad()], ids=repr)
+def test_checkpointed_depth_adds_no_memory(block, q):
+    """Under a non-reentrant checkpoint, what the recomputation made was held to the end of
+    backward: each curved activation's node of the recomputed graph (kept for the Hessian,
+    though no backward goes through that graph), and for weights used at the op level a
+    whole recomputation per op (the op's input gradient, a backward of its own, made the
+    checkpoint recompute the block again). The peak above torch's grew with depth (tiny
+    GPT-2 with 8 checkpointed layers: 122 MiB against torch's 6.2)."""
+    torch.manual_seed(0)
+    x = torch.randn(N, T, E)
+
+    def overhead(depth: int) -> int:  # (less the individual gradients written)
+        model = Checkpointed(block, depth)
+        params = sum(p.numel() for p in model.parameters())
+        results = N * params * 4 if q.attr == "grad_batch" else 0
+        return _peak(model, x, [q]) - _peak(model, x, []) - results
+
+    block_bytes = N * T * 4 * E * 4  # one [N, T, 4E] activation
+    assert overhead(12) - overhead(3) <= block_bytes, (overhead(12), overhead(3), block_bytes)
+
+
+def test_a_gradient_handed_to_autograd_is_not_held():
+    """A layer's summed gradient, handed to autograd as the parameter's whole gradient, was
+    also kept for the sum check to the end of backward (where it compares with itself): a
+    second copy of every such gradient at the peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(6)))
+    x = torch.randn(2, 128)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    for q in (BatchGrad(), BatchL2Grad()):
+        results = params * len(x) if q.attr == "grad_batch" else 0
+        extra = _peak(model, x, [q]) - _peak(model, x, [])
+        assert extra <= results + params // 4, (q, extra, results, params)
+
+
+def test_an_op_level_linear_output_is_not_saved():
+    """An op-level linear op (``addmm`` on a module's own weights) kept its output to its
+    backward, for nothing: its backward needs the input and the weight. An attention
+    projection's output, split into heads and copied, is otherwise freed in the forward."""
+    torch.manual_seed(0)
+    model = AddmmBlock()
+    x = torch.randn(N, T, E)
+
+    def held(quantities: list) -> int:
+        with contextlib.ExitStack() as stack:
+            if quantities:
+                stack.enter_context(leanprop.per_sample(model, *quantities))
+            with leanprop.track_memory(existing=[model, x]) as mem:
+                loss = model(x).square().mean()
+                saved = mem.current_bytes
+                loss.backward()
+        return saved
+
+    output_bytes = N * T * 4 * E * 4  # the first addmm's [N T, 4E]
+    assert held([BatchL2Grad()]) - held([]) < output_bytes // 2
