@@ -81,6 +81,19 @@ def graph_nodes(starts: Iterable[Any], stop: frozenset[int] = frozenset()) -> It
         todo.extend(fn for fn, _ in node.next_functions)
 
 
+def saveable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """What a custom autograd Function saves (``ctx.save_for_backward``) for its input ``t``:
+    a leaf that requires grad (a parameter) as a view of itself. On torch 2.8 (not 2.13),
+    saving the leaf itself while saved-tensor hooks are in effect (a non-reentrant
+    checkpoint's, ``save_on_cpu``) loses the hooks registered on it with ``register_hook``:
+    they never fire. The view has the same values and version counter, and a backward from
+    it reaches the leaf. Call inside ``forward``."""
+    if t is None or not (t.is_leaf and t.requires_grad):
+        return t
+    with torch.enable_grad():  # (forward runs without: the view must lead to the leaf)
+        return t.view_as(t)
+
+
 def checkpoint_saves_tensors() -> bool:
     """Whether the saved-tensor hooks in effect are a non-reentrant checkpoint's (its
     forward's, which drop what is saved, or its recomputation's); False where this torch does

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
+from .._torch_compat import saveable
+
 
 class EscapeWatch(torch.autograd.Function):
     """The identity on ``t``; its backward hands the gradient of this use to ``on_gradient``
@@ -26,7 +28,7 @@ class EscapeWatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: Tensor, on_gradient: Callable[[Tensor, Tensor], None]) -> Tensor:
         ctx.on_gradient = on_gradient
-        ctx.save_for_backward(t)
+        ctx.save_for_backward(saveable(t))
         return t.view_as(t)
 
     @staticmethod

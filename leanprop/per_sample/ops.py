@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from .._torch_compat import checkpoint_saves_tensors, engine_grad, graph_nodes
+from .._torch_compat import checkpoint_saves_tensors, engine_grad, graph_nodes, saveable
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
 from .op_rules import closed_form, closed_norms, linear_input_grad, linear_reweigher
@@ -269,7 +269,7 @@ class OpCapture(torch.autograd.Function):
         ctx.stubbed = op_name(op.func) in _CLOSED_FORM_OPS
         ctx.out_grad = [o.requires_grad for o in outs]
         kept_outs = map(_stub, outs) if ctx.stubbed else outs
-        ctx.save_for_backward(*local, *kept_outs, *tensors)
+        ctx.save_for_backward(*local, *kept_outs, *map(saveable, tensors))
         results = tuple(o.detach() for o in outs)
         ctx.mark_non_differentiable(*(r for r in results if not r.is_floating_point()))
         return results

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
+from .._torch_compat import saveable
 from ..errors import LeanpropValueError, UnsupportedModelError
 from .eager import is_count
 
@@ -95,7 +96,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 [loss for *_, loss in logit_grads(h, weight, bias, target, chunk, spec, acc)]
                 or [h.new_zeros(0, dtype=acc)]
             )
-            ctx.save_for_backward(h, weight, bias, target)
+            ctx.save_for_backward(*map(saveable, (h, weight, bias, target)))
             return losses.to(h.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]

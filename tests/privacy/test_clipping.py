@@ -349,3 +349,77 @@ def test_a_parameter_whose_individual_gradients_cancel_is_not_left_out():
         leanprop.clip_per_sample(model, 0.01),
     ):
         (model(torch.cat([x0, -x0])) * model.w).mean().backward()
+
+
+class _Blocks(nn.Module):
+    """Linear and LayerNorm layers (their ops replaced) and HF Conv1D-style weights (used by
+    ``torch.addmm``: captured at the op level), each block under ``wrap``."""
+
+    def __init__(self, wrap) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6)) for _ in range(2)
+        )
+        self.w, self.b = nn.Parameter(torch.randn(6, 6) / 3), nn.Parameter(torch.randn(6))
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for block in self.blocks:
+            h = self.wrap(lambda t, block=block: torch.tanh(block(t)), h)
+        return self.wrap(lambda t: torch.addmm(self.b, t.reshape(-1, 6), self.w).view_as(t), h)
+
+
+def _saving_on_cpu(f, h):
+    with torch.autograd.graph.save_on_cpu():
+        return f(h)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=False),
+        _saving_on_cpu,
+    ],
+    ids=["non-reentrant-checkpoint", "save_on_cpu"],
+)
+def test_under_saved_tensor_hooks(wrap):
+    """On torch 2.8, a parameter saved by our autograd Functions while saved-tensor hooks were
+    in effect (a non-reentrant checkpoint's, save_on_cpu's) lost the hooks the clipping put
+    on it: its gradient was left unclipped (off by 7.4 on this model), silently."""
+    torch.manual_seed(0)
+    model = _Blocks(wrap).double()
+    x, y = torch.randn(5, 3, 6, dtype=torch.float64), torch.randn(5, 3, 6, dtype=torch.float64)
+
+    def loss_fn(out, target, reduction="sum"):
+        return (out - target).square().sum()
+
+    expected, norms = clipped_gradients(model, loss_fn, x, y, 0.5)
+    assert bool((norms > 0.5).any())  # (some samples are clipped)
+    model.zero_grad()
+    with leanprop.clip_per_sample(model, 0.5, loss_reduction="sum") as clip:
+        loss_fn(model(x), y).backward()
+    for k, p in model.named_parameters():
+        assert_close(p.grad, expected[k], k, 1e-10, 1e-12)
+    assert_close(clip.last_norms, norms, "norms", 1e-10, 1e-12)
+
+
+def test_a_head_applied_in_the_loss_under_save_on_cpu_is_refused():
+    """A head weight used by chunked_linear_cross_entropy in the loss (after the model's
+    forward): refused. On torch 2.8 under save_on_cpu, the loss's autograd Function saved
+    the weight and its hooks never fired: the head's gradient was left unclipped, silently."""
+    from leanprop.side_losses import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    body, head = nn.Linear(8, 8), nn.Linear(8, 20)
+    model = nn.ModuleDict({"body": body, "head": head})
+    x, t = torch.randn(6, 3, 8), torch.randint(0, 20, (18,))
+    with (
+        pytest.raises(UnsupportedModelError, match=r"'head\.weight', 'head\.bias' got a gradient"),
+        leanprop.clip_per_sample(model, 0.5, loss_reduction="sum"),
+        torch.autograd.graph.save_on_cpu(),
+    ):
+        h = torch.tanh(body(x)).reshape(-1, 8)
+        chunked_linear_cross_entropy(
+            h, head.weight, t, head.bias, reduction="none"
+        ).sum().backward()
