@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections import OrderedDict
@@ -92,6 +93,36 @@ def saveable(t: torch.Tensor | None) -> torch.Tensor | None:
         return t
     with torch.enable_grad():  # (forward runs without: the view must lead to the leaf)
         return t.view_as(t)
+
+
+@functools.cache
+def saving_loses_leaf_hooks() -> bool:
+    """Whether this torch loses a leaf's ``register_hook`` hooks when a custom autograd
+    Function saves the leaf itself under saved-tensor hooks (torch 2.8 does, 2.13 does not):
+    tried once, on a tensor of one element."""
+
+    class _Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, w: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(w)
+            return w * 1
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (w,) = ctx.saved_tensors  # (unpacking it is what loses them)
+            return g * w.new_ones(())
+
+    w = torch.zeros(1, requires_grad=True)
+    fired: list[bool] = []
+    w.register_hook(lambda g: fired.append(True))
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        out = _Saves.apply(w)
+    engine_backward((out,), (torch.ones_like(out),), False, False, ())
+    return not fired
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def checkpoint_saves_tensors() -> bool:

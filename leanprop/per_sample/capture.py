@@ -47,6 +47,7 @@ from .._torch_compat import (
     pop_innermost_mode,
     push_mode,
     queue_callback,
+    saving_loses_leaf_hooks,
     top_function_mode,
     tree_flatten,
     tree_unflatten,
@@ -542,7 +543,8 @@ class PerSample:
                 )
             for state in self._states.values():
                 hooks.append(state.param.register_hook(_Weakly(self._on_param_grad, state)))
-                if self._clip is not None:
+                # (also where this torch may lose the first hook: this one then tells)
+                if self._clip is not None or saving_loses_leaf_hooks():
                     on_accumulated = _Weakly(self._on_accumulated, state)
                     hooks.append(state.param.register_post_accumulate_grad_hook(on_accumulated))
             on_enter = _Weakly(self._on_model_enter)  # first: it may start a new cycle, which
@@ -1132,7 +1134,10 @@ class PerSample:
         it records is not followed from the model's inputs, and a weight it shares with
         another module (a tied embedding and head) may be split wrongly, so this forward's
         quantities are checked even with ``check=False``."""
-        if not self._root_running and torch.is_grad_enabled() and site.module is not self.model:
+        if (
+            not self._root_running and torch.is_grad_enabled() and site.module is not self.model
+            and not self._recomputing()  # (a non-reentrant checkpoint replays the forward)
+        ):  # fmt: skip
             # the first call of a new forward: start it here, so that a model call taking its
             # output does not drop it
             if self._cycle.backward_done and not self._recomputing():
@@ -1507,6 +1512,7 @@ class PerSample:
         self._cycle.differentiating = False
 
     def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
+        state.hook_fired = True  # (see _on_accumulated)
         # not while computing: the fallback's own per-sample autograd calls fire it too;
         # recorded before the cycle opens too (autograd may reach a parameter first)
         if self._active and not self._computing:
@@ -1535,10 +1541,9 @@ class PerSample:
                 # not the model's)
                 self._open_cycle()
             # (Variance keeps each total: all_reduce_quantities; clipping owns the gradients)
-            handed = (
-                cycle.open and self._clip is None and Variance not in self._kinds
-                and state.hand_over(grad)
-            )  # fmt: skip
+            handed = state.hand_over(
+                grad, cycle.open and self._clip is None and Variance not in self._kinds
+            )
             state.autograd_grads.append(
                 (current_graph_task_id(), self._cycle.open, None if handed else grad)
             )
@@ -1550,6 +1555,17 @@ class PerSample:
                 self._clip.before_accumulate(state)
 
     def _on_accumulated(self, state: ParamState, p: nn.Parameter) -> None:
+        fired, state.hook_fired = state.hook_fired, False
+        if self._active and not fired and not self._computing:
+            raise UnsupportedModelError(
+                f"per_sample: torch {torch.__version__} lost the hooks leanprop put on "
+                f"'{state.name}': an autograd Function of the model saves this parameter "
+                "(ctx.save_for_backward) while saved-tensor hooks are in effect (a "
+                "non-reentrant checkpoint, save_on_cpu), and this torch then never calls them, "
+                "so its per-sample quantities would be missing and its clipping skipped. Save "
+                "a view of it instead (p.view_as(p), made under torch.enable_grad()), run "
+                "without those saved-tensor hooks, or use a newer torch (2.13 keeps them)."
+            )
         if self._active and self._clip is not None:
             self._clip.after_accumulate(state)
 

@@ -104,6 +104,7 @@ class ParamState:
     # came (a reentrant checkpoint's backward), the sum of what it took, for the check
     handed: bool = False
     handed_total: Tensor | None = None
+    hook_fired: bool = False  # the parameter's gradient hook ran (see capture.py)
     compute_dtype: torch.dtype | None = None  # lowest precision its contributions came in
     results: dict[str, Tensor] = field(default_factory=dict)
     # BatchL2Grad of a weight used several times: its uses as factors, instead of ``batch``
@@ -116,21 +117,22 @@ class ParamState:
         """Something was contributed in this cycle already."""
         return self.batch is not None or bool(self.results) or self.factored is not None
 
-    def hand_over(self, grad: Tensor) -> bool:
+    def hand_over(self, grad: Tensor, allowed: bool) -> bool:
         """Autograd is about to accumulate ``grad`` for this parameter. Where it is the sum
         of this backward's individual gradients itself (one use, whose op handed that sum
         over as the parameter's whole gradient: ``total``, or ``summed``), there is nothing
         for the sum check to compare, and holding it to the end of backward would keep a
         second copy of every such gradient (and have autograd copy it into a new ``.grad``):
-        it is dropped. Returns whether it was (not under ``create_graph``: a result's graph
-        is followed from it)."""
-        if grad.requires_grad:
+        it is dropped, where ``allowed``. Returns whether it was (not under
+        ``create_graph``: a result's graph is followed from it). A gradient that autograd
+        hands over later, in another graph task (a reentrant checkpoint's), then belongs to
+        no individual gradient: ``verify`` compares it with zero."""
+        summed, self.summed = self.summed, None  # (only the first gradient may be it)
+        if not allowed or grad.requires_grad:
             return False
         if grad is self.total and self.batch is None:
             self.total = None
-        elif grad is self.summed:
-            self.summed = None
-        else:
+        elif grad is not summed:
             return False
         self.handed = True
         return True
@@ -482,6 +484,10 @@ class Cycle:
             mine = [s.handed_total if g is None else g for g in mine]
             mine = [g for g in mine if g is not None]
             s.autograd_grad = sum(mine[1:], mine[0]) if mine else None
+            if s.sum_checked and s.autograd_grad is not None:
+                # autograd took every individual gradient whole, yet handed over more:
+                # gradient that belongs to no sample (compared with zero)
+                s.total = s.autograd_grad.new_zeros(()).expand_as(s.autograd_grad)
         missing = [
             f"'{s.name}'"
             for s in self.states.values()

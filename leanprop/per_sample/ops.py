@@ -192,7 +192,8 @@ def _kept(t: Tensor) -> Tensor:
 _NO_HOOKS = contextlib.nullcontext()
 # the ops whose captured parameters have closed forms (op_rules.py): no per-sample pass
 # through their local graph
-_CLOSED_FORM_OPS = frozenset({"linear", "matmul", "mm", "addmm", "chunked_linear_cross_entropy"})
+_LINEAR_FORMS = frozenset({"linear", "matmul", "mm", "addmm"})
+_CLOSED_FORM_OPS = _LINEAR_FORMS | {"chunked_linear_cross_entropy"}
 
 
 def _local_graph(op: OpSpec, tensors: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
@@ -305,7 +306,8 @@ class OpCapture(torch.autograd.Function):
         # a layer rule's summed gradients: asked before our own work begins (inside it, the
         # forward's sink counts as closed)
         summed, fast = None, {}
-        single = captured and len(live) == 1  # (one output gradient: the closed forms')
+        # (one output gradient, and a call the closed forms read: the op's tensors alone)
+        single = captured and len(live) == 1 and _closed_forms_read(op)
         out_bd = op.out_batch[live[0][0]] if single else None
         if single and op.rule is not None and out_bd is not None:
             summed = op.rule(local, live[0][2], out_bd)
@@ -367,6 +369,15 @@ def _nested_create_graph(op: OpSpec) -> Exception:
         "per-sample values cannot be formed differentiably there. Use one context, asked for "
         "every quantity, or a backward without create_graph."
     )
+
+
+def _closed_forms_read(op: OpSpec) -> bool:
+    """Whether the closed forms read the op's call: linear forms called with their tensors
+    alone (not with a scale, such as ``addmm``'s ``alpha=`` and ``beta=``, which they do not
+    apply), or another op (a layer rule's, or one whose closed form reads its arguments)."""
+    if op.rule is not None or op_name(op.func) not in _LINEAR_FORMS:
+        return True
+    return all(leaf is None for leaf in op.leaves)
 
 
 def _closed_forms(

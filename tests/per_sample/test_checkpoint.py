@@ -192,3 +192,70 @@ def test_a_non_reentrant_recomputation_does_not_make_parameters_shared(monkeypat
     for j, p in enumerate(params):
         ref = quantities_from_individual(torch.stack([r[j] for r in rows]))["batch_l2"]
         assert_close(p.batch_l2, ref, f"{j}", 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("q", [BatchGrad(), BatchL2Grad()], ids=repr)
+def test_a_gradient_beyond_one_taken_whole_is_checked(q):
+    """A layer inside a reentrant checkpoint hands its summed gradient to autograd in the
+    checkpoint's own backward (a graph task of its own), taken whole and not held; a penalty
+    made before the block adds gradient in the outer backward, which belongs to no sample:
+    the sum check must still see it (it compared nothing)."""
+    torch.manual_seed(0)
+    fc, out = nn.Linear(4, 4), nn.Linear(4, 1)
+    model = nn.ModuleDict({"fc": fc, "out": out})
+    x = torch.randn(5, 4, requires_grad=True)
+    penalty = fc.weight.square().sum()  # (made outside the block: not seen)
+    with (
+        pytest.raises(UnsupportedModelError, match=r"do not add up.*'fc\.weight'"),
+        leanprop.per_sample(model, q),
+    ):
+        h = checkpoint(fc, x, use_reentrant=True)
+        (out(h).square().mean() + penalty).backward()
+
+
+class _Scale(torch.autograd.Function):
+    """A model's own autograd Function saving its parameter."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, g):
+        x, s = ctx.saved_tensors
+        return g * s, (g * x).sum(0)
+
+
+class _ScaledModel(nn.Module):
+    def __init__(self, wrap: str) -> None:
+        super().__init__()
+        self.fc, self.s, self.wrap = nn.Linear(4, 4), nn.Parameter(torch.randn(4)), wrap
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return _Scale.apply(torch.tanh(self.fc(x)), self.s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wrap == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                return self.body(x)
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("wrap", ["non-reentrant-checkpoint", "save_on_cpu"])
+@pytest.mark.parametrize("clip", [False, True], ids=["per_sample", "clip"])
+def test_a_models_own_function_saving_a_parameter_under_saved_tensor_hooks(wrap, clip):
+    """No rule covers a parameter used by the model's own autograd Function: refused. On
+    torch 2.8, the Function saving it under saved-tensor hooks lost the hooks leanprop put
+    on it, and the parameter silently got no quantities (clipping left it unclipped); the
+    error under a checkpoint said the layer was "called on its own"."""
+    torch.manual_seed(0)
+    model = _ScaledModel(wrap)
+    ctx = (
+        leanprop.clip_per_sample(model, 0.1, loss_reduction="sum")
+        if clip
+        else leanprop.per_sample(model, BatchGrad())
+    )
+    with pytest.raises(UnsupportedModelError, match="'s'") as err, ctx:
+        model(torch.randn(5, 4)).square().sum().backward()
+    assert "called on its own" not in str(err.value)

@@ -120,3 +120,16 @@ def test_an_op_level_linear_output_is_not_saved():
 
     output_bytes = N * T * 4 * E * 4  # the first addmm's [N T, 4E]
     assert held([BatchL2Grad()]) - held([]) < output_bytes // 2
+
+
+def test_a_sum_not_taken_by_autograd_is_not_held():
+    """An op's summed gradient, kept in case autograd takes it whole, was held to the end of
+    backward where autograd did not (bf16 autocast: it casts it to the parameter's dtype)."""
+    from leanprop.per_sample.cycle import ParamState
+
+    p = nn.Parameter(torch.zeros(3))
+    state = ParamState("p", p)
+    individual = torch.ones(2, 3)
+    state.add_batch(individual, summed=individual.sum(0))
+    assert not state.hand_over(individual.sum(0).float(), allowed=True)  # (another tensor)
+    assert state.summed is None

@@ -389,3 +389,35 @@ def test_input_gradient_of_op_level_linear_forms_is_torchs(q, monkeypatch):
     plain = input_grad(contextlib.nullcontext())
     assert torch.equal(input_grad(leanprop.per_sample(model, q)), plain)
     assert sorted(set(formed)) == ["addmm", "linear", "matmul", "mm"]
+
+
+class ScaledAddmm(torch.nn.Module):
+    def __init__(self, **scales) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(4, 4)
+        self.w, self.b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+        self.scales = scales
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.b, self.pre(x), self.w, **self.scales)
+
+
+@pytest.mark.parametrize("scales", [{"alpha": 2.0}, {"beta": 3.0}], ids=str)
+@pytest.mark.parametrize("quantities", [ALL, (BatchL2Grad(),)], ids=["all", "l2-alone"])
+def test_addmm_with_scales(scales, quantities):
+    """``torch.addmm(b, x, W, alpha=, beta=)`` on a module's own weights: the closed forms
+    (individual gradients, the input's gradient) left the scales out, silently (W off by
+    1.2, b by 3.8, and the layers before by 4.5)."""
+    torch.manual_seed(0)
+    model = ScaledAddmm(**scales)
+    x = torch.randn(5, 4)
+    params = dict(model.named_parameters())
+    with leanprop.per_sample(model, *quantities):
+        losses = model(x).square().sum(1)
+        losses.sum().backward(retain_graph=True)
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        ref = quantities_from_individual(expected[k])
+        for q in quantities:
+            assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-9, 1e-12)
+        assert_close(p.grad, expected[k].sum(0), f"{k}.grad", 1e-9, 1e-12)
