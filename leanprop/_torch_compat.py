@@ -112,12 +112,13 @@ def saving_loses_leaf_hooks() -> bool:
             (w,) = ctx.saved_tensors  # (unpacking it is what loses them)
             return g * w.new_ones(())
 
-    w = torch.zeros(1, requires_grad=True)
-    fired: list[bool] = []
-    w.register_hook(lambda g: fired.append(True))
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-        out = _Saves.apply(w)
-    engine_backward((out,), (torch.ones_like(out),), False, False, ())
+    with torch.inference_mode(False), torch.enable_grad():
+        w = torch.zeros(1, requires_grad=True)
+        fired: list[bool] = []
+        w.register_hook(lambda g: fired.append(True))
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            out = _Saves.apply(w)
+        engine_backward((out,), (torch.ones_like(out),), False, False, ())
     return not fired
 
 
