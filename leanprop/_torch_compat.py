@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from collections import OrderedDict
@@ -95,11 +94,23 @@ def saveable(t: torch.Tensor | None) -> torch.Tensor | None:
         return t.view_as(t)
 
 
-@functools.cache
+_LOSES_LEAF_HOOKS: list[bool] = []  # (the probe's answer, once it ran)
+
+
 def saving_loses_leaf_hooks() -> bool:
     """Whether this torch loses a leaf's ``register_hook`` hooks when a custom autograd
     Function saves the leaf itself under saved-tensor hooks (torch 2.8 does, 2.13 does not):
-    tried once, on a tensor of one element."""
+    tried once, on a tensor of one element (False, and tried again later, where saved-tensor
+    hooks are disabled)."""
+    if not _LOSES_LEAF_HOOKS:
+        try:
+            _LOSES_LEAF_HOOKS.append(_probe_lost_leaf_hooks())
+        except RuntimeError:  # (torch.autograd.graph.disable_saved_tensors_hooks)
+            return False
+    return _LOSES_LEAF_HOOKS[0]
+
+
+def _probe_lost_leaf_hooks() -> bool:
 
     class _Saves(torch.autograd.Function):
         @staticmethod

@@ -1512,7 +1512,7 @@ class PerSample:
         self._cycle.differentiating = False
 
     def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
-        state.hook_fired = True  # (see _on_accumulated)
+        state.hooked_task = current_graph_task_id()  # (see _on_accumulated)
         # not while computing: the fallback's own per-sample autograd calls fire it too;
         # recorded before the cycle opens too (autograd may reach a parameter first)
         if self._active and not self._computing:
@@ -1554,18 +1554,43 @@ class PerSample:
             if clipping and cycle.open and accumulates:
                 self._clip.before_accumulate(state)
 
-    def _on_accumulated(self, state: ParamState, p: nn.Parameter) -> None:
-        fired, state.hook_fired = state.hook_fired, False
-        if self._active and not fired and not self._computing:
+    def before_grad(self) -> None:
+        """An ``autograd.grad`` begins (called by the op interception): see ``after_grad``."""
+        if saving_loses_leaf_hooks() and self._active and not self._computing:
+            for state in self._states.values():
+                state.hooked_task = None
+
+    def after_grad(self, inputs: tuple[Any, ...], results: tuple[Tensor | None, ...]) -> None:
+        """An ``autograd.grad`` returned ``results`` for ``inputs`` (called by the op
+        interception). On a torch that loses a saved parameter's hooks, a tracked parameter
+        that got a gradient without its hook running is refused (``_on_accumulated`` tells it
+        for ``.backward()``; this call accumulates nothing)."""
+        if not saving_loses_leaf_hooks() or not self._active or self._computing:
+            return
+        if in_eager_backward():  # (a side loss's eager pass suspends the hooks itself)
+            return
+        for t, g in zip(inputs, results, strict=False):
+            state = self._states.get(t) if self.tracks(t) else None
+            if state is not None and g is not None and state.hooked_task is None:
+                self._refuse_lost_hooks(state)
+
+    def _refuse_lost_hooks(self, state: ParamState) -> None:
+        if self._check or self._clip is not None:
             raise UnsupportedModelError(
                 f"per_sample: torch {torch.__version__} lost the hooks leanprop put on "
                 f"'{state.name}': an autograd Function of the model saves this parameter "
                 "(ctx.save_for_backward) while saved-tensor hooks are in effect (a "
-                "non-reentrant checkpoint, save_on_cpu), and this torch then never calls them, "
-                "so its per-sample quantities would be missing and its clipping skipped. Save "
-                "a view of it instead (p.view_as(p), made under torch.enable_grad()), run "
-                "without those saved-tensor hooks, or use a newer torch (2.13 keeps them)."
+                "non-reentrant checkpoint, save_on_cpu), and this torch then never calls them: "
+                "leanprop cannot check its per-sample quantities against its gradient, nor "
+                "clip it. Save a view of it instead (p.view_as(p), made under "
+                "torch.enable_grad()), run without those saved-tensor hooks, or use a newer "
+                "torch (2.13 keeps them); check=False takes its quantities unchecked."
             )
+
+    def _on_accumulated(self, state: ParamState, p: nn.Parameter) -> None:
+        hooked, state.hooked_task = state.hooked_task, None
+        if hooked != current_graph_task_id() and self._active and not self._computing:
+            self._refuse_lost_hooks(state)  # (the hook before did not run)
         if self._active and self._clip is not None:
             self._clip.after_accumulate(state)
 

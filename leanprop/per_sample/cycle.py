@@ -104,7 +104,7 @@ class ParamState:
     # came (a reentrant checkpoint's backward), the sum of what it took, for the check
     handed: bool = False
     handed_total: Tensor | None = None
-    hook_fired: bool = False  # the parameter's gradient hook ran (see capture.py)
+    hooked_task: int | None = None  # graph task in which its gradient hook last ran
     compute_dtype: torch.dtype | None = None  # lowest precision its contributions came in
     results: dict[str, Tensor] = field(default_factory=dict)
     # BatchL2Grad of a weight used several times: its uses as factors, instead of ``batch``

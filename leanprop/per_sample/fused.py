@@ -221,16 +221,23 @@ class Intercept(TorchFunctionMode):
         if func is torch.autograd.grad:
             call = _grad_call(args, kwargs)
             with contextlib.ExitStack() as scopes:
+                wanting = []  # (the captures this call computes quantities for)
                 for c in self._captures():
                     # with respect to inputs only (a gradient penalty, an adversarial step), or
                     # batched (vmap's tensors must not reach the results): nothing per sample
                     passive = call is None or call[6] or not any(map(c.tracks, call[1]))
                     roots = call[0] if call is not None else ()
                     scopes.enter_context(c.backward_scope(passive, False, roots))
+                    wanting += [] if passive else [c]
                 if call is None:
                     return func(*args, **kwargs)
+                for c in wanting:
+                    c.before_grad()
                 with self:
-                    return engine_grad(*call)
+                    results = engine_grad(*call)
+                for c in wanting:
+                    c.after_grad(call[1], results)
+                return results
         fused = _as_fused(func, args, kwargs) if func in FUSABLE_OPS else None
         if fused is not None:
             call = capture.begin_fused(fused[0], fused[1])

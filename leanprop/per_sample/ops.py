@@ -256,7 +256,8 @@ class OpCapture(torch.autograd.Function):
         # keeps its own saved tensors: the checkpoint would recompute them for our per-sample
         # pass through it, a backward of its own, and refuse that recomputation; other hooks,
         # such as save_on_cpu's, and the linear ops' graphs, stay as they are)
-        own = op_name(op.func) not in _CLOSED_FORM_OPS and checkpoint_saves_tensors()
+        closed = op_name(op.func) in _CLOSED_FORM_OPS and _closed_forms_read(op)
+        own = not closed and checkpoint_saves_tensors()
         with torch.autograd.graph.saved_tensors_hooks(_kept, _kept) if own else _NO_HOOKS:
             local, out = _local_graph(op, tensors)
         out_leaves, op.out_spec = flatten(out)
@@ -373,11 +374,14 @@ def _nested_create_graph(op: OpSpec) -> Exception:
 
 def _closed_forms_read(op: OpSpec) -> bool:
     """Whether the closed forms read the op's call: linear forms called with their tensors
-    alone (not with a scale, such as ``addmm``'s ``alpha=`` and ``beta=``, which they do not
-    apply), or another op (a layer rule's, or one whose closed form reads its arguments)."""
+    alone, positionally (not with a scale, such as ``addmm``'s ``alpha=`` and ``beta=``,
+    which they do not apply), or another op (a layer rule's, or one whose closed form reads
+    its arguments). Decided in the forward: the others' local graph keeps its own saved
+    tensors under a checkpoint (see ``OpCapture.forward``)."""
     if op.rule is not None or op_name(op.func) not in _LINEAR_FORMS:
         return True
-    return all(leaf is None for leaf in op.leaves)
+    positional = op.n_args == len(op.tensor_at)  # (F.linear(x, w, bias=b): not read)
+    return positional and all(leaf is None for leaf in op.leaves)
 
 
 def _closed_forms(
