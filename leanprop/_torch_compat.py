@@ -111,6 +111,8 @@ def saving_loses_leaf_hooks() -> bool:
 
 
 def _probe_lost_leaf_hooks() -> bool:
+    """One backward through a Function that saves a leaf under identity saved-tensor hooks:
+    True where the leaf's hook did not run."""
 
     class _Saves(torch.autograd.Function):
         @staticmethod
