@@ -37,14 +37,13 @@ def _rows(t: Tensor, bd: BatchDim, n: int) -> Tensor:
     return front.reshape(n, front[:1].numel() // t.shape[-1] if n else 0, t.shape[-1])
 
 
-def _linear_rows(
+def linear_form(
     name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
-    positions: Sequence[int], g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
-) -> tuple[Tensor, Tensor, int, int, Tensor | None] | None:  # fmt: skip
-    """``(xs [N, S, I], gs [N, S, O], weight position, bias position, bias)`` of a
-    linear/matmul/addmm call with parameters at ``positions``, or None for other forms."""
-    if out_bd is None:
-        return None
+    positions: Sequence[int], n_args: int,
+) -> tuple[Tensor, BatchDim, int, int, Tensor | None] | None:  # fmt: skip
+    """``(x, its batch, weight position, bias position, bias)`` of a linear/matmul/mm/addmm
+    call whose closed forms apply (parameters at ``positions``; the tensors passed
+    positionally), or None for other forms."""
     if name in ("linear", "matmul", "mm"):
         x, w = (tensors[0], tensors[1]) if len(tensors) >= 2 else (None, None)
         bias = tensors[2] if name == "linear" and len(tensors) == 3 else None
@@ -57,13 +56,26 @@ def _linear_rows(
     else:
         return None
     bd = in_batch[0 if name != "addmm" else 1]
-    if bd is None or bd.dim >= x.dim() - 1 or out_bd.dim >= g.dim() - 1:
+    if bd is None or bd.dim >= x.dim() - 1:
         return None
     if bias is not None and bias.dim() != 1:
         return None
+    w_at, b_at = (1, 2) if name != "addmm" else (2, 0)
+    return x, bd, w_at, b_at, bias
+
+
+def _linear_rows(
+    name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
+    positions: Sequence[int], g: Tensor, out_bd: BatchDim | None, n: int, n_args: int,
+) -> tuple[Tensor, Tensor, int, int, Tensor | None] | None:  # fmt: skip
+    """``(xs [N, S, I], gs [N, S, O], weight position, bias position, bias)`` of a
+    linear/matmul/addmm call with parameters at ``positions``, or None for other forms."""
+    form = linear_form(name, tensors, in_batch, positions, n_args)
+    if form is None or out_bd is None or out_bd.dim >= g.dim() - 1:
+        return None
+    x, bd, w_at, b_at, bias = form
     # in the dtype the op computed in (autocast: the output gradient's)
     xs, gs = _rows(x.to(g.dtype), bd, n), _rows(g, out_bd, n)  # [N, S, I], [N, S, O]
-    w_at, b_at = (1, 2) if name != "addmm" else (2, 0)
     return xs, gs, w_at, b_at, bias
 
 

@@ -35,7 +35,7 @@ from torch.autograd.graph import GradientEdge
 from .._torch_compat import checkpoint_saves_tensors, engine_grad, graph_nodes, saveable
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
-from .op_rules import closed_form, closed_norms, linear_input_grad, linear_reweigher
+from .op_rules import closed_form, closed_norms, linear_form, linear_input_grad, linear_reweigher
 from .pytree import flatten, unflatten
 from .stats import sample_sum
 
@@ -256,7 +256,7 @@ class OpCapture(torch.autograd.Function):
         # keeps its own saved tensors: the checkpoint would recompute them for our per-sample
         # pass through it, a backward of its own, and refuse that recomputation; other hooks,
         # such as save_on_cpu's, and the linear ops' graphs, stay as they are)
-        closed = op_name(op.func) in _CLOSED_FORM_OPS and _closed_forms_read(op)
+        closed = op_name(op.func) in _CLOSED_FORM_OPS and _closed_forms_read(op, tensors)
         own = not closed and checkpoint_saves_tensors()
         with torch.autograd.graph.saved_tensors_hooks(_kept, _kept) if own else _NO_HOOKS:
             local, out = _local_graph(op, tensors)
@@ -308,7 +308,7 @@ class OpCapture(torch.autograd.Function):
         # forward's sink counts as closed)
         summed, fast = None, {}
         # (one output gradient, and a call the closed forms read: the op's tensors alone)
-        single = captured and len(live) == 1 and _closed_forms_read(op)
+        single = captured and len(live) == 1 and _closed_forms_read(op, local)
         out_bd = op.out_batch[live[0][0]] if single else None
         if single and op.rule is not None and out_bd is not None:
             summed = op.rule(local, live[0][2], out_bd)
@@ -372,16 +372,19 @@ def _nested_create_graph(op: OpSpec) -> Exception:
     )
 
 
-def _closed_forms_read(op: OpSpec) -> bool:
+def _closed_forms_read(op: OpSpec, tensors: Sequence[Tensor]) -> bool:
     """Whether the closed forms read the op's call: linear forms called with their tensors
     alone, positionally (not with a scale, such as ``addmm``'s ``alpha=`` and ``beta=``,
-    which they do not apply), or another op (a layer rule's, or one whose closed form reads
-    its arguments). Decided in the forward: the others' local graph keeps its own saved
-    tensors under a checkpoint (see ``OpCapture.forward``)."""
-    if op.rule is not None or op_name(op.func) not in _LINEAR_FORMS:
+    which they do not apply), in a form they cover (``linear_form``: not a parameter as the
+    first operand of a matmul), or another op (a layer rule's, or one whose closed form
+    reads its arguments). Decided in the forward (``tensors``: the op's): the others' local
+    graph keeps its own saved tensors under a checkpoint (see ``OpCapture.forward``)."""
+    name = op_name(op.func)
+    if op.rule is not None or name not in _LINEAR_FORMS:
         return True
-    positional = op.n_args == len(op.tensor_at)  # (F.linear(x, w, bias=b): not read)
-    return positional and all(leaf is None for leaf in op.leaves)
+    if any(leaf is not None for leaf in op.leaves):
+        return False
+    return linear_form(name, tensors, op.in_batch, list(op.captured), op.n_args) is not None
 
 
 def _closed_forms(

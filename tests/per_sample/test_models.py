@@ -427,3 +427,32 @@ def test_addmm_with_scales(scales, quantities, checkpointed):
         for q in quantities:
             assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-9, 1e-12)
         assert_close(p.grad, expected[k].sum(0), f"{k}.grad", 1e-9, 1e-12)
+
+
+class LeftMatmul(torch.nn.Module):
+    """A parameter as the first operand of a matmul (no closed form: the generic path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 4))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.matmul(self.w, x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+
+
+def test_a_parameter_first_in_a_matmul_under_a_non_reentrant_checkpoint():
+    """The op's local graph saved its tensors through the checkpoint (the op was taken for
+    one with closed forms by its name), which the generic per-sample pass made recompute:
+    CheckpointError."""
+    torch.manual_seed(0)
+    model = LeftMatmul()
+    x = torch.randn(6, 4, 5)
+    expected = individual_gradients_of_losses(
+        model(x).square().sum((1, 2)), dict(model.named_parameters())
+    )
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).square().sum().backward()
+    assert_close(model.w.grad_batch, expected["w"], "w", 1e-9, 1e-12)
