@@ -103,32 +103,25 @@ def closed_form(
 
 
 def linear_input_grad(
-    name: str, tensors: Sequence[Tensor], positions: Sequence[int], g: Tensor, n_args: int
-) -> tuple[int, Tensor] | None:
+    name: str, tensors: Sequence[Tensor], in_batch: Sequence[BatchDim | None],
+    positions: Sequence[int], g: Tensor, n_args: int,
+) -> tuple[int, Tensor] | None:  # fmt: skip
     """``(position, gradient)`` of the activation operand of a linear/matmul/mm/addmm call
-    whose weight is a parameter (at ``positions``), by the product autograd's own backward
+    whose closed forms apply (``linear_form``), by the product autograd's own backward
     computes (the same values, bit for bit), or None for other forms and mixed dtypes
     (autocast: autograd's casts decide).
 
     Computed here rather than by a backward through the op's own graph: under a
     non-reentrant checkpoint, such a backward (a graph task of its own) would recompute the
     checkpointed block once more, and hold what it recomputed to the end of backward."""
-    if name == "addmm":
-        if len(tensors) != 3 or n_args != 3 or 1 in positions or 2 not in positions:
-            return None
-        at, w, transposed = 1, tensors[2], True
-    elif name in ("linear", "matmul", "mm"):
-        if len(tensors) < 2 or n_args != len(tensors) or 0 in positions or 1 not in positions:
-            return None
-        at, w, transposed = 0, tensors[1], name != "linear"
-    else:
+    form = linear_form(name, tensors, in_batch, positions, n_args)
+    if form is None:
         return None
-    x = tensors[at]
-    if w.dim() != 2 or x.dim() < 2 or not (x.dtype == w.dtype == g.dtype):
+    x, _, w_at, _, _ = form
+    w = tensors[w_at]
+    if not (x.dtype == w.dtype == g.dtype) or (name in ("addmm", "mm") and x.dim() != 2):
         return None
-    if name in ("addmm", "mm") and x.dim() != 2:
-        return None
-    return at, g @ (w.mT if transposed else w)
+    return (1 if name == "addmm" else 0), g @ (w if name == "linear" else w.mT)
 
 
 def closed_norms(

@@ -256,8 +256,9 @@ class OpCapture(torch.autograd.Function):
         # keeps its own saved tensors: the checkpoint would recompute them for our per-sample
         # pass through it, a backward of its own, and refuse that recomputation; other hooks,
         # such as save_on_cpu's, and the linear ops' graphs, stay as they are)
-        closed = op_name(op.func) in _CLOSED_FORM_OPS and _closed_forms_read(op, tensors)
-        own = not closed and checkpoint_saves_tensors()
+        closed_form_op = op_name(op.func) in _CLOSED_FORM_OPS
+        read = closed_form_op and _closed_forms_read(op, tensors)
+        own = not read and checkpoint_saves_tensors()
         with torch.autograd.graph.saved_tensors_hooks(_kept, _kept) if own else _NO_HOOKS:
             local, out = _local_graph(op, tensors)
         out_leaves, op.out_spec = flatten(out)
@@ -268,7 +269,7 @@ class OpCapture(torch.autograd.Function):
         ctx.n_local = len(local)
         # a linear op's outputs are not needed by its backward; another op's are compared
         # with a fresh graph's under create_graph (randomness inside the op)
-        ctx.stubbed = op_name(op.func) in _CLOSED_FORM_OPS
+        ctx.stubbed = closed_form_op
         ctx.out_grad = [o.requires_grad for o in outs]
         kept_outs = map(_stub, outs) if ctx.stubbed else outs
         ctx.save_for_backward(*local, *kept_outs, *map(saveable, tensors))
@@ -323,7 +324,9 @@ class OpCapture(torch.autograd.Function):
         # own contributions only from a backward through it)
         rest = [i for i in wanted if op.nested or (i not in fast and i not in summed)]
         if single and op.rule is None and not op.nested and not torch.is_grad_enabled():
-            direct = linear_input_grad(op_name(op.func), local, captured, live[0][2], op.n_args)
+            direct = linear_input_grad(
+                op_name(op.func), local, op.in_batch, captured, live[0][2], op.n_args
+            )
             if direct is not None and direct[0] in rest:
                 result[direct[0]] = direct[1]
                 rest.remove(direct[0])
