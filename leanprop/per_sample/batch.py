@@ -417,6 +417,23 @@ CURVED_ELEMENTWISE = frozenset({
 })  # fmt: skip
 
 
+# ops that act on each element alone (or broadcast), by name: no branch of result_dim takes
+# them, so they go to _elementwise first (most ops of a forward are such; the test
+# test_elementwise_names_are_taken_by_no_branch keeps this true)
+_ELEMENTWISE = frozenset({
+    "relu", "gelu", "silu", "tanh", "sigmoid", "dropout", "add", "sub", "rsub", "mul",
+    "truediv", "div", "neg", "exp", "log", "sqrt", "rsqrt", "pow", "square", "abs", "clamp",
+    "clip", "where", "masked_fill", "contiguous", "to", "float", "half", "bfloat16", "double",
+    "type_as", "erf", "softplus", "elu", "leaky_relu", "hardtanh", "relu6", "hardswish",
+    "mish", "log_sigmoid", "cos", "sin", "minimum", "maximum", "clone", "sign", "reciprocal",
+})  # fmt: skip
+
+
+def _is_tensor_unfold(name: str, args: Sequence[Any]) -> bool:
+    """``Tensor.unfold(dim, size, step)`` (``F.unfold``, im2col, takes the batch first)."""
+    return name == "unfold" and len(args) == 4
+
+
 def result_dim(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
     bd: BatchDim, out: Tensor, k: int, n: int, tracker: BatchTracker,
@@ -445,8 +462,25 @@ def result_dim(
         return BatchDim(first if k == 0 else 1)
     if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
         return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
-    if isinstance(which, str):
+    if isinstance(which, str) or name in _ELEMENTWISE:
         return _elementwise(name, args, kwargs, x, bd, out)
+    # the layers' ops next (each layer's call passes here): no branch below takes their names
+    if name in ("linear", "embedding", "embedding_bag"):
+        if name == "linear" and bd.dim == nd - 1:
+            return Lost("a linear layer sums over the batch dimension")
+        if name == "embedding_bag" and nd == 1:
+            return Lost("embedding_bag with offsets")
+        return bd
+    if name in ("layer_norm", "rms_norm"):
+        k = len(args[1]) if isinstance(args[1], Sequence) else 1
+        return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
+    if (name in _BATCH_FIRST_OPS and not _is_tensor_unfold(name, args)) or name == "pad":
+        if name == "pad":
+            k = len(args[1]) // 2
+            return Lost("padding the batch dimension") if bd.dim >= nd - k else bd
+        if bd.dim != 0 or bd.inner != 1:
+            return Lost(f"{name} needs the batch first")
+        return bd
     if name in _VIEWS:
         return _reshaped(x.shape, bd, n, out.shape)
     if name in ("transpose", "swapaxes", "swapdims"):
@@ -515,7 +549,7 @@ def result_dim(
         if which != 0 or d is None or _norm_dim(int(d), nd) == bd.dim:
             return Lost(f"{name} along the batch dimension (or with a batched index)")
         return BatchDim(bd.dim, bd.inner) if name != "unfold" else bd
-    if name == "unfold" and len(args) == 4:  # Tensor.unfold(dim, size, step), not F.unfold
+    if _is_tensor_unfold(name, args):
         return Lost("unfold along the batch dimension") if _norm_dim(args[1], nd) == bd.dim else bd
     if name in ("outer", "ger"):
         return BatchDim(which, bd.inner)
@@ -555,22 +589,6 @@ def result_dim(
         return _matmul(args[1], args[2], which - 1, bd, od)
     if name == "einsum":
         return _einsum(args, which - 1, bd)
-    if name in ("linear", "embedding", "embedding_bag"):
-        if name == "linear" and bd.dim == nd - 1:
-            return Lost("a linear layer sums over the batch dimension")
-        if name == "embedding_bag" and nd == 1:
-            return Lost("embedding_bag with offsets")
-        return bd
-    if name in ("layer_norm", "rms_norm"):
-        k = len(args[1]) if isinstance(args[1], Sequence) else 1
-        return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
-    if name in _BATCH_FIRST_OPS or name == "pad":
-        if name == "pad":
-            k = len(args[1]) // 2
-            return Lost("padding the batch dimension") if bd.dim >= nd - k else bd
-        if bd.dim != 0 or bd.inner != 1:
-            return Lost(f"{name} needs the batch first")
-        return bd
     if name in _LOSSES:
         if kwargs.get("reduction", "mean") != "none":
             return Combined("a loss reduces over samples")

@@ -179,15 +179,18 @@ class _Weakly:
     """``method(*bound, *args)`` while the method's object lives: the hooks on the user's
     modules and tensors never keep a context (nor, through it, the model) alive."""
 
-    __slots__ = ("bound", "method")
+    __slots__ = ("bound", "func", "owner")
 
     def __init__(self, method: Any, *bound: Any) -> None:
-        self.method = weakref.WeakMethod(method)
+        # (a plain reference to the object and its function: a WeakMethod costs several
+        # times as much to make, and a context makes a few per layer on each entry)
+        self.owner = weakref.ref(method.__self__)
+        self.func = method.__func__
         self.bound = bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        method = self.method()
-        return None if method is None else method(*self.bound, *args, **kwargs)
+        owner = self.owner()
+        return None if owner is None else self.func(owner, *self.bound, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> _Untracked:
         # a deep copy of the model (made inside the block: a lookahead or inner-loop copy) has

@@ -5,6 +5,8 @@ every entry of sample n, and each op's tracked batch dimension must gather exact
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 
 import pytest
 import torch
@@ -87,6 +89,11 @@ KEEP = {
     "max of two": lambda x: torch.max(x, torch.zeros(N, N)),
     "sum axis": lambda x: x.sum(axis=1) / N,
     "outer": lambda x: torch.outer(x[:, 0, 0], torch.ones(3, dtype=x.dtype)),
+    "elementwise chain": lambda x: (F.dropout(torch.relu(2 * x + 1).contiguous(), 0.0) - 1) / 2,
+    "layer norm": lambda x: x + 0 * F.layer_norm(x, (N,)),
+    "group norm": lambda x: x + 0 * F.group_norm(x, 2),
+    "conv": lambda x: x + 0 * F.conv1d(x, torch.ones(N, N, 1, dtype=x.dtype)),
+    "pad other": lambda x: F.pad(x, (1, 1))[..., 1:-1],
     # the batch moved off dimension 0 first (sequence-first layouts)
     "moved then sliced": lambda x: x.transpose(0, 1)[:, :, 1:],
     "moved then flattened": lambda x: x.transpose(0, 1).reshape(N, N * N),
@@ -142,6 +149,9 @@ LOSE = {
     "gather samples": lambda x: x.gather(0, torch.zeros(1, N, N, dtype=torch.long)),
     "topk samples": lambda x: x.topk(N, dim=0).values,
     "unfold samples": lambda x: x.unfold(0, 2, 1),
+    "layer norm over samples": lambda x: F.layer_norm(x.transpose(0, 2), (N,)),
+    "conv, batch elsewhere": lambda x: F.conv1d(x.transpose(0, 1), torch.ones_like(x[:, :, :1])),
+    "pad samples": lambda x: F.pad(x, (0, 0, 0, 0, 1, 1)),
     "std unbiased flag": lambda x: x.std(True),
     "sum over no dims": lambda x: x.sum(dim=[]),
     "keyword transpose": lambda x: x.transpose(dim0=0, dim1=1).contiguous().view(N, N, N)[1:],
@@ -172,3 +182,15 @@ def test_merged_infos_prefer_sums_of_samples_in_a_fixed_order():
     for k in range(len(infos)):
         merged = batch._merge(set(infos[k:] + infos[:k]))
         assert merged == batch.Combined("a")
+
+
+def test_elementwise_names_are_taken_by_no_branch():
+    """``result_dim`` sends the names in ``_ELEMENTWISE`` to ``_elementwise`` before its other
+    branches (the hot path): none of them may be a name some branch handles otherwise."""
+    batch = importlib.import_module("leanprop.per_sample.batch")
+    source = inspect.getsource(batch.result_dim).split("_ELEMENTWISE:", 1)[1]
+    literals = set(re.findall(r'"([a-z_0-9]+)"', source))
+    sets = [v for k, v in vars(batch).items() if k.startswith("_") and k.isupper() and k in source]
+    named = literals.union(*(s for s in sets if isinstance(s, set | frozenset | dict | tuple)))
+    assert sets and "linear" in named and "view" in named  # (the search reads the branches)
+    assert not (batch._ELEMENTWISE & named)
