@@ -139,6 +139,11 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in effect (a checkpoint's, ``save_on_cpu``'s, ...)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def checkpoint_saves_tensors() -> bool:
     """Whether the saved-tensor hooks in effect are a non-reentrant checkpoint's (its
     forward's, which drop what is saved, or its recomputation's); False where this torch does

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._torch_compat import current_graph_task_id, saved_tensor_hooks_active
+
 
 @dataclass(frozen=True)
 class BatchDim:
@@ -677,6 +679,9 @@ class BatchTracker:
         self._info = _ByTensor()  # tensor -> Info
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
         self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
+        # (autograd node, output_nr) of each tensor followed while saved-tensor hooks were in
+        # effect -> its Info, or the parameters it derives from: see recover()
+        self._by_edge: dict[tuple[Any, int], Info | frozenset[nn.Parameter]] = {}
         # autograd node of each curved elementwise op's batched output -> where its batch is
         # (the Hessian's residual terms: the output itself is gone by then, its node is not)
         self.curved: dict[Any, Info] = {}
@@ -688,6 +693,7 @@ class BatchTracker:
         self.n = None
         self._info = _ByTensor()
         self.curved = {}
+        self._by_edge = {}
 
     def lookup(self, t: Any) -> Lookup | None:
         """How ``t`` was computed, if it is rows of one tracked parameter looked up with
@@ -699,7 +705,46 @@ class BatchTracker:
 
     def info(self, t: Any) -> Info | None:
         """Where ``t`` carries the batch; None if it does not (or is not a tensor)."""
-        return self._info.get(t) if isinstance(t, Tensor) else None
+        if not isinstance(t, Tensor):
+            return None
+        info = self._info.get(t)
+        if info is None and self._by_edge and self.recover(t):
+            info = self._info.get(t)
+        return info
+
+    def recover(self, t: Tensor) -> bool:
+        """Follow ``t``, a tensor that a checkpoint's recomputation got from its saved inputs,
+        as the tensor of the recorded forward that was saved: True where it is one.
+
+        Saved-tensor hooks that copy what they save (``save_on_cpu``, activation offloading)
+        hand a checkpoint's recomputation copies of its inputs, not the tensors followed in
+        the forward. A copy keeps the original's place in the graph (its autograd node and
+        output number), by which it is found here: only inside a backward, where the
+        recomputations run."""
+        if not t.requires_grad or current_graph_task_id() == -1:
+            return False
+        node = t.grad_fn
+        found = None if node is None else self._by_edge.get((node, t.output_nr))
+        if found is None:
+            return False
+        if isinstance(found, frozenset):
+            self._derived[t] = found
+        else:
+            self._info[t] = found
+        return True
+
+    def _derived_input(self, t: Tensor, by_edge: bool) -> frozenset[nn.Parameter]:
+        params = self.derived_params(t)
+        if by_edge and params and t not in self.params:
+            self._remember_edge(t, params)
+        return params
+
+    def _remember_edge(self, t: Tensor, found: Info | frozenset[nn.Parameter]) -> None:
+        """Keep where ``t``'s batch is by its autograd edge, for :meth:`recover`, while
+        saved-tensor hooks are in effect (the node is held until the next forward)."""
+        node = t.grad_fn
+        if node is not None:
+            self._by_edge[(node, t.output_nr)] = found
 
     def derived_params(self, t: Any) -> frozenset[nn.Parameter]:
         """Tracked parameters a batch-free tensor derives from (empty if none or batched)."""
@@ -707,7 +752,10 @@ class BatchTracker:
             return frozenset()
         if t in self.params:
             return frozenset({t})
-        return self._derived.get(t, frozenset())
+        found = self._derived.get(t)
+        if found is None and self._by_edge and self.recover(t):
+            found = self._derived.get(t)
+        return frozenset() if found is None else found
 
     def is_derived(self, t: Any) -> bool:
         """A batch-free tensor computed from tracked parameters (not a parameter itself)."""
@@ -720,6 +768,8 @@ class BatchTracker:
         """Whether any input is tracked (fast check, before the op runs)."""
         for t in tensors_in(args, kwargs):
             if t in self._info or t in self._derived or t in self.params:
+                return True
+            if self._by_edge and self.recover(t):
                 return True
         return False
 
@@ -777,22 +827,31 @@ class BatchTracker:
             return
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
+        # (a checkpoint's saved inputs may come back as copies: see recover(). Kept while
+        # saved-tensor hooks are in effect, for the op's tensors too: a hook that copies what
+        # it saves reads the tensor with an op. Not in a replay, whose graph no backward frees)
+        by_edge = not replay and saved_tensor_hooks_active()
         for i, a in enumerate(args):
             for j, t in enumerate(a if isinstance(a, list | tuple) else (a,)):
                 if not isinstance(t, Tensor):
                     continue
-                info = self._info.get(t)
+                info = self.info(t)
                 if info is not None:  # a list's j-th tensor counts as argument i + j (einsum)
                     batched.append((i + j, t, info))
                 else:
-                    derived |= self.derived_params(t)
+                    derived |= self._derived_input(t, by_edge)
+                    continue
+                if by_edge:
+                    self._remember_edge(t, info)
         for key, v in kwargs.items():
             if isinstance(v, Tensor):
-                info = self._info.get(v)
+                info = self.info(v)
                 if info is not None:
                     batched.append((key, v, info))
+                    if by_edge:
+                        self._remember_edge(v, info)
                 else:
-                    derived |= self.derived_params(v)
+                    derived |= self._derived_input(v, by_edge)
         try:
             index = _index_arg(name, args, kwargs, batched)
         except (IndexError, TypeError, ValueError, KeyError):
@@ -804,6 +863,8 @@ class BatchTracker:
                 params = frozenset(derived)
                 for o in outs:
                     self._derived[o] = params
+                    if by_edge:
+                        self._remember_edge(o, params)
                 if name == "embedding" and len(outs) == 1:
                     found = _lookup(args, kwargs, self.params)
                     if found is not None:
@@ -830,6 +891,8 @@ class BatchTracker:
                         results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
+            if by_edge:
+                self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
                 self.curved[o.grad_fn] = res
 

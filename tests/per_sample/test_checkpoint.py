@@ -3,6 +3,8 @@ a weight tied between the checkpointed block and the head: exact, or a clear err
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -291,3 +293,89 @@ def test_entering_where_saved_tensor_hooks_are_disabled(monkeypatch):
         model(x).sum().backward()
     for k, p in model.named_parameters():
         assert_close(p.grad_batch, expected[k], k, 1e-6, 1e-7)
+
+
+class _Copying(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that keep a copy of what is saved (as activation offloading does):
+    unpacked, a checkpoint's inputs are new tensors."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda t: torch.empty_like(t).copy_(t), lambda t: t)
+
+
+class CheckpointedUnderHooks(nn.Module):
+    """A checkpointed block whose inputs (one batched; one computed from a parameter alone,
+    not under a reentrant checkpoint, which refuses it) are saved by hooks around the
+    checkpoint: ``save_on_cpu`` (around the whole forward, as a user enters it) or copying
+    hooks around the checkpoint only."""
+
+    def __init__(self, reentrant: bool, hooks: str) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.LayerNorm(4))
+        self.pos = nn.Parameter(torch.linspace(-1, 1, 20).view(5, 4))
+        self.reentrant, self.hooks = reentrant, hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu() if self.hooks == "save_on_cpu" else _nothing():
+            h, pos = self.inp(x), self.pos * 2
+            if self.reentrant:  # (added before the checkpoint)
+                h, pos = h + pos, torch.zeros_like(pos)
+            with _Copying() if self.hooks == "copying" else _nothing():
+                h = checkpoint(self._block, h, pos, use_reentrant=self.reentrant)
+            return self.head(h)
+
+    def _block(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.block(h + pos)
+
+
+def _nothing() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "copying"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_under_saved_tensor_hooks_that_copy_its_inputs(reentrant, hooks):
+    """Hooks that copy what they save hand the checkpoint's recomputation new tensors: the
+    batch was not followed into them (non-reentrant: torch's CheckpointError, the recomputed
+    layers taken as batch-free; reentrant: a misleading "called on its own"). HF GPT-2 with
+    gradient checkpointing under save_on_cpu failed so."""
+    torch.manual_seed(0)
+    model = CheckpointedUnderHooks(reentrant, hooks).double()
+    x = torch.randn(5, 5, 4, dtype=torch.float64)  # T == N
+    expected = loop_oracle(model, x)
+    quantities = (BatchGrad(), BatchL2Grad())
+    with leanprop.per_sample(model, *quantities):
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        ref = quantities_from_individual(expected[k])
+        for q in quantities:
+            assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-9, 1e-12)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hf_gpt2_gradient_checkpointing_under_save_on_cpu(reentrant):
+    pytest.importorskip("transformers")
+    from ..model_zoo import hf_models
+
+    torch.manual_seed(0)
+    model, losses_fn, options = hf_models()["hf_gpt2"]()
+    model.double()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    with leanprop.per_sample(model, BatchGrad(), **options):
+        torch.manual_seed(1)  # (the same dropout masks in both runs)
+        losses_fn().sum().backward()
+    expected = {k: p.grad_batch.clone() for k, p in params.items()}
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    with (
+        leanprop.per_sample(model, BatchGrad(), **options),
+        torch.autograd.graph.save_on_cpu(),
+    ):
+        torch.manual_seed(1)
+        losses_fn().sum().backward()
+    for k, p in params.items():
+        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
