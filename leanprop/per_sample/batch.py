@@ -26,8 +26,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
-from .._torch_compat import current_graph_task_id, saved_tensor_hooks_active
+from .._torch_compat import (
+    current_graph_task_id,
+    in_reentrant_checkpoint_backward,
+    saved_tensor_hooks_active,
+)
 
 
 @dataclass(frozen=True)
@@ -679,6 +684,9 @@ class BatchTracker:
         self._info = _ByTensor()  # tensor -> Info
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
         self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
+        # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
+        # recomputation (see vjp_root)
+        self._sources = _ByTensor()
         # (autograd node, output_nr) of each tensor followed while saved-tensor hooks were in
         # effect -> its Info, or the parameters it derives from: see recover()
         self._by_edge: dict[tuple[Any, int], Info | frozenset[nn.Parameter]] = {}
@@ -694,6 +702,12 @@ class BatchTracker:
         self._info = _ByTensor()
         self.curved = {}
         self._by_edge = {}
+
+    def vjp_root(self, t: Tensor) -> Tensor:
+        """Where a vector-Jacobian product from the derived tensor ``t`` to its parameters
+        starts: ``t``, or, for a copy that a reentrant checkpoint's recomputation detached
+        from the forward's (its input), that tensor, which leads to them."""
+        return self._sources.get(t, t)
 
     def lookup(self, t: Any) -> Lookup | None:
         """How ``t`` was computed, if it is rows of one tracked parameter looked up with
@@ -723,20 +737,29 @@ class BatchTracker:
         recomputations run."""
         if not t.requires_grad or current_graph_task_id() == -1:
             return False
-        node = t.grad_fn
-        found = None if node is None else self._by_edge.get((node, t.output_nr))
+        if t.grad_fn is not None:
+            found = self._by_edge.get((t.grad_fn, t.output_nr))
+        elif t._is_view():  # (a view made without autograd: no copy, no accumulator of its own)
+            return False
+        else:  # a copy of a parameter shares its gradient accumulator
+            found = self._by_edge.get((get_gradient_edge(t).node, 0))
         if found is None:
             return False
         if isinstance(found, frozenset):
             self._derived[t] = found
+            if t.grad_fn is None:  # (its parameter: the individual gradients are its own)
+                self._sources[t] = next(iter(found))
         else:
             self._info[t] = found
         return True
 
     def _derived_input(self, t: Tensor, by_edge: bool) -> frozenset[nn.Parameter]:
         params = self.derived_params(t)
-        if by_edge and params and t not in self.params:
-            self._remember_edge(t, params)
+        if by_edge and params:
+            if t not in self.params:
+                self._remember_edge(t, params)
+            elif (key := (get_gradient_edge(t).node, 0)) not in self._by_edge:
+                self._by_edge[key] = params  # (its gradient accumulator)
         return params
 
     def _remember_edge(self, t: Tensor, found: Info | frozenset[nn.Parameter]) -> None:
@@ -865,6 +888,8 @@ class BatchTracker:
                     self._derived[o] = params
                     if by_edge:
                         self._remember_edge(o, params)
+                if name == "detach" and in_reentrant_checkpoint_backward():
+                    self._sources[outs[0]] = self.vjp_root(args[0])
                 if name == "embedding" and len(outs) == 1:
                     found = _lookup(args, kwargs, self.params)
                     if found is not None:

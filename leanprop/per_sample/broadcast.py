@@ -40,9 +40,12 @@ class BroadcastCapture(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, w: Tensor, shape: tuple[int, ...], bd: BatchDim, n: int,
                 params: tuple[nn.Parameter, ...], contribute: Contribute,
-                lookup: Lookup | None) -> Tensor:  # fmt: skip
+                lookup: Lookup | None, root: tuple[Tensor]) -> Tensor:  # fmt: skip
+        """``root``: ``(tensor,)`` from which ``w``'s parameters are reached (``w``, or what a
+        reentrant checkpoint's recomputation detached ``w`` from; in a tuple, so that autograd
+        does not take it for an input)."""
         ctx.w, ctx.bd, ctx.n, ctx.params, ctx.contribute = w, bd, n, params, contribute
-        ctx.lookup = lookup
+        ctx.lookup, ctx.root = lookup, root[0]
         return w.expand(shape)
 
     @staticmethod
@@ -56,8 +59,8 @@ class BroadcastCapture(torch.autograd.Function):
                     ctx.contribute({ctx.lookup.weight: rows}, None)
                 else:
                     parts = _per_sample_parts(h, w.shape, bd, n)
-                    hand_back(w, ctx.params, parts, ctx.contribute)
-        return h.sum_to_size(w.shape), None, None, None, None, None, None
+                    hand_back(ctx.root, ctx.params, parts, ctx.contribute)
+        return h.sum_to_size(w.shape), None, None, None, None, None, None, None
 
 
 def _per_sample_parts(h: Tensor, w_shape: torch.Size, bd: BatchDim, n: int) -> Tensor:
@@ -147,7 +150,8 @@ def meet(
                 params != (lookup.weight,) or bd.inner != 1 or t.shape[:-1] != lookup.ids.shape
             ):
                 lookup = None
-            e = BroadcastCapture.apply(t, shape_of(t), bd, n, params, contribute, lookup)
+            root = (tracker.vjp_root(t),)
+            e = BroadcastCapture.apply(t, shape_of(t), bd, n, params, contribute, lookup, root)
             tracker.mark(e, bd)
             t = e
         new.append(t)

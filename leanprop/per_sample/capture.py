@@ -888,11 +888,13 @@ class PerSample:
             return out
         n = self._tracker.n or 0
         device = next(iter(self._states)).device
+        tensors = _flat_tensors(args, kwargs)
+        roots = {i: self._tracker.vjp_root(tensors[i]) for i in captured}
         return ops.run(
             func, args, kwargs, captured,
             lambda out: self.after_op(func, args, kwargs, out),
             lambda t: info if isinstance(info := self._tracker.info(t), BatchDim) else None,
-            n, self._budget(device), self._sink(),
+            n, self._budget(device), self._sink(), roots=roots,
         )  # fmt: skip
 
     def _rule_op(

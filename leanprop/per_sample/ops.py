@@ -518,18 +518,22 @@ def run(
     captured: dict[int, tuple[nn.Parameter, ...]], follow: Callable[[Any], None],
     batch_of: Callable[[Tensor], BatchDim | None], n: int, workspace_bytes: int,
     contribute: Contribute, rule: Callable[..., dict[int, Tensor]] | None = None,
+    roots: dict[int, Tensor] | None = None,
 ) -> Any:  # fmt: skip
     """``func(*args, **kwargs)`` through :class:`OpCapture`.
 
     ``captured`` maps the position of a tensor among the flattened ``(args, kwargs)`` tensors
     to the parameters it stands for (itself, or those it derives from); ``follow(out)`` tracks
-    the batch into the outputs, ``batch_of`` then tells where it is in each."""
+    the batch into the outputs, ``batch_of`` then tells where it is in each. ``roots``: for
+    a captured tensor that does not lead to its parameters itself (a reentrant checkpoint's
+    detached input), the tensor that does."""
     leaves, spec = flatten((args, kwargs))
     tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
     tensors = [leaves[i] for i in tensor_at]
     op = OpSpec(
         func, spec, [None if isinstance(t, Tensor) else t for t in leaves], tensor_at,
-        captured, {i: tensors[i] for i in captured}, batch_of, n, workspace_bytes, contribute,
+        captured, {i: (roots or {}).get(i, tensors[i]) for i in captured}, batch_of, n,
+        workspace_bytes, contribute,
     )  # fmt: skip
     op.rule = rule
     op.in_batch = [batch_of(t) for t in tensors]
