@@ -46,6 +46,12 @@ def in_reentrant_checkpoint_backward() -> bool:
     return _called_from("backward", "utils", "checkpoint.py")
 
 
+def detaching_checkpoint_inputs() -> bool:
+    """Whether this code runs inside ``torch.utils.checkpoint``'s ``detach_variable`` (a
+    reentrant checkpoint's recomputation detaching the block's saved inputs)."""
+    return _called_from("detach_variable", "utils", "checkpoint.py")
+
+
 def inside_function_backward() -> bool:
     """Whether this code runs inside the backward of an autograd ``Function`` (a backward or
     ``autograd.grad`` started there is nested in a running one: a reentrant checkpoint's)."""

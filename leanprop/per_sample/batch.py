@@ -30,7 +30,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .._torch_compat import (
     current_graph_task_id,
-    in_reentrant_checkpoint_backward,
+    detaching_checkpoint_inputs,
     saved_tensor_hooks_active,
 )
 
@@ -687,12 +687,13 @@ class BatchTracker:
         # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
         # recomputation (see vjp_root)
         self._sources = _ByTensor()
-        # (autograd node, output_nr) of each tensor followed while saved-tensor hooks were in
-        # effect -> its Info, or the parameters it derives from: see recover()
-        self._by_edge: dict[tuple[Any, int], Info | frozenset[nn.Parameter]] = {}
-        # autograd node of each curved elementwise op's batched output -> where its batch is
-        # (the Hessian's residual terms: the output itself is gone by then, its node is not)
-        self.curved: dict[Any, Info] = {}
+        # kept in the autograd nodes' own metadata (gone with the graph, never held here),
+        # under keys of this forward: where the batch is in each tensor followed while
+        # saved-tensor hooks were in effect ({output_nr: Info or the parameters it derives
+        # from}, see recover), and in each curved elementwise op's output (the Hessian's
+        # residual terms: the output itself is gone by then, its node is not)
+        self._edge_key, self._curved_key = object(), object()
+        self._edges_kept = False
 
     def clear(self) -> None:
         """Forget where the batch is in every tensor (another batch's forward). Tensors
@@ -700,8 +701,13 @@ class BatchTracker:
         weight prepared outside the model, a penalty), they are still batch-free."""
         self.n = None
         self._info = _ByTensor()
-        self.curved = {}
-        self._by_edge = {}
+        self._edge_key, self._curved_key = object(), object()
+        self._edges_kept = False
+
+    def curved(self, node: Any) -> Info | None:
+        """Where the batch is in the output of ``node``, the autograd node of a curved
+        elementwise op of this forward (None for other nodes)."""
+        return node.metadata.get(self._curved_key)
 
     def vjp_root(self, t: Tensor) -> Tensor:
         """Where a vector-Jacobian product from the derived tensor ``t`` to its parameters
@@ -722,7 +728,7 @@ class BatchTracker:
         if not isinstance(t, Tensor):
             return None
         info = self._info.get(t)
-        if info is None and self._by_edge and self.recover(t):
+        if info is None and self._edges_kept and self.recover(t):
             info = self._info.get(t)
         return info
 
@@ -733,21 +739,18 @@ class BatchTracker:
         Saved-tensor hooks that copy what they save (``save_on_cpu``, activation offloading)
         hand a checkpoint's recomputation copies of its inputs, not the tensors followed in
         the forward. A copy keeps the original's place in the graph (its autograd node and
-        output number), by which it is found here: only inside a backward, where the
-        recomputations run."""
+        output number; a leaf's gradient accumulator), by which it is found here: only inside
+        a backward, where the recomputations run."""
         if not t.requires_grad or current_graph_task_id() == -1:
             return False
-        if t.grad_fn is not None:
-            found = self._by_edge.get((t.grad_fn, t.output_nr))
-        elif t._is_view():  # (a view made without autograd: no copy, no accumulator of its own)
-            return False
-        else:  # a copy of a parameter shares its gradient accumulator
-            found = self._by_edge.get((get_gradient_edge(t).node, 0))
+        node = _edge_node(t)
+        kept = None if node is None else node.metadata.get(self._edge_key)
+        found = None if kept is None else kept.get(t.output_nr)
         if found is None:
             return False
         if isinstance(found, frozenset):
             self._derived[t] = found
-            if t.grad_fn is None:  # (its parameter: the individual gradients are its own)
+            if t.grad_fn is None:  # (a parameter's copy: its individual gradients are its own)
                 self._sources[t] = next(iter(found))
         else:
             self._info[t] = found
@@ -756,18 +759,16 @@ class BatchTracker:
     def _derived_input(self, t: Tensor, by_edge: bool) -> frozenset[nn.Parameter]:
         params = self.derived_params(t)
         if by_edge and params:
-            if t not in self.params:
-                self._remember_edge(t, params)
-            elif (key := (get_gradient_edge(t).node, 0)) not in self._by_edge:
-                self._by_edge[key] = params  # (its gradient accumulator)
+            self._remember_edge(t, params)
         return params
 
     def _remember_edge(self, t: Tensor, found: Info | frozenset[nn.Parameter]) -> None:
-        """Keep where ``t``'s batch is by its autograd edge, for :meth:`recover`, while
-        saved-tensor hooks are in effect (the node is held until the next forward)."""
-        node = t.grad_fn
+        """Keep where ``t``'s batch is in its autograd node, for :meth:`recover` (while
+        saved-tensor hooks are in effect)."""
+        node = _edge_node(t)
         if node is not None:
-            self._by_edge[(node, t.output_nr)] = found
+            node.metadata.setdefault(self._edge_key, {})[t.output_nr] = found
+            self._edges_kept = True
 
     def derived_params(self, t: Any) -> frozenset[nn.Parameter]:
         """Tracked parameters a batch-free tensor derives from (empty if none or batched)."""
@@ -776,7 +777,7 @@ class BatchTracker:
         if t in self.params:
             return frozenset({t})
         found = self._derived.get(t)
-        if found is None and self._by_edge and self.recover(t):
+        if found is None and self._edges_kept and self.recover(t):
             found = self._derived.get(t)
         return frozenset() if found is None else found
 
@@ -792,7 +793,7 @@ class BatchTracker:
         for t in tensors_in(args, kwargs):
             if t in self._info or t in self._derived or t in self.params:
                 return True
-            if self._by_edge and self.recover(t):
+            if self._edges_kept and self.recover(t):
                 return True
         return False
 
@@ -837,9 +838,7 @@ class BatchTracker:
         """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``.
 
         ``replay``: the op runs again in a non-reentrant checkpoint's recomputation, whose
-        graph no backward goes through: its curved nodes are not recorded (held, each would
-        keep its recomputed graph alive to the end of backward, a layer's activations per
-        checkpointed block)."""
+        graph no backward goes through: nothing is kept in its nodes."""
         name = op_name(func)
         if name in _NON_TENSOR or name in _FACTORIES:
             return
@@ -888,7 +887,7 @@ class BatchTracker:
                     self._derived[o] = params
                     if by_edge:
                         self._remember_edge(o, params)
-                if name == "detach" and in_reentrant_checkpoint_backward():
+                if name == "detach" and detaching_checkpoint_inputs():
                     self._sources[outs[0]] = self.vjp_root(args[0])
                 if name == "embedding" and len(outs) == 1:
                     found = _lookup(args, kwargs, self.params)
@@ -919,7 +918,17 @@ class BatchTracker:
             if by_edge:
                 self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
-                self.curved[o.grad_fn] = res
+                o.grad_fn.metadata[self._curved_key] = res
+
+
+def _edge_node(t: Tensor) -> Any:
+    """The autograd node where ``t``'s gradient goes: its ``grad_fn``, or a leaf's gradient
+    accumulator (None for a view made without autograd, which has neither of its own)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad or t._is_view():
+        return None
+    return get_gradient_edge(t).node
 
 
 def _combines(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:

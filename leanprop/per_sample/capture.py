@@ -494,7 +494,7 @@ class PerSample:
         interception (``fuse=False``), ``batch_dim``: every layer's documented layout."""
         if self._intercept is None:
             return self._batch_dim
-        return _where(self._tracker.curved.get(node))
+        return _where(self._tracker.curved(node))
 
     @property
     def samples(self) -> int | None:
