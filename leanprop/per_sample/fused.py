@@ -117,12 +117,28 @@ _METADATA_ATTRIBUTES = frozenset(
 )  # fmt: skip
 
 
-def _reads_metadata(func: Any) -> bool:
-    """Whether ``func`` reads a tensor's metadata only (a method or an attribute getter)."""
+# autograd's bookkeeping on a tensor, read and written (a parameter's .grad, by the clipping
+# and accumulation hooks of leanprop and of optimizers, a few times per parameter and step):
+# passed through too (each was followed as a use of the parameter, about 40 µs)
+_BOOKKEEPING_ATTRIBUTES = frozenset(
+    id(inspect.getattr_static(Tensor, name))
+    for name in ("grad", "_post_accumulate_grad_hooks", "_backward_hooks")
+    if hasattr(Tensor, name)
+)
+
+
+def _passed_through(func: Any) -> bool:
+    """Whether ``func`` reads a tensor's metadata only (a method or an attribute getter), or
+    reads or sets autograd's bookkeeping on it (``.grad``)."""
     if func in _METADATA_METHODS:
         return True
-    getter = getattr(func, "__name__", None) == "__get__"  # (not a setter: __set__)
-    return getter and id(getattr(func, "__self__", None)) in _METADATA_ATTRIBUTES
+    name = getattr(func, "__name__", None)
+    if name not in ("__get__", "__set__"):
+        return False
+    attribute = id(getattr(func, "__self__", None))
+    if name == "__get__" and attribute in _METADATA_ATTRIBUTES:
+        return True
+    return attribute in _BOOKKEEPING_ATTRIBUTES
 
 
 def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
@@ -199,7 +215,7 @@ class Intercept(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _reads_metadata(func):
+        if _passed_through(func):
             return func(*args, **kwargs)
         capture = self.capture
         # keep this mode on while the engine runs, so that the forward a checkpoint recomputes
