@@ -5,8 +5,9 @@ One backward, followed through this folder:
 * ``api.py``: :func:`per_sample`, the public context manager (options, docs).
 * ``capture.py``: :class:`PerSample`: plans which modules own which parameters, follows each
   forward (through ``fused.py``'s op interception) and, as output gradients arrive during
-  backward, computes each call's individual gradients over chunks of samples; ends the cycle
-  (write results, sum check) when the backward ends, or aborts it on an exception.
+  backward, has each call's quantities computed (``compute.py``: from closed forms, or the
+  individual gradients over chunks of samples); ends the cycle (write results, sum check)
+  when the backward ends, or aborts it on an exception.
 * ``fused.py``: the op interception (one ``TorchFunctionMode``, also kept on during backward so
   checkpoints recompute through it); swaps Linear/Conv/LayerNorm/GroupNorm ops so autograd
   does not compute their parameter gradients twice.

@@ -12,9 +12,10 @@ One forward and backward through it (all state lives on the context and its
    and op-level parameter uses run through ``ops.OpCapture``; a parameter-derived tensor that
    meets the batch goes through ``broadcast.py``; fallback roots are recorded as calls.
 3. **Backward.** Each captured op or call, given its output gradient, opens the cycle and
-   computes its individual gradients a chunk of samples at a time (``chunks.py``), reduced at
-   once into the quantities (``stats.py``): at most one layer's individual gradients exist at
-   a time. A parameter used several times accumulates them.
+   has its quantities computed (``compute.py``): individual gradients a chunk of samples at a
+   time (``chunks.py``), reduced at once into the quantities (``stats.py``): at most one
+   layer's individual gradients exist at a time. A parameter used several times accumulates
+   them.
 4. **End of backward.** The cycle finishes (``cycle.py``): partial calls are completed, the
    results checked against autograd's gradients (nothing silently wrong) and written. With
    per-sample clipping (``clipping.py``), the parameters' hooks keep autograd's gradient out
@@ -50,37 +51,30 @@ from .._torch_compat import (
     saving_loses_leaf_hooks,
     top_function_mode,
     tree_flatten,
-    tree_unflatten,
 )
 from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedModelError
 from . import broadcast, ops
 from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_in, to_front
-from .chunks import sample_chunks
-from .clipping import Clipping, ClipState, rule_reweighers
+from .clipping import Clipping, ClipState
+from .compute import Observer, Work, compute
 from .cycle import Call, Cycle, ParamState
 from .escapes import EscapeWatch, reached
-from .factors import norms_are_cheaper, sum_of_squares
-from .factors import total as factors_total
 from .fused import Intercept
 from .pytree import flatten
 from .quantities import (
-    BatchGrad,
     BatchL2Grad,
     Quantity,
-    SumGradSquared,
     Variance,
     computed_kinds,
     subsampling_of,
     validate_quantities,
 )
-from .registry import INPUT, Rule, RuleOptions, rule_for
-from .rules.fallback import batch_dim_of, fallback_batch_grads
-from .rules.packed_rnn import packed_rnn_batch_grads, sample_count, sorted_order
-from .stats import Reducer, quantities_from_batch, widen
+from .registry import Rule, RuleOptions, rule_for
+from .rules.fallback import batch_dim_of
+from .rules.packed_rnn import sample_count, sorted_order
+from .stats import widen
 
 ConvAlgorithm = Literal["auto", "unfold", "grouped", "weight_backward"]
-# observer(module, inputs with the batch first, output gradient with the batch first)
-Observer = Callable[[nn.Module, tuple[Any, ...], Tensor], None]
 CONV_ALGORITHMS: tuple[str, ...] = ("auto", "unfold", "grouped", "weight_backward")
 DEFAULT_WORKSPACE_MIB = {"cpu": 16.0}
 
@@ -115,25 +109,9 @@ def _refuse_rnn_dropout(site: Site) -> None:
             )
 
 
-def _like(x: Any, g: Tensor) -> Any:
-    """A floating input in the dtype its layer computed in (the output gradient's dtype), so
-    rules reproduce what autocast ran."""
-    if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != g.dtype:
-        return x.to(g.dtype)
-    return x
-
-
 def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     """The op's tensors in the order ops.run numbers them."""
     return [t for t in flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-
-
-def _autocast_as(call: Call, leaves: list[Any]) -> Any:
-    """Autocast as it was during the call's forward (off if it was off)."""
-    if call.autocast is not None:
-        return torch.autocast(call.autocast[0], dtype=call.autocast[1])
-    device = next((t.device.type for t in leaves if isinstance(t, Tensor)), "cpu")
-    return torch.autocast(device, enabled=False)
 
 
 def _check_dim(what: str, d: object) -> None:
@@ -153,14 +131,6 @@ def _where(info: Any) -> int | str | None:
     if info.inner != 1:
         return f"its dimension {info.dim} holds the samples flattened with another one"
     return info.dim
-
-
-def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
-    if stop - start == n:  # the whole batch in one chunk
-        return x
-    if isinstance(x, Tensor) and x.dim() > dim and x.shape[dim] == n:
-        return x.narrow(dim, start, stop - start)
-    return x
 
 
 # (``training`` is the sixth argument of both)
@@ -1645,7 +1615,7 @@ class PerSample:
         try:
             self._cycle.from_forward(call.forward)
             with self.own_work():
-                return self._compute(call)
+                return compute(call, self._work())
         except BaseException:
             self._abort_cycle()  # the backward is aborted: the next one starts clean
             raise
@@ -1667,228 +1637,12 @@ class PerSample:
     def _options(self, device: torch.device) -> RuleOptions:
         return RuleOptions(self.conv_algorithm, self._budget(device))
 
-    def _compute(self, call: Call) -> dict[str, Tensor]:
-        """Quantities of one call; returns the call's summed gradient of each parameter
-        (``{name: grad}``) where it came for free (missing where a closed form was used)."""
-        site, kinds = call.site, self._kinds
-        if self._observers and site.rule is not None and call.n:
-            front_args, g = self._fronted(call)
-            for observe in self._observers:
-                observe(site.module, front_args, g)
-        opts = self._options(next(iter(call.params.values())).device)
-        dtype = next(g.dtype for g in call.grads if g is not None)
-        dtype = call.autocast[1] if call.autocast is not None else dtype
-        for p in call.params.values():
-            self._states[p].saw(dtype)
-        # several contributions (weight sharing, or one already formed: a use only counted
-        # when a reentrant checkpoint recomputes it) are summed as individual gradients
-        multi = frozenset(
-            k for k, p in call.params.items() if self._states[p].uses > 1 or self._states[p].formed
-        )
-        single = frozenset(call.params) - multi
-        if self._clip is not None and call.n:
-            # each single use leaves its reweigher; one without (no rule, or none that gives
-            # the summed gradient) keeps its individual gradients for the weighted sum
-            reweighed = self._leave_reweighers(call, single)
-            multi, single = multi | (single - reweighed), reweighed
-        sums: dict[str, Tensor] = {}
-        if call.n == 0:
-            for k, p in call.params.items():
-                empty = p.new_zeros(0, *p.shape)
-                sums[k] = self._store(
-                    p, k in multi, quantities_from_batch(empty, kinds | {BatchGrad})
-                )
-            return sums
-        closed: dict[str, Tensor] = {}
-        l2_only = kinds == frozenset({BatchL2Grad})
-        # clipping hands autograd zeros for a replaced op (see below): norms alone are wanted
-        hands_zeros = call.replaced and not self._sums_wanted()
-        if hands_zeros:
-            opts = replace(opts, sums_wanted=False)
-        if single and l2_only and site.rule is not None and site.rule.batch_l2 is not None:
-            front_args, g = self._fronted(call)
-            args = tuple(_like(a, g) for a in front_args)
-            closed = site.rule.batch_l2(site.module, args, g, single, opts)
-            for k, v in closed.items():
-                self._states[call.params[k]].results[BatchL2Grad.attr] = widen(v)
-        if single and kinds == frozenset({SumGradSquared}) and site.rule is not None:
-            closed = self._closed_sum_of_squares(call, single)  # (the GGN's diagonal passes)
-        if closed and hands_zeros:
-            # clipping puts back what autograd accumulates: hand it zeros, not the summed
-            # gradient (a use that escaped the op still shows in the check)
-            for k in closed:
-                p = call.params[k]
-                sums[k] = self._states[p].total = p.new_zeros(()).expand_as(p)
-        elif closed:  # their sums, for the check (and handed to autograd: not computed again)
-            sums.update(self._closed_totals(call, frozenset(closed)))
-        names = (single - closed.keys()) | multi
-        if multi and site.rule is not None and site.rule.factors is not None:
-            # a shared weight: its use as factors (norms without individual gradients, or
-            # added to those of its other uses without a temporary)
-            front_args, g = self._fronted(call)
-            args = tuple(_like(a, g) for a in front_args)
-            for k, f in site.rule.factors(site.module, args, g, multi).items():
-                # (clipping: the weighted sum from factors, without individual gradients)
-                keep = l2_only and (norms_are_cheaper(f) or self._clip is not None)
-                sums[k] = self._states[call.params[k]].add_factors(f, keep, opts.workspace_bytes)
-            names -= sums.keys()
-        scratch, shared = self._cycle.scratch, frozenset({BatchGrad})
-        reducers = {
-            k: Reducer(kinds if k in single else shared, call.params[k], call.n, scratch, k)
-            for k in names
-        }
-        inputs: list[Tensor] = []  # the input's gradient, where the rule gives it too
-        if names:
-            asked = names | {INPUT} if self._input_grad_too(call) else names
-            for chunk in self._chunks(call, asked, opts, reducers):
-                for k, b in chunk.items():
-                    if k == INPUT:
-                        inputs.append(b)
-                    else:
-                        reducers[k].add(b)
-        for k, r in reducers.items():
-            sums[k] = self._store(call.params[k], k in multi, r.result())
-        x = call.args[0] if call.args else None
-        grad_x = inputs[0] if len(inputs) == 1 else torch.cat(inputs) if inputs else None
-        if grad_x is not None and isinstance(x, Tensor) and grad_x.shape == x.shape:
-            sums[INPUT] = grad_x if grad_x.dtype == x.dtype else grad_x.to(x.dtype)
-        return sums
-
-    def _input_grad_too(self, call: Call) -> bool:
-        """Whether to ask a replaced op's rule for the input's gradient with the individual
-        gradients (its layout is the input's: the batch first, not split)."""
-        rule = call.site.rule
-        return (
-            call.replaced and rule is not None and rule.input_grad_too
-            and not torch.is_grad_enabled() and call.in_bd.dim == 0 and call.in_bd.inner == 1
+    def _work(self) -> Work:
+        """What the computation of a call reads of this context (``compute.py``)."""
+        return Work(
+            self._kinds, self._states, self._clip is not None, self._sums_wanted(),
+            self._observers, self._cycle.scratch, self._options,
         )  # fmt: skip
-
-    def _leave_reweighers(self, call: Call, names: frozenset[str]) -> frozenset[str]:
-        """Clipping: each parameter ``names`` of a rule call whose rule gives the summed
-        gradient keeps its reweigher (``clipping.rule_reweighers``), which holds the call's
-        input and output gradient until the end of backward: a parameter whose individual
-        gradients take well less (at most half: a bias, a norm layer's weight on sequences,
-        an early convolution's) keeps those instead (less memory, and no second pass).
-        Returns the names that got one (the others keep their individual gradients)."""
-        if call.site.rule is None:
-            return frozenset()
-        front_args, g = self._fronted(call)
-        held = g.numel() + sum(a.numel() for a in front_args if isinstance(a, Tensor))
-        names = frozenset(k for k in names if 2 * call.n * call.params[k].numel() > held)
-        if not names:
-            return frozenset()
-        args = tuple(_like(a, g) for a in front_args)
-        found = rule_reweighers(call.site.rule, call.site.module, args, g, names)
-        for k, reweigh in found.items():
-            self._states[call.params[k]].reweigh.append(reweigh)
-        return frozenset(found)
-
-    def _closed_sum_of_squares(self, call: Call, names: frozenset[str]) -> dict[str, Tensor]:
-        """``SumGradSquared`` of the parameters ``names`` of a rule call whose individual
-        gradients are single outer products (a linear layer on ``[N, I]``): from the squared
-        factors; ``{name: result}`` for those done."""
-        if call.site.rule.factors is None:
-            return {}
-        front_args, g = self._fronted(call)
-        args = tuple(_like(a, g) for a in front_args)
-        done = {}
-        for k, f in call.site.rule.factors(call.site.module, args, g, names).items():
-            value = sum_of_squares(f)
-            if value is not None:
-                self._states[call.params[k]].results[SumGradSquared.attr] = value
-                done[k] = value
-        return done
-
-    def _closed_totals(self, call: Call, names: frozenset[str]) -> dict[str, Tensor]:
-        """The summed gradients of the parameters ``names`` whose quantities came from a
-        closed form (from the rule's factors, or its ordinary backward): kept as their total,
-        so the sum check covers them as it covers the others."""
-        rule = call.site.rule
-        front_args, g = self._fronted(call)
-        args = tuple(_like(a, g) for a in front_args)
-        sums = {}
-        if rule.factors is not None:
-            for k, f in rule.factors(call.site.module, args, g, names).items():
-                sums[k] = factors_total(f)
-        rest = names - sums.keys()
-        if rest and rule.param_grads is not None:  # (a linear layer's bias)
-            sums.update(rule.param_grads(call.site.module, args[0], g, frozenset(rest)))
-        for k, total in sums.items():
-            self._states[call.params[k]].total = total
-        return sums
-
-    def _store(self, p: nn.Parameter, multi: bool, result: tuple[dict, Tensor | None]) -> Tensor:
-        """Keep one call's results for ``p``; returns the call's summed gradient."""
-        state = self._states[p]
-        values, total = result
-        if multi:
-            state.add_batch(values[BatchGrad.attr].to(p.dtype))
-            return total
-        state.results.update(values)
-        state.total = total
-        return total
-
-    def _fronted(self, call: Call) -> tuple[tuple[Any, ...], Tensor]:
-        """A rule call's input and output gradient with the batch first: ``[N, ...]``."""
-        n, g = call.n, call.grads[0]
-        return (to_front(call.args[0], call.in_bd, n), *call.args[1:]), to_front(g, call.out_bd, n)
-
-    def _chunks(
-        self, call: Call, names: frozenset[str], opts: RuleOptions, reducers: dict[str, Reducer]
-    ) -> Iterator[dict]:
-        site, n = call.site, call.n
-        own = names - {INPUT}  # (INPUT: the rule's input gradient asked for too)
-        if site.rule is not None:
-            front_args, front_g = self._fronted(call)
-            per_sample = (
-                site.rule.workspace(site.module, front_args, front_g, opts)
-                if site.rule.workspace is not None
-                else sum(call.params[k].numel() for k in own) * front_g.element_size()
-            )
-            dim = 0
-        else:
-            per_sample = 2 * sum(call.params[k].numel() for k in names) * 4
-            dim = batch_dim_of(site.module)
-        for start, stop in sample_chunks(n, per_sample, opts.workspace_bytes):
-
-            def cut(x: Any, start: int = start, stop: int = stop, dim: int | None = dim) -> Any:
-                if dim is None:
-                    return x
-                return _slice_batch(x, start, stop, n, dim)
-
-            if site.rule is not None:
-                g = cut(front_g)
-                args = tuple(_like(cut(a), g) for a in front_args)
-                if site.rule.accepts_out:
-                    out = {k: reducers[k].target(start, stop, g) for k in own}
-                    yield site.rule.batch_grads(site.module, args, g, names, opts, out=out)
-                else:
-                    yield site.rule.batch_grads(site.module, args, g, names, opts)
-            elif call.packed:  # one sample at a time anyway: the whole batch in one chunk
-                with _autocast_as(call, tree_flatten((call.args, call.kwargs))[0]):
-                    yield packed_rnn_batch_grads(
-                        site.module, call.args, call.kwargs, call.grads, names
-                    )
-                return
-            elif call.in_dims is None:  # batch tracking off: the module's documented layout
-                args = tuple(cut(a) for a in call.args)
-                kwargs = {k: cut(v) for k, v in call.kwargs.items()}
-                grads = [None if g is None else cut(g) for g in call.grads]
-                yield fallback_batch_grads(site.module, args, kwargs, grads, names, stop - start)
-            else:
-                leaves, spec = tree_flatten((call.args, call.kwargs))
-                cut_leaves = [cut(t, dim=d) for t, d in zip(leaves, call.in_dims, strict=True)]
-                args, kwargs = tree_unflatten(cut_leaves, spec)
-                grads = [
-                    None if g is None else cut(g, dim=d)
-                    for g, d in zip(call.grads, call.out_dims, strict=True)
-                ]
-                with _autocast_as(call, leaves):  # recompute in the dtypes the forward ran in
-                    batch = fallback_batch_grads(
-                        site.module, args, kwargs, grads, names, stop - start,
-                        in_dims=call.in_dims, out_dims=call.out_dims,
-                    )  # fmt: skip
-                yield batch
 
     def _watch_results(self, nodes: list[Any]) -> None:
         """Hook the nodes of a create_graph backward's results: a later backward that reaches
