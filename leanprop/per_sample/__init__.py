@@ -18,7 +18,8 @@ One backward, followed through this folder:
 * ``ops.py`` and ``op_rules.py``: any other op that uses a parameter (a layer rule's own op,
   a closed form for linear/matmul/addmm, or a batched vector-Jacobian product).
 * ``registry.py`` and ``rules/``: one plain-function rule per layer family, and the torch.func
-  fallback for modules hooked as a whole (RNNs).
+  fallback for modules hooked as a whole (RNNs); ``fallback_calls.py``: where the batch is in
+  each of their calls.
 * ``stats.py``: statistics over samples (cache-blocked, centred variance); ``quantities.py``:
   what can be requested; ``distributed.py``: :func:`all_reduce_quantities` over ranks.
 * ``curvature/``: the generalized Gauss-Newton matrix (:func:`ggn`): one backward per column
