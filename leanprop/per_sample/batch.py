@@ -687,12 +687,12 @@ class BatchTracker:
         # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
         # recomputation (see vjp_root)
         self._sources = _ByTensor()
-        # kept in the autograd nodes' own metadata (gone with the graph, never held here),
-        # under keys of this forward: where the batch is in each tensor followed while
-        # saved-tensor hooks were in effect ({output_nr: Info or the parameters it derives
-        # from}, see recover), and in each curved elementwise op's output (the Hessian's
-        # residual terms: the output itself is gone by then, its node is not)
-        self._edge_key, self._curved_key = object(), object()
+        # kept in the autograd nodes' own metadata (gone with the graph, never held here):
+        # where the batch is in each tensor followed while saved-tensor hooks were in effect
+        # (see recover), and in each curved elementwise op's output (the Hessian's residual
+        # terms: the output itself is gone by then, its node is not); each under this
+        # forward's token
+        self._forward = object()
         self._edges_kept = False
 
     def clear(self) -> None:
@@ -701,13 +701,32 @@ class BatchTracker:
         weight prepared outside the model, a penalty), they are still batch-free."""
         self.n = None
         self._info = _ByTensor()
-        self._edge_key, self._curved_key = object(), object()
+        self._forward = object()
         self._edges_kept = False
 
     def curved(self, node: Any) -> Info | None:
         """Where the batch is in the output of ``node``, the autograd node of a curved
         elementwise op of this forward (None for other nodes)."""
-        return node.metadata.get(self._curved_key)
+        return self._kept(node, _CURVED).get(0)
+
+    def _kept(self, node: Any, kind: str) -> dict[int, Any]:
+        """What this forward keeps of kind ``kind`` in ``node``'s metadata: ``{output_nr:
+        value}`` (empty where it keeps nothing)."""
+        slot = node.metadata.get(kind, {}).get(id(self))
+        return slot[2] if slot is not None and slot[1] is self._forward else {}
+
+    def _keep(self, node: Any, kind: str, output_nr: int, value: Any) -> None:
+        """Keep ``value`` in ``node``'s metadata for this forward. One slot per live tracker
+        (nested contexts), each holding its latest forward's values only: a node that outlives
+        its forward (a parameter's gradient accumulator, held across steps by DDP) keeps no
+        more than that."""
+        slots = node.metadata.setdefault(kind, {})
+        for key in [k for k, (ref, _, _) in slots.items() if ref() is None]:
+            del slots[key]  # (a tracker gone: its context's exit)
+        slot = slots.get(id(self))
+        if slot is None or slot[0]() is not self or slot[1] is not self._forward:
+            slot = slots[id(self)] = (weakref.ref(self), self._forward, {})
+        slot[2][output_nr] = value
 
     def vjp_root(self, t: Tensor) -> Tensor:
         """Where a vector-Jacobian product from the derived tensor ``t`` to its parameters
@@ -744,8 +763,7 @@ class BatchTracker:
         if not t.requires_grad or current_graph_task_id() == -1:
             return False
         node = _edge_node(t)
-        kept = None if node is None else node.metadata.get(self._edge_key)
-        found = None if kept is None else kept.get(t.output_nr)
+        found = None if node is None else self._kept(node, _EDGES).get(t.output_nr)
         if found is None:
             return False
         if isinstance(found, frozenset):
@@ -767,7 +785,7 @@ class BatchTracker:
         saved-tensor hooks are in effect)."""
         node = _edge_node(t)
         if node is not None:
-            node.metadata.setdefault(self._edge_key, {})[t.output_nr] = found
+            self._keep(node, _EDGES, t.output_nr, found)
             self._edges_kept = True
 
     def derived_params(self, t: Any) -> frozenset[nn.Parameter]:
@@ -918,7 +936,11 @@ class BatchTracker:
             if by_edge:
                 self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
-                o.grad_fn.metadata[self._curved_key] = res
+                self._keep(o.grad_fn, _CURVED, 0, res)
+
+
+# the keys of what a tracker keeps in an autograd node's metadata (see BatchTracker._keep)
+_EDGES, _CURVED = "leanprop.batch_of_outputs", "leanprop.curved_output"
 
 
 def _edge_node(t: Tensor) -> Any:

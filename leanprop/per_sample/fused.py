@@ -119,17 +119,21 @@ _METADATA_ATTRIBUTES = frozenset(
 
 # autograd's bookkeeping on a tensor, read and written (a parameter's .grad, by the clipping
 # and accumulation hooks of leanprop and of optimizers, a few times per parameter and step):
-# passed through too (each was followed as a use of the parameter, about 40 µs)
+# passed through too (each was followed as a use of the parameter, about 40 µs), but for a
+# read of .grad where autograd records: what is computed from a create_graph gradient leads
+# back to the parameter (a penalty on it is watched as the parameter's use)
 _BOOKKEEPING_ATTRIBUTES = frozenset(
     id(inspect.getattr_static(Tensor, name))
     for name in ("grad", "_post_accumulate_grad_hooks", "_backward_hooks")
     if hasattr(Tensor, name)
 )
+_GRAD = id(inspect.getattr_static(Tensor, "grad"))
 
 
 def _passed_through(func: Any) -> bool:
     """Whether ``func`` reads a tensor's metadata only (a method or an attribute getter), or
-    reads or sets autograd's bookkeeping on it (``.grad``)."""
+    reads or sets autograd's bookkeeping on it (``.grad``, read where autograd does not
+    record)."""
     if func in _METADATA_METHODS:
         return True
     name = getattr(func, "__name__", None)
@@ -138,6 +142,8 @@ def _passed_through(func: Any) -> bool:
     attribute = id(getattr(func, "__self__", None))
     if name == "__get__" and attribute in _METADATA_ATTRIBUTES:
         return True
+    if name == "__get__" and attribute == _GRAD and torch.is_grad_enabled():
+        return False
     return attribute in _BOOKKEEPING_ATTRIBUTES
 
 

@@ -496,3 +496,54 @@ def test_forwards_without_backward_keep_nothing_alive(hooks):
         held = sum(r() is not None for r in alive)
         model(torch.randn(2, 4)).sum().backward()
     assert held == 0, f"{held} of 3 dropped forwards' activations are alive"
+
+
+def test_what_a_forward_keeps_in_a_held_gradient_accumulator_does_not_grow():
+    """A parameter's gradient accumulator outlives the forwards when something holds it (DDP's
+    reducer does): what each forward kept in it (under saved-tensor hooks, such as a
+    checkpoint's) grew by one entry per step (review)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.scale = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.body, x, use_reentrant=False)
+
+        def body(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(h)) * self.scale
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Block(), Block()), torch.randn(3, 4)
+    held = [p.expand_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]
+
+    def kept() -> int:
+        return sum(len(v) if isinstance(v, dict) else 1 for a in held for v in a.metadata.values())
+
+    sizes = []
+    for steps in (2, 6):
+        with leanprop.per_sample(model, BatchGrad()):  # (a context per step, and several)
+            for _ in range(steps):
+                model(x).square().sum().backward()
+                model.zero_grad()
+        sizes.append(kept())
+    assert sizes[0] == sizes[1] <= len(held), sizes
+
+
+def test_a_penalty_on_a_create_graph_gradient_is_watched():
+    """``.grad`` read where autograd records is followed as computed from its parameter: a
+    small penalty on the previous batch's create_graph gradient, added to this batch's loss,
+    reaches the weight after the samples were combined (refused; with ``.grad`` passed through,
+    it fell under the sum check's float32 tolerance)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+    w = model[2].weight
+    with (
+        pytest.raises(UnsupportedModelError, match="after the samples were combined"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(torch.randn(8, 3)).square().mean().backward(create_graph=True)
+        g = w.grad
+        model.zero_grad()
+        (model(torch.randn(8, 3)).square().sum() + 1e-4 * g.square().sum()).backward()
