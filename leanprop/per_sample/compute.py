@@ -37,10 +37,11 @@ Observer = Callable[[nn.Module, tuple[Any, ...], Tensor], None]
 
 @dataclass(frozen=True, eq=False)
 class Work:
-    """What a call's computation reads of its context: the quantities asked for, each
-    parameter's state (where results go), whether per-sample clipping is on and whether a
-    replaced op's sums go into ``.grad``, the observers of rule calls (curvature's Kronecker
-    factors), the scratch buffers, and the rules' options on a device."""
+    """A call's computation's view of its context: the quantities asked for, each
+    parameter's state (the one thing it writes: results, totals, clipping's reweighers),
+    whether per-sample clipping is on and whether a replaced op's sums go into ``.grad``, the
+    observers of rule calls (curvature's Kronecker factors), the scratch buffers, and the
+    rules' options on a device."""
 
     kinds: frozenset[type[Quantity]]
     states: Mapping[nn.Parameter, ParamState]
@@ -76,11 +77,22 @@ def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
 
 
 def compute(call: Call, work: Work) -> dict[str, Tensor]:
-    """Quantities of one call; returns the call's summed gradient of each parameter
-    (``{name: grad}``) where it came for free (missing where a closed form was used)."""
+    """Compute one call's quantities into its parameters' states (``work.states``).
+
+    Args:
+        call: one use of a layer: its input ``[N, ...]`` (or with the batch at
+            ``call.in_bd``), its output gradient(s), its parameters by name.
+        work: what the computation reads of its context, and the states it writes.
+
+    Returns:
+        The call's summed gradient of each parameter, ``{name: [*p.shape]}`` (its sum of
+        individual gradients, which a replaced op hands to autograd), and ``INPUT``: the
+        input's gradient ``[*x.shape]`` where the rule gave it with the individual gradients.
+        A parameter is missing where its closed form gave no sum.
+    """
     site, kinds = call.site, work.kinds
     if work.observers and site.rule is not None and call.n:
-        front_args, g = fronted(call)
+        front_args, g = _fronted(call)
         for observe in work.observers:
             observe(site.module, front_args, g)
     opts = work.options(next(iter(call.params.values())).device)
@@ -112,7 +124,7 @@ def compute(call: Call, work: Work) -> dict[str, Tensor]:
     if hands_zeros:
         opts = replace(opts, sums_wanted=False)
     if single and l2_only and site.rule is not None and site.rule.batch_l2 is not None:
-        front_args, g = fronted(call)
+        front_args, g = _fronted(call)
         args = tuple(_like(a, g) for a in front_args)
         closed = site.rule.batch_l2(site.module, args, g, single, opts)
         for k, v in closed.items():
@@ -131,7 +143,7 @@ def compute(call: Call, work: Work) -> dict[str, Tensor]:
     if multi and site.rule is not None and site.rule.factors is not None:
         # a shared weight: its use as factors (norms without individual gradients, or
         # added to those of its other uses without a temporary)
-        front_args, g = fronted(call)
+        front_args, g = _fronted(call)
         args = tuple(_like(a, g) for a in front_args)
         for k, f in site.rule.factors(site.module, args, g, multi).items():
             # (clipping: the weighted sum from factors, without individual gradients)
@@ -180,7 +192,7 @@ def _leave_reweighers(call: Call, names: frozenset[str], work: Work) -> frozense
     Returns the names that got one (the others keep their individual gradients)."""
     if call.site.rule is None:
         return frozenset()
-    front_args, g = fronted(call)
+    front_args, g = _fronted(call)
     held = g.numel() + sum(a.numel() for a in front_args if isinstance(a, Tensor))
     names = frozenset(k for k in names if 2 * call.n * call.params[k].numel() > held)
     if not names:
@@ -198,7 +210,7 @@ def _closed_sum_of_squares(call: Call, names: frozenset[str], work: Work) -> dic
     factors; ``{name: result}`` for those done."""
     if call.site.rule.factors is None:
         return {}
-    front_args, g = fronted(call)
+    front_args, g = _fronted(call)
     args = tuple(_like(a, g) for a in front_args)
     done = {}
     for k, f in call.site.rule.factors(call.site.module, args, g, names).items():
@@ -214,7 +226,7 @@ def _closed_totals(call: Call, names: frozenset[str], work: Work) -> dict[str, T
     closed form (from the rule's factors, or its ordinary backward): kept as their total,
     so the sum check covers them as it covers the others."""
     rule = call.site.rule
-    front_args, g = fronted(call)
+    front_args, g = _fronted(call)
     args = tuple(_like(a, g) for a in front_args)
     sums = {}
     if rule.factors is not None:
@@ -229,7 +241,18 @@ def _closed_totals(call: Call, names: frozenset[str], work: Work) -> dict[str, T
 
 
 def _store(p: nn.Parameter, multi: bool, result: tuple[dict, Tensor | None], work: Work) -> Tensor:
-    """Keep one call's results for ``p``; returns the call's summed gradient."""
+    """Keep one call's results for ``p`` in its state.
+
+    Args:
+        p: the parameter.
+        multi: one of several uses of ``p`` (its individual gradients ``[N, *p.shape]`` are
+            added to the others'), or its only one (its quantities are kept as they are).
+        result: ``(quantities by attribute name, summed gradient [*p.shape])`` of this use.
+        work: the context's states.
+
+    Returns:
+        The use's summed gradient ``[*p.shape]``.
+    """
     state = work.states[p]
     values, total = result
     if multi:
@@ -240,7 +263,7 @@ def _store(p: nn.Parameter, multi: bool, result: tuple[dict, Tensor | None], wor
     return total
 
 
-def fronted(call: Call) -> tuple[tuple[Any, ...], Tensor]:
+def _fronted(call: Call) -> tuple[tuple[Any, ...], Tensor]:
     """A rule call's input and output gradient with the batch first: ``[N, ...]``."""
     n, g = call.n, call.grads[0]
     return (to_front(call.args[0], call.in_bd, n), *call.args[1:]), to_front(g, call.out_bd, n)
@@ -252,7 +275,7 @@ def _chunks(
     site, n = call.site, call.n
     own = names - {INPUT}  # (INPUT: the rule's input gradient asked for too)
     if site.rule is not None:
-        front_args, front_g = fronted(call)
+        front_args, front_g = _fronted(call)
         per_sample = (
             site.rule.workspace(site.module, front_args, front_g, opts)
             if site.rule.workspace is not None
