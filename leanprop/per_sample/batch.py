@@ -768,8 +768,10 @@ class BatchTracker:
             return False
         if isinstance(found, frozenset):
             self._derived[t] = found
-            if t.grad_fn is None:  # (a parameter's copy: its individual gradients are its own)
-                self._sources[t] = next(iter(found))
+            p = next(iter(found))
+            if len(found) == 1 and p.requires_grad and _edge_node(p) is node:
+                self._sources[t] = p  # (a parameter's copy: its individual gradients are its
+                # own; not a leaf the model detached from it, which leads to no parameter)
         else:
             self._info[t] = found
         return True
