@@ -33,6 +33,7 @@ from .._torch_compat import (
     detaching_checkpoint_inputs,
     saved_tensor_hooks_active,
 )
+from ..errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -670,6 +671,9 @@ class _ByTensor:
         entry = self._d.get(id(t))
         return entry is not None and entry[0]() is t
 
+    def __bool__(self) -> bool:
+        return bool(self._d)
+
 
 class BatchTracker:
     """Where the batch is in each tensor of the current forward, and which tensors derive from
@@ -685,8 +689,11 @@ class BatchTracker:
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
         self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
         # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
-        # recomputation (see vjp_root)
+        # recomputation, or a parameter whose copy it is (see vjp_root); derived tensors
+        # computed from such detached copies -> True
         self._sources = _ByTensor()
+        self._detached = _ByTensor()
+        self._from_detached = _ByTensor()
         # kept in the autograd nodes' own metadata (gone with the graph, never held here):
         # where the batch is in each tensor followed while saved-tensor hooks were in effect
         # (see recover), and in each curved elementwise op's output (the Hessian's residual
@@ -731,7 +738,20 @@ class BatchTracker:
     def vjp_root(self, t: Tensor) -> Tensor:
         """Where a vector-Jacobian product from the derived tensor ``t`` to its parameters
         starts: ``t``, or, for a copy that a reentrant checkpoint's recomputation detached
-        from the forward's (its input), that tensor, which leads to them."""
+        from the forward's (its input), that tensor, which leads to them.
+
+        Raises:
+            UnsupportedModelError: ``t`` was computed from such a copy inside the checkpointed
+                function (its graph ends at the copy: no product reaches the parameters)."""
+        if self._from_detached and t in self._from_detached:
+            raise UnsupportedModelError(
+                "per_sample: a tensor computed from parameters alone is passed to "
+                "checkpoint(use_reentrant=True) and changed inside the checkpointed function "
+                "before it meets the batch. The recomputation detaches the checkpoint's inputs, "
+                "so leanprop cannot take its parameters' per-sample gradients back through that "
+                "change. Change it before the checkpoint (pass the result), read the parameters "
+                "inside the function instead of passing them, or use use_reentrant=False."
+            )
         return self._sources.get(t, t)
 
     def lookup(self, t: Any) -> Lookup | None:
@@ -775,6 +795,10 @@ class BatchTracker:
         else:
             self._info[t] = found
         return True
+
+    def _is_detached(self, t: Tensor) -> bool:
+        """``t`` is a reentrant checkpoint's detached copy, or computed from one."""
+        return t in self._detached or t in self._from_detached
 
     def _derived_input(self, t: Tensor, by_edge: bool) -> frozenset[nn.Parameter]:
         params = self.derived_params(t)
@@ -869,6 +893,7 @@ class BatchTracker:
             return
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
+        detached = False  # (a derived input is a reentrant checkpoint's detached copy)
         # (a checkpoint's saved inputs may come back as copies: see recover(). Kept while
         # saved-tensor hooks are in effect, for the op's tensors too: a hook that copies what
         # it saves reads the tensor with an op. Not in a replay, whose graph no backward frees)
@@ -882,6 +907,7 @@ class BatchTracker:
                     batched.append((i + j, t, info))
                 else:
                     derived |= self._derived_input(t, by_edge)
+                    detached = detached or (bool(self._detached) and self._is_detached(t))
                     continue
                 if by_edge:
                     self._remember_edge(t, info)
@@ -894,6 +920,7 @@ class BatchTracker:
                         self._remember_edge(v, info)
                 else:
                     derived |= self._derived_input(v, by_edge)
+                    detached = detached or (bool(self._detached) and self._is_detached(v))
         try:
             index = _index_arg(name, args, kwargs, batched)
         except (IndexError, TypeError, ValueError, KeyError):
@@ -909,6 +936,10 @@ class BatchTracker:
                         self._remember_edge(o, params)
                 if name == "detach" and detaching_checkpoint_inputs():
                     self._sources[outs[0]] = self.vjp_root(args[0])
+                    self._detached[outs[0]] = True
+                elif detached:
+                    for o in outs:
+                        self._from_detached[o] = True
                 if name == "embedding" and len(outs) == 1:
                     found = _lookup(args, kwargs, self.params)
                     if found is not None:
