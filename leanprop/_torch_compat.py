@@ -145,22 +145,37 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks are in effect (a checkpoint's, ``save_on_cpu``'s, ...)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _top_saved_tensors_hooks() -> tuple | None:
+    """The (pack, unpack) saved-tensor hooks in effect; None where none are, or where this
+    torch does not say."""
+    try:
+        return _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _is_checkpoints(hooks: tuple | None) -> bool:
+    name = getattr(hooks[0], "__qualname__", "") if hooks else ""
+    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
 
 
 def checkpoint_saves_tensors() -> bool:
     """Whether the saved-tensor hooks in effect are a non-reentrant checkpoint's (its
     forward's, which drop what is saved, or its recomputation's); False where this torch does
     not say."""
-    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    try:
-        top = top_hooks(False) if top_hooks is not None else None
-    except (RuntimeError, TypeError):
-        return False
-    name = getattr(top[0], "__qualname__", "") if top else ""
-    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
+    return _is_checkpoints(_top_saved_tensors_hooks())
+
+
+def saved_tensor_hooks_in_effect() -> str | None:
+    """Which saved-tensor hooks are in effect: ``"checkpoint"`` (a non-reentrant checkpoint's
+    own), ``"other"`` (``save_on_cpu``, activation offloading, ...), or None."""
+    hooks = _top_saved_tensors_hooks()
+    if hooks is None:
+        return None
+    return "checkpoint" if _is_checkpoints(hooks) else "other"
 
 
 def queue_callback(fn: Callable[[], None]) -> None:

@@ -31,7 +31,7 @@ from torch.autograd.graph import get_gradient_edge
 from .._torch_compat import (
     current_graph_task_id,
     detaching_checkpoint_inputs,
-    saved_tensor_hooks_active,
+    saved_tensor_hooks_in_effect,
 )
 from ..errors import UnsupportedModelError
 
@@ -696,11 +696,13 @@ class BatchTracker:
         self._from_detached = _ByTensor()
         # kept in the autograd nodes' own metadata (gone with the graph, never held here):
         # where the batch is in each tensor followed while saved-tensor hooks were in effect
-        # (see recover), and in each curved elementwise op's output (the Hessian's residual
+        # (see _recover), and in each curved elementwise op's output (the Hessian's residual
         # terms: the output itself is gone by then, its node is not); each under this
         # forward's token
         self._forward = object()
         self._edges_kept = False
+        self._ref = weakref.ref(self)
+        self._accumulators: dict[nn.Parameter, Any] = {}  # (held for one forward)
 
     def clear(self) -> None:
         """Forget where the batch is in every tensor (another batch's forward). Tensors
@@ -710,6 +712,7 @@ class BatchTracker:
         self._info = _ByTensor()
         self._forward = object()
         self._edges_kept = False
+        self._accumulators = {}
 
     def curved(self, node: Any) -> Info | None:
         """Where the batch is in the output of ``node``, the autograd node of a curved
@@ -727,12 +730,14 @@ class BatchTracker:
         (nested contexts), each holding its latest forward's values only: a node that outlives
         its forward (a parameter's gradient accumulator, held across steps by DDP) keeps no
         more than that."""
-        slots = node.metadata.setdefault(kind, {})
-        for key in [k for k, (ref, _, _) in slots.items() if ref() is None]:
-            del slots[key]  # (a tracker gone: its context's exit)
+        slots = node.metadata.get(kind)
+        if slots is None:
+            slots = node.metadata[kind] = {}
         slot = slots.get(id(self))
-        if slot is None or slot[0]() is not self or slot[1] is not self._forward:
-            slot = slots[id(self)] = (weakref.ref(self), self._forward, {})
+        if slot is None or slot[1] is not self._forward or slot[0]() is not self:
+            for key in [k for k, (ref, _, _) in slots.items() if ref() is None]:
+                del slots[key]  # (a tracker gone: its context's exit)
+            slot = slots[id(self)] = (self._ref, self._forward, {})
         slot[2][output_nr] = value
 
     def vjp_root(self, t: Tensor) -> Tensor:
@@ -767,11 +772,16 @@ class BatchTracker:
         if not isinstance(t, Tensor):
             return None
         info = self._info.get(t)
-        if info is None and self._edges_kept and self.recover(t):
+        if info is None and self._edges_kept and self._may_recover(t):
             info = self._info.get(t)
         return info
 
-    def recover(self, t: Tensor) -> bool:
+    def _may_recover(self, t: Tensor) -> bool:
+        """:meth:`_recover` ``t``, unless it is known to carry no batch (a parameter, or a
+        tensor computed from parameters alone)."""
+        return t not in self.params and t not in self._derived and self._recover(t)
+
+    def _recover(self, t: Tensor) -> bool:
         """Follow ``t``, a tensor that a checkpoint's recomputation got from its saved inputs,
         as the tensor of the recorded forward that was saved: True where it is one.
 
@@ -782,14 +792,14 @@ class BatchTracker:
         a backward, where the recomputations run."""
         if not t.requires_grad or current_graph_task_id() == -1:
             return False
-        node = _edge_node(t)
+        node = self._edge_node(t)
         found = None if node is None else self._kept(node, _EDGES).get(t.output_nr)
         if found is None:
             return False
         if isinstance(found, frozenset):
             self._derived[t] = found
             p = next(iter(found))
-            if len(found) == 1 and p.requires_grad and _edge_node(p) is node:
+            if len(found) == 1 and p.requires_grad and self._edge_node(p) is node:
                 self._sources[t] = p  # (a parameter's copy: its individual gradients are its
                 # own; not a leaf the model detached from it, which leads to no parameter)
         else:
@@ -800,6 +810,21 @@ class BatchTracker:
         """``t`` is a reentrant checkpoint's detached copy, or computed from one."""
         return t in self._detached or t in self._from_detached
 
+    def _edge_node(self, t: Tensor) -> Any:
+        """The autograd node where ``t``'s gradient goes: its ``grad_fn``, or a leaf's gradient
+        accumulator (a tracked parameter's looked up once per forward; None for a view made
+        without autograd, which has neither of its own)."""
+        if t.grad_fn is not None:
+            return t.grad_fn
+        if not t.requires_grad or t._is_view():
+            return None
+        if t in self.params:
+            node = self._accumulators.get(t)
+            if node is None:
+                node = self._accumulators[t] = get_gradient_edge(t).node
+            return node
+        return get_gradient_edge(t).node
+
     def _derived_input(self, t: Tensor, by_edge: bool) -> frozenset[nn.Parameter]:
         params = self.derived_params(t)
         if by_edge and params:
@@ -807,9 +832,9 @@ class BatchTracker:
         return params
 
     def _remember_edge(self, t: Tensor, found: Info | frozenset[nn.Parameter]) -> None:
-        """Keep where ``t``'s batch is in its autograd node, for :meth:`recover` (while
+        """Keep where ``t``'s batch is in its autograd node, for :meth:`_recover` (while
         saved-tensor hooks are in effect)."""
-        node = _edge_node(t)
+        node = self._edge_node(t)
         if node is not None:
             self._keep(node, _EDGES, t.output_nr, found)
             self._edges_kept = True
@@ -821,13 +846,9 @@ class BatchTracker:
         if t in self.params:
             return frozenset({t})
         found = self._derived.get(t)
-        if found is None and self._edges_kept and self.recover(t):
+        if found is None and self._edges_kept and self._recover(t):
             found = self._derived.get(t)
         return frozenset() if found is None else found
-
-    def is_derived(self, t: Any) -> bool:
-        """A batch-free tensor computed from tracked parameters (not a parameter itself)."""
-        return isinstance(t, Tensor) and t in self._derived
 
     def mark_derived(self, t: Tensor, params: frozenset[nn.Parameter]) -> None:
         self._derived[t] = params
@@ -837,7 +858,7 @@ class BatchTracker:
         for t in tensors_in(args, kwargs):
             if t in self._info or t in self._derived or t in self.params:
                 return True
-            if self._edges_kept and self.recover(t):
+            if self._edges_kept and self._may_recover(t):
                 return True
         return False
 
@@ -894,10 +915,12 @@ class BatchTracker:
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
         detached = False  # (a derived input is a reentrant checkpoint's detached copy)
-        # (a checkpoint's saved inputs may come back as copies: see recover(). Kept while
-        # saved-tensor hooks are in effect, for the op's tensors too: a hook that copies what
-        # it saves reads the tensor with an op. Not in a replay, whose graph no backward frees)
-        by_edge = not replay and saved_tensor_hooks_active()
+        # (a checkpoint's saved inputs may come back as copies: see _recover(). Kept while
+        # saved-tensor hooks other than a checkpoint's own are in effect, for the op's tensors
+        # too: such a hook that copies what it saves reads the tensor with an op. Not inside a
+        # checkpointed block, where they would cost every checkpointed model and serve a
+        # checkpoint nested in it only; nor in a replay, whose graph no backward frees)
+        by_edge = not replay and saved_tensor_hooks_in_effect() == "other"
         for i, a in enumerate(args):
             for j, t in enumerate(a if isinstance(a, list | tuple) else (a,)):
                 if not isinstance(t, Tensor):
@@ -974,16 +997,6 @@ class BatchTracker:
 
 # the keys of what a tracker keeps in an autograd node's metadata (see BatchTracker._keep)
 _EDGES, _CURVED = "leanprop.batch_of_outputs", "leanprop.curved_output"
-
-
-def _edge_node(t: Tensor) -> Any:
-    """The autograd node where ``t``'s gradient goes: its ``grad_fn``, or a leaf's gradient
-    accumulator (None for a view made without autograd, which has neither of its own)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    if not t.requires_grad or t._is_view():
-        return None
-    return get_gradient_edge(t).node
 
 
 def _combines(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
