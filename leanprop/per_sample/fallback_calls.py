@@ -44,9 +44,24 @@ def call_dims(
     site: Site, args: tuple[Any, ...], kwargs: dict[str, Any], out_leaves: list[Any],
     tracker: BatchTracker, tracking: bool, name_of: Callable[[nn.Parameter], str],
 ) -> tuple[int | None, list[int | None] | None, list[int | None] | None]:  # fmt: skip
-    """Samples of a fallback root's call (None: it takes no batch), and where the batch is in
-    each input and output leaf (None, None: by its documented layout, where batch tracking is
-    off). ``name_of``: a parameter's name, for errors."""
+    """Where the batch is in a call of a fallback root.
+
+    Args:
+        site: the fallback root.
+        args, kwargs: the call's inputs.
+        out_leaves: its outputs, flattened.
+        tracker: the batch tracker of this forward.
+        tracking: whether batch tracking is on (off: the module's documented layout).
+        name_of: a parameter's name, for errors.
+
+    Returns:
+        ``(n, in_dims, out_dims)``: the samples in the call (None: it takes no batch), and the
+        dimension of the batch in each input and output leaf (None for a leaf without one;
+        both None: the documented layout, tracking off).
+
+    Raises:
+        BatchError, UnsupportedModelError: a call whose samples cannot be told apart.
+    """
     _refuse_rnn_dropout(site)
     if args and isinstance(args[0], PackedSequence):
         return _packed_samples(site, args[0], args, kwargs, tracker, tracking, name_of), None, None
