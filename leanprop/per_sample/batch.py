@@ -960,9 +960,10 @@ class BatchTracker:
                 if name == "detach" and detaching_checkpoint_inputs():
                     self._sources[outs[0]] = self.vjp_root(args[0])
                     self._detached[outs[0]] = True
-                elif detached:
+                elif detached:  # (one that carries no gradient is a constant: a mask)
                     for o in outs:
-                        self._from_detached[o] = True
+                        if o.requires_grad:
+                            self._from_detached[o] = True
                 if name == "embedding" and len(outs) == 1:
                     found = _lookup(args, kwargs, self.params)
                     if found is not None:

@@ -623,3 +623,32 @@ def test_an_input_from_parameters_changed_inside_a_reentrant_checkpoint(reentran
         model(x.double()).square().sum().backward()
     for k, p in model.named_parameters():
         assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("constant", ["mask", "detached_sum"])
+def test_a_constant_made_from_an_input_of_a_reentrant_checkpoint_is_no_change(constant):
+    """A mask or a detached value computed inside a reentrant block from a parameter passed
+    to it carries no gradient: no change to refuse (review: refused at first)."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+            self.w = nn.Parameter(torch.linspace(-1, 1, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self._block, self.inp(x), self.w, use_reentrant=True))
+
+        def _block(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            if constant == "mask":
+                return torch.tanh(torch.where(w < 0, h, -h) * w)
+            return torch.tanh(h * w + (w * 3).sum().detach())
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    expected = loop_oracle(model, x)
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
