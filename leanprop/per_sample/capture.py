@@ -1500,7 +1500,7 @@ class PerSample:
         return RuleOptions(self.conv_algorithm, self._budget(device))
 
     def _work(self) -> Work:
-        """What the computation of a call reads of this context (``compute.py``)."""
+        """The computation of a call's view of this context (``compute.py``)."""
         return Work(
             self._kinds, self._states, self._clip is not None, self._sums_wanted(),
             self._observers, self._cycle.scratch, self._options,
