@@ -51,6 +51,16 @@ def loop_oracle(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: torch.stack(v) for k, v in rows.items()}
 
 
+def assert_grad_batch_is_the_loops(model: nn.Module, x: torch.Tensor) -> None:
+    """BatchGrad of one backward of the summed squared outputs, against the per-sample loop
+    (float64)."""
+    expected = loop_oracle(model, x)
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
+
+
 @pytest.mark.parametrize("uses", [1, 3])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -418,11 +428,7 @@ def test_a_detach_of_the_models_own_inside_a_checkpoint_blocks_the_gradient(reen
     torch.manual_seed(0)
     model = _OwnDetach(reentrant).double()
     x = torch.randn(5, 4, dtype=torch.float64)
-    expected = loop_oracle(model, x)
-    with leanprop.per_sample(model, BatchGrad()):
-        model(x).square().sum().backward()
-    for k, p in model.named_parameters():
-        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
+    assert_grad_batch_is_the_loops(model, x)
 
 
 @pytest.mark.parametrize("hooks", ["save_on_cpu", "copying"])
@@ -446,11 +452,7 @@ def test_a_batched_leaf_into_a_checkpoint_under_copying_hooks(reentrant, hooks):
 
     model = Model().double()
     x = torch.randn(5, 4, dtype=torch.float64).requires_grad_()
-    expected = loop_oracle(model, x)
-    with leanprop.per_sample(model, BatchGrad()):
-        model(x).square().sum().backward()
-    for k, p in model.named_parameters():
-        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
+    assert_grad_batch_is_the_loops(model, x)
 
 
 def test_a_parameter_frozen_inside_the_block_under_saved_tensor_hooks():
@@ -573,11 +575,7 @@ def test_a_leaf_the_model_detached_passed_to_a_checkpoint_under_copying_hooks(re
     torch.manual_seed(0)
     model = Model().double()
     x = torch.randn(6, 4, dtype=torch.float64)
-    expected = loop_oracle(model, x)
-    with leanprop.per_sample(model, BatchGrad()):
-        model(x).square().sum().backward()
-    for k, p in model.named_parameters():
-        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
+    assert_grad_batch_is_the_loops(model, x)
 
 
 @pytest.mark.parametrize("change", ["view", "op", "weight_t"])
@@ -618,11 +616,7 @@ def test_an_input_from_parameters_changed_inside_a_reentrant_checkpoint(reentran
         ):
             model(x).square().sum().backward()
         return
-    expected = loop_oracle(model.double(), x.double())
-    with leanprop.per_sample(model, BatchGrad()):
-        model(x.double()).square().sum().backward()
-    for k, p in model.named_parameters():
-        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
+    assert_grad_batch_is_the_loops(model.double(), x.double())
 
 
 @pytest.mark.parametrize("constant", ["mask", "detached_sum"])
@@ -647,8 +641,4 @@ def test_a_constant_made_from_an_input_of_a_reentrant_checkpoint_is_no_change(co
     torch.manual_seed(0)
     model = Model().double()
     x = torch.randn(5, 4, dtype=torch.float64)
-    expected = loop_oracle(model, x)
-    with leanprop.per_sample(model, BatchGrad()):
-        model(x).square().sum().backward()
-    for k, p in model.named_parameters():
-        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-10, 1e-12)
+    assert_grad_batch_is_the_loops(model, x)
