@@ -93,8 +93,9 @@ def saveable(t: torch.Tensor | None) -> torch.Tensor | None:
     saving the leaf itself while saved-tensor hooks are in effect (a non-reentrant
     checkpoint's, ``save_on_cpu``) loses the hooks registered on it with ``register_hook``:
     they never fire. The view has the same values and version counter, and a backward from
-    it reaches the leaf. Call inside ``forward``."""
-    if t is None or not (t.is_leaf and t.requires_grad):
+    it reaches the leaf. Call inside ``forward``. (Where this torch keeps the hooks, the leaf
+    itself: a view costs a few µs per call.)"""
+    if t is None or not (t.is_leaf and t.requires_grad) or not saving_loses_leaf_hooks():
         return t
     with torch.enable_grad():  # (forward runs without: the view must lead to the leaf)
         return t.view_as(t)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -674,6 +674,12 @@ class _ByTensor:
     def __bool__(self) -> bool:
         return bool(self._d)
 
+    @property
+    def ids(self) -> Mapping[int, Any]:
+        """The ids of the tensors held (an id of a tensor that died may linger until its
+        weak reference's callback runs)."""
+        return self._d
+
 
 class BatchTracker:
     """Where the batch is in each tensor of the current forward, and which tensors derive from
@@ -684,6 +690,7 @@ class BatchTracker:
 
     def __init__(self, params: Iterable[nn.Parameter]) -> None:
         self.params = set(params)
+        self._param_ids = frozenset(map(id, self.params))  # (held in ``params``: ids stay theirs)
         self.n: int | None = None
         self._info = _ByTensor()  # tensor -> Info
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
@@ -854,12 +861,19 @@ class BatchTracker:
         self._derived[t] = params
 
     def involved(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-        """Whether any input is tracked (fast check, before the op runs)."""
-        for t in tensors_in(args, kwargs):
-            if t in self._info or t in self._derived or t in self.params:
-                return True
-            if self._edges_kept and self._may_recover(t):
-                return True
+        """Whether any input may be tracked (a fast check before the op runs, on every op of
+        the forward: by ids alone, so a dead tensor's id reused may answer yes, and the op
+        then takes the careful way)."""
+        info, derived, params = self._info.ids, self._derived.ids, self._param_ids
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for t in a if isinstance(a, list | tuple) else (a,):
+                if not isinstance(t, Tensor):
+                    continue
+                i = id(t)
+                if i in info or i in derived or i in params:
+                    return True
+                if self._edges_kept and self._may_recover(t):
+                    return True
         return False
 
     def escaping(
@@ -994,6 +1008,30 @@ class BatchTracker:
                 self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
                 self._keep(o.grad_fn, _CURVED, 0, res)
+
+    def propagate_layer(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Tensor, replay: bool
+    ) -> None:
+        """:meth:`propagate` for a layer's op whose one batched operand is its input
+        ``args[0]`` (a replaced op's: ``fused.py``; its other operands are the layer's
+        parameters): the same result, without going through every operand (a few µs per layer
+        and step). Anything else (another batched operand, saved-tensor hooks that copy):
+        :meth:`propagate`."""
+        x, info = args[0], self._info.get(args[0]) if isinstance(args[0], Tensor) else None
+        others = (*args[1:], *kwargs.values())
+        if (
+            not isinstance(info, BatchDim)
+            or any(self._info.get(t) is not None for t in others if isinstance(t, Tensor))
+            or (not replay and saved_tensor_hooks_in_effect() == "other")
+        ):
+            self.propagate(func, args, kwargs, out, replay)
+            return
+        name = op_name(func)
+        try:
+            res = result_dim(name, args, kwargs, 0, x, info, out, 0, self.n or 0, self)
+        except (IndexError, TypeError, ValueError, KeyError):
+            res = Lost(f"'{name}' with arguments leanprop cannot read")
+        self._info[out] = res
 
 
 # the keys of what a tracker keeps in an autograd node's metadata (see BatchTracker._keep)

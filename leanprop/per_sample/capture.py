@@ -262,6 +262,7 @@ class PerSample:
         self.quantities = quantities
         self.conv_algorithm = conv_algorithm
         self._workspace_mib = max_workspace_mib
+        self._options_made: dict[tuple, RuleOptions] = {}
         self._check = check
         self._fuse = fuse  # op interception while active (a TorchFunctionMode)
         self._batch_dim = batch_dim
@@ -1144,7 +1145,8 @@ class PerSample:
         """Called by the op interceptor after a replaced op: where the batch went in its
         output; an op that mixed the samples (a LayerNorm normalising over the batch, a linear
         layer summing over it) has no per-sample gradients: refused."""
-        self.after_op(func, args, kwargs, out)
+        if self._intercept is not None and not self._computing:
+            self._tracker.propagate_layer(func, args, kwargs, out, replay=self._recomputing())
         info = self._tracker.info(out) if self._tracking() else None
         if isinstance(info, Lost):
             site = call.site
@@ -1246,7 +1248,7 @@ class PerSample:
         problem = None
         if site.rule.check_input is not None:
             problem = site.rule.check_input(site.module, (to_front(x, bd, n),))
-        if problem is None and bd != BatchDim(0) and site.rule.batch_first:
+        if problem is None and (bd.dim, bd.inner) != (0, 1) and site.rule.batch_first:
             problem = f"got its batch in dimension {bd.dim}; it needs the batch first"
         if problem is not None:
             raise BatchError(
@@ -1349,7 +1351,7 @@ class PerSample:
         self._cycle.differentiating = False
 
     def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
-        state.hooked_task = current_graph_task_id()  # (see _on_accumulated)
+        state.hooked_task = task = current_graph_task_id()  # (see _on_accumulated)
         # not while computing: the fallback's own per-sample autograd calls fire it too;
         # recorded before the cycle opens too (autograd may reach a parameter first)
         if self._active and not self._computing:
@@ -1381,9 +1383,7 @@ class PerSample:
             handed = state.hand_over(
                 grad, cycle.open and self._clip is None and Variance not in self._kinds
             )
-            state.autograd_grads.append(
-                (current_graph_task_id(), self._cycle.open, None if handed else grad)
-            )
+            state.autograd_grads.append((task, self._cycle.open, None if handed else grad))
             if wanted:
                 self._complete_calls_of(state.param)
             # (autograd.grad accumulates nothing; without the interception it cannot be told)
@@ -1497,7 +1497,11 @@ class PerSample:
         return int(mib * 2**20)
 
     def _options(self, device: torch.device) -> RuleOptions:
-        return RuleOptions(self.conv_algorithm, self._budget(device))
+        key = (device, self.conv_algorithm, self._workspace_mib)  # (made once: every call asks)
+        options = self._options_made.get(key)
+        if options is None:
+            options = self._options_made[key] = RuleOptions(key[1], self._budget(device))
+        return options
 
     def _work(self) -> Work:
         """The computation of a call's view of this context (``compute.py``)."""

@@ -223,18 +223,18 @@ def _closed_sum_of_squares(call: Call, names: frozenset[str], work: Work) -> dic
 
 def _closed_totals(call: Call, names: frozenset[str], work: Work) -> dict[str, Tensor]:
     """The summed gradients of the parameters ``names`` whose quantities came from a
-    closed form (from the rule's factors, or its ordinary backward): kept as their total,
+    closed form (from the rule's ordinary backward, else its factors): kept as their total,
     so the sum check covers them as it covers the others."""
     rule = call.site.rule
     front_args, g = _fronted(call)
     args = tuple(_like(a, g) for a in front_args)
     sums = {}
-    if rule.factors is not None:
-        for k, f in rule.factors(call.site.module, args, g, names).items():
-            sums[k] = factors_total(f)
+    if rule.param_grads is not None:  # (the layer's own backward: linear, convolutions)
+        sums.update(rule.param_grads(call.site.module, args[0], g, names))
     rest = names - sums.keys()
-    if rest and rule.param_grads is not None:  # (a linear layer's bias)
-        sums.update(rule.param_grads(call.site.module, args[0], g, frozenset(rest)))
+    if rest and rule.factors is not None:  # (an embedding)
+        for k, f in rule.factors(call.site.module, args, g, rest).items():
+            sums[k] = factors_total(f)
     for k, total in sums.items():
         work.states[call.params[k]].total = total
     return sums
@@ -269,6 +269,28 @@ def _fronted(call: Call) -> tuple[tuple[Any, ...], Tensor]:
     return (to_front(call.args[0], call.in_bd, n), *call.args[1:]), to_front(g, call.out_bd, n)
 
 
+class _Targets(Mapping[str, "Tensor | None"]):
+    """The buffers a rule may write a chunk's individual gradients into (``Reducer.target``),
+    taken only when the rule asks for one (a rule that returns a view of what it has, a
+    linear layer's bias, takes none)."""
+
+    def __init__(
+        self, reducers: dict[str, Reducer], names: frozenset[str], start: int, stop: int, g: Tensor
+    ) -> None:
+        self._reducers, self._names, self._chunk, self._g = reducers, names, (start, stop), g
+
+    def __getitem__(self, k: str) -> Tensor | None:
+        if k not in self._names:
+            raise KeyError(k)
+        return self._reducers[k].target(*self._chunk, self._g)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 def _chunks(
     call: Call, names: frozenset[str], opts: RuleOptions, reducers: dict[str, Reducer]
 ) -> Iterator[dict]:
@@ -296,7 +318,7 @@ def _chunks(
             g = cut(front_g)
             args = tuple(_like(cut(a), g) for a in front_args)
             if site.rule.accepts_out:
-                out = {k: reducers[k].target(start, stop, g) for k in own}
+                out = _Targets(reducers, own, start, stop, g)
                 yield site.rule.batch_grads(site.module, args, g, names, opts, out=out)
             else:
                 yield site.rule.batch_grads(site.module, args, g, names, opts)

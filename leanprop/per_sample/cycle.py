@@ -128,11 +128,14 @@ class ParamState:
         hands over later, in another graph task (a reentrant checkpoint's), then belongs to
         no individual gradient: ``verify`` compares it with zero."""
         summed, self.summed = self.summed, None  # (only the first gradient may be it)
-        if not allowed or grad.requires_grad:
+        if not allowed:
             return False
+        # (identity first: reading requires_grad in backward goes through the op interception)
         if grad is self.total and self.batch is None:
+            if grad.requires_grad:
+                return False
             self.total = None
-        elif grad is not summed:
+        elif grad is not summed or grad.requires_grad:
             return False
         self.handed = True
         return True

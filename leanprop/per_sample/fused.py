@@ -60,6 +60,13 @@ def _as_fused(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
     return args if len(args) >= 3 and not kwargs else None
 
 
+# the parameter gradients a replaced op's backward is asked for, by (weight's, bias's) need
+_WANT = {
+    (w, b): frozenset(k for k, need in (("weight", w), ("bias", b)) if need)
+    for w in (False, True) for b in (False, True)
+}  # fmt: skip
+
+
 class FusedOp(torch.autograd.Function):
     """``op(x, weight, bias, *extra)`` whose backward feeds the capture."""
 
@@ -77,9 +84,10 @@ class FusedOp(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, _ = ctx.saved_tensors
         module, rule = ctx.module, ctx.call.site.rule
-        want = frozenset(k for k, i in (("weight", 4), ("bias", 5)) if ctx.needs_input_grad[i])
+        needs = ctx.needs_input_grad
+        want = _WANT[needs[4], needs[5]]
         if ctx.capture.layer_outputs_only:  # (a backward to layer outputs: the curvature's)
-            want = frozenset()
+            want = _WANT[False, False]
         sums = ctx.capture.fused_backward(ctx.call, x, g) or {}
         grad_x = sums.get(INPUT)  # (computed with the individual gradients, by some rules)
         sums = {k: v for k, v in sums.items() if k in want}

@@ -57,7 +57,7 @@ def sample_sum(b: Tensor) -> Tensor:
 def sq_norms(b: Tensor) -> Tensor:
     """``||b[n]||²`` for each n: ``[N]``."""
     b = widen(b)
-    flat = b.reshape(b.shape[0], math.prod(b.shape[1:]))  # also for 0-dim parameters
+    flat = b if b.dim() == 2 else b.reshape(b.shape[0], math.prod(b.shape[1:]))  # (0-dim too)
     return torch.linalg.vector_norm(flat, dim=1).square()
 
 

@@ -47,13 +47,18 @@ def linear_batch_l2(
     module: nn.Module, inputs: tuple[Any, ...], g: Tensor, names: frozenset[str],
     options: RuleOptions,
 ) -> dict[str, Tensor]:  # fmt: skip
-    """Squared norms ``[N]`` of the weight's individual gradients, where a closed form is
-    cheaper (the bias's, ``[N, O]``, cost less than their norms' closed form and its sum)."""
+    """Squared norms ``[N]`` of the individual gradients where a closed form is cheaper: the
+    weight's (from the factors' norms, or their Gram matrices), and on a 2-D input the bias's
+    (its individual gradients are the output gradient's rows; on sequences they are sums over
+    positions, ``[N, O]``, whose own sum is cheaper than the summed gradient's pass over
+    ``g``)."""
     x = inputs[0]
     out: dict[str, Tensor] = {}
+    if "bias" in names and x.dim() == 2:
+        out["bias"] = torch.linalg.vector_norm(g, dim=1).square()  # [N]
     if "weight" in names:
-        if x.dim() == 2:
-            out["weight"] = x.pow(2).sum(1) * g.pow(2).sum(1)  # [N]
+        if x.dim() == 2:  # (one product per sample: fewer kernel calls than pow and sum)
+            out["weight"] = torch.linalg.vecdot(x, x) * torch.linalg.vecdot(g, g)  # [N]
         else:
             xs, gs = _as_sequence(x, g)
             t, i, o = xs.shape[1], xs.shape[2], gs.shape[2]
