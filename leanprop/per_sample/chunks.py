@@ -4,6 +4,7 @@ buffer for the chunks' temporaries."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -24,26 +25,50 @@ def sample_chunks(n: int, per_sample_bytes: int, budget_bytes: int) -> Iterator[
         start = stop
 
 
+_Key = tuple[torch.device, torch.dtype, str]
+
+# CPU scratch buffers between backward passes (see Scratch.clear), at most _KEPT_BYTES in all
+_KEPT: dict[_Key, Tensor] = {}
+_KEPT_BYTES = 64 * 2**20
+_KEPT_LOCK = threading.Lock()
+
+
 class Scratch:
-    """One buffer per device and dtype, reused by every chunk of one backward pass for
+    """One buffer per device, dtype and slot, reused by every chunk of one backward pass for
     temporaries that are consumed before the next chunk is computed (individual gradients
     reduced to norms or sums). A fresh large temporary per chunk costs page faults on CPU,
     often more than the arithmetic; the buffer grows to the largest chunk (at most the
-    workspace budget) and is dropped with this object."""
+    workspace budget). On CPU, where a freed large buffer goes back to the system and the next
+    one faults its pages in again (a few ms per step), :meth:`clear` keeps the buffers for the
+    next backward pass (at most 64 MiB in this process, one buffer per device, dtype and
+    slot); elsewhere (the CUDA caching allocator keeps freed memory) they are dropped."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype, str], Tensor] = {}
+        self._buffers: dict[_Key, Tensor] = {}
 
     def take(self, shape: tuple[int, ...], like: Tensor, slot: str = "") -> Tensor:
         """A contiguous uninitialised tensor of ``shape`` with ``like``'s device and dtype,
         valid until the next ``take`` of the same ``slot`` (one per tensor a chunk needs at
-        once, e.g. a layer's weight and bias)."""
+        once, e.g. a layer's weight and bias) or until :meth:`clear`."""
         numel, key = math.prod(shape), (like.device, like.dtype, slot)
         buf = self._buffers.get(key)
+        if buf is None and key[0].type == "cpu" and _KEPT:
+            with _KEPT_LOCK:
+                buf = _KEPT.pop(key, None)
+            if buf is not None:
+                self._buffers[key] = buf
         if buf is None or buf.numel() < numel:
             self._buffers[key] = buf = None  # (the old one is freed before the new one)
             buf = self._buffers[key] = like.new_empty(numel)
         return buf[:numel].view(shape)
 
     def clear(self) -> None:
+        """Done with the buffers: CPU ones kept for the next backward pass (see above)."""
+        with _KEPT_LOCK:
+            for key, buf in self._buffers.items():
+                if key[0].type != "cpu" or key in _KEPT:
+                    continue
+                held = sum(b.numel() * b.element_size() for b in _KEPT.values())
+                if held + buf.numel() * buf.element_size() <= _KEPT_BYTES:
+                    _KEPT[key] = buf
         self._buffers.clear()

@@ -79,3 +79,59 @@ def test_sample_chunks_cover_the_batch_in_near_equal_chunks_within_the_budget(n,
     assert not sizes or max(sizes) - min(sizes) <= 1
     fit = max(1, budget // max(per, 1))
     assert all(s <= fit for s in sizes) and len(chunks) == -(-n // fit)
+
+
+@pytest.fixture
+def no_kept_buffers(monkeypatch):
+    """The process's kept CPU scratch buffers, empty for the test (and as they were after)."""
+    from leanprop.per_sample import chunks
+
+    monkeypatch.setattr(chunks, "_KEPT", {})
+    return chunks
+
+
+def test_cpu_scratch_buffers_are_kept_for_the_next_backward(no_kept_buffers):
+    """A backward's CPU scratch buffer serves the next backward (a fresh one faults its pages
+    in again: a few ms per step), never two live users at once, and never beyond the cap."""
+    like = torch.zeros(())
+    first = Scratch()
+    a = first.take((4, 100), like, "weight")
+    first.clear()
+    second, third = Scratch(), Scratch()
+    b = second.take((2, 100), like, "weight")
+    assert b.data_ptr() == a.data_ptr(), "the first backward's buffer was not reused"
+    c = third.take((2, 100), like, "weight")  # (while the second still uses it)
+    assert c.data_ptr() != b.data_ptr()
+    second.clear()
+    third.clear()  # (one buffer per device, dtype and slot is kept: the other is freed)
+    assert len(no_kept_buffers._KEPT) == 1
+    huge = Scratch()
+    n = no_kept_buffers._KEPT_BYTES // 4 + 1
+    huge.take((n,), like, "huge")
+    huge.clear()
+    assert set(no_kept_buffers._KEPT) == {(like.device, like.dtype, "weight")}
+
+
+def test_kept_scratch_buffers_leave_results_alone(no_kept_buffers):
+    """Two backward passes of BatchL2Grad whose individual gradients go through the scratch
+    buffer (a sequence input: no closed form): the first's norms are not overwritten by the
+    second's use of the kept buffer."""
+    import leanprop
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 5).double()
+    xs = [torch.randn(3, 4, 6, dtype=torch.float64) for _ in range(2)]
+    norms = []
+    for x in xs:
+        model.zero_grad()
+        with leanprop.per_sample(model, BatchL2Grad()):
+            model(x).square().sum().backward()
+        norms.append((model.weight.batch_l2, model.weight.batch_l2.clone()))
+    assert no_kept_buffers._KEPT, "no scratch buffer was used"
+    for got, copy in norms:
+        torch.testing.assert_close(got, copy, rtol=0, atol=0)
+    x = xs[0]
+    ref = torch.stack(
+        [torch.einsum("to,ti->oi", 2 * model(x[i]), x[i]).square().sum() for i in range(3)]
+    ).detach()
+    torch.testing.assert_close(norms[0][0], ref)
