@@ -201,6 +201,8 @@ def _index_of_batch_free(
 
 
 _ORDER_OPS = {"index_select", "getitem", "_pack_padded_sequence"}
+# ops with an index argument _index_arg may find (with the packed RNN ops)
+_READS_INDEX = frozenset({*_ORDER_OPS, "_pad_packed_sequence"})
 _REORDERED = "samples in another order (an index_select, or sorted by length for a packed sequence)"
 _PACKED = (
     "the samples packed into a PackedSequence's data (run the RNN on it, or "
@@ -958,12 +960,7 @@ class BatchTracker:
                 else:
                     derived |= self._derived_input(v, by_edge)
                     detached = detached or (bool(self._detached) and self._is_detached(v))
-        try:
-            index = _index_arg(name, args, kwargs, batched)
-        except (IndexError, TypeError, ValueError, KeyError):
-            index = None
-        if index is not None:  # read by value: its own batch does not reach the outputs
-            batched = [b for b in batched if b[0] != index]
+        batched = _by_value(name, args, kwargs, batched)
         if not batched:
             if derived:
                 params = frozenset(derived)
@@ -983,6 +980,70 @@ class BatchTracker:
                     if found is not None:
                         self._lookups[outs[0]] = found
             return
+        self._record(name, args, kwargs, outs, batched, by_edge, replay)
+
+    def batched_only(
+        self, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> list[tuple[int | str, Tensor, Info]] | None:
+        """The operands of an op that carry the batch, numbered as :meth:`propagate` numbers
+        them, where none of its tensors is a tracked parameter or derives from one (the op
+        then uses no parameter: nothing to capture or watch, only where the batch goes, by
+        :meth:`propagate_batched`); None where one may (by id: a dead tensor's id reused
+        answers None too), or while edges are kept (see :meth:`_recover`): the careful way.
+
+        On every op of the forward: one pass over the operands, by ids first."""
+        if self._edges_kept:
+            return None
+        info_ids, derived, params = self._info.ids, self._derived.ids, self._param_ids
+        batched: list[tuple[int | str, Tensor, Info]] = []
+        for i, a in enumerate(args):
+            for j, t in enumerate(a) if isinstance(a, list | tuple) else ((0, a),):
+                if not isinstance(t, Tensor):
+                    continue
+                key = id(t)
+                if key in derived or key in params:
+                    return None
+                if key in info_ids:
+                    info = self._info.get(t)
+                    if info is not None:  # (a list's j-th tensor counts as argument i + j)
+                        batched.append((i + j, t, info))
+        for key, v in kwargs.items():
+            for t in v if isinstance(v, list | tuple) else (v,):
+                if isinstance(t, Tensor) and (id(t) in derived or id(t) in params):
+                    return None
+            if isinstance(v, Tensor) and id(v) in info_ids:
+                info = self._info.get(v)
+                if info is not None:
+                    batched.append((key, v, info))
+        return batched
+
+    def propagate_batched(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
+        batched: list[tuple[int | str, Tensor, Info]], replay: bool,
+    ) -> None:  # fmt: skip
+        """:meth:`propagate` for an op whose operands carrying the batch are ``batched`` (from
+        :meth:`batched_only`: no operand derives from a parameter): the same result, without
+        looking at the operands again. Where saved-tensor hooks other than a checkpoint's are
+        in effect (edges are kept for the tensors): :meth:`propagate`."""
+        if not replay and saved_tensor_hooks_in_effect() == "other":
+            self.propagate(func, args, kwargs, out, replay)
+            return
+        name = op_name(func)
+        if name in _NON_TENSOR or name in _FACTORIES:
+            return
+        outs = (
+            [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]
+        )
+        batched = _by_value(name, args, kwargs, batched) if outs else []
+        if batched:
+            self._record(name, args, kwargs, outs, batched, False, replay)
+
+    def _record(
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any], outs: list[Tensor],
+        batched: list[tuple[int | str, Tensor, Info]], by_edge: bool, replay: bool,
+    ) -> None:  # fmt: skip
+        """Where the batch of the operands ``batched`` (position or keyword, tensor, info)
+        went in each of the op's tensor outputs ``outs``: recorded."""
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
             results = set()
@@ -1011,12 +1072,12 @@ class BatchTracker:
 
     def propagate_layer(
         self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Tensor, replay: bool
-    ) -> None:
+    ) -> Info | None:
         """:meth:`propagate` for a layer's op whose one batched operand is its input
         ``args[0]`` (a replaced op's: ``fused.py``; its other operands are the layer's
         parameters): the same result, without going through every operand (a few µs per layer
         and step). Anything else (another batched operand, saved-tensor hooks that copy):
-        :meth:`propagate`."""
+        :meth:`propagate`. Returns where the batch is in ``out``."""
         x, info = args[0], self._info.get(args[0]) if isinstance(args[0], Tensor) else None
         others = (*args[1:], *kwargs.values())
         if (
@@ -1025,17 +1086,33 @@ class BatchTracker:
             or (not replay and saved_tensor_hooks_in_effect() == "other")
         ):
             self.propagate(func, args, kwargs, out, replay)
-            return
+            return self.info(out)
         name = op_name(func)
         try:
             res = result_dim(name, args, kwargs, 0, x, info, out, 0, self.n or 0, self)
         except (IndexError, TypeError, ValueError, KeyError):
             res = Lost(f"'{name}' with arguments leanprop cannot read")
         self._info[out] = res
+        return res
 
 
 # the keys of what a tracker keeps in an autograd node's metadata (see BatchTracker._keep)
 _EDGES, _CURVED = "leanprop.batch_of_outputs", "leanprop.curved_output"
+
+
+def _by_value(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any],
+    batched: list[tuple[int | str, Tensor, Info]],
+) -> list[tuple[int | str, Tensor, Info]]:  # fmt: skip
+    """``batched`` without an index argument the op reads by value (see ``_index_arg``):
+    its own batch does not reach the outputs."""
+    if name not in _READS_INDEX and name not in _RNN_OPS:  # (the ops _index_arg knows)
+        return batched
+    try:
+        index = _index_arg(name, args, kwargs, batched)
+    except (IndexError, TypeError, ValueError, KeyError):
+        index = None
+    return batched if index is None else [b for b in batched if b[0] != index]
 
 
 def _combines(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:

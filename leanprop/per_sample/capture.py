@@ -761,14 +761,22 @@ class PerSample:
         """Whether ``t`` is one of the parameters this context computes quantities of."""
         return isinstance(t, Tensor) and t in self._states
 
-    def follows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Called by the op interception: whether this op touches a tracked tensor."""
-        return (
-            self._active
-            and not self._computing
-            and self._intercept is not None
-            and self._tracker.involved(args, kwargs)
-        )
+    def follow_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Called by the op interception for every op it does not replace: run it, and follow
+        it where it touches a tracked tensor. Most ops of a forward take batched tensors and
+        constants only (no parameter): where the batch went is all there is to record;
+        an op that may use a parameter goes through :meth:`run_op`."""
+        if not self._active or self._computing or self._intercept is None:
+            return func(*args, **kwargs)
+        batched = self._tracker.batched_only(args, kwargs)
+        if batched is None:  # (a tracked parameter, or a tensor derived from one, may be used)
+            if not self._tracker.involved(args, kwargs):
+                return func(*args, **kwargs)
+            return self.run_op(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if batched:
+            self.after_op(func, args, kwargs, out, batched)
+        return out
 
     def before_op(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -831,9 +839,9 @@ class PerSample:
             self._cycle.escaped.setdefault(self._states[p].name, name)
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Called by the op interception for an op that touches a tracked tensor: parameters
-        broadcast over the batch (broadcast.py), parameters used in an op with no rule
-        (ops.py), and where the batch went in the outputs."""
+        """An op that touches a tracked tensor and may use a parameter (see
+        :meth:`follow_op`): parameters broadcast over the batch (broadcast.py), parameters
+        used in an op with no rule (ops.py), and where the batch went in the outputs."""
         args, kwargs = self.before_op(func, args, kwargs)
         rule_op = self._rule_op(args, kwargs)
         if rule_op is not None:
@@ -940,11 +948,19 @@ class PerSample:
             self._count_use(frozenset(params))
         return uses
 
-    def after_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any):
-        """Where the batch went in the op's outputs; a functional batch norm in training mode
-        on the batch refused."""
+    def after_op(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+        batched: list[tuple[int | str, Tensor, Any]] | None = None,
+    ) -> None:  # fmt: skip
+        """Where the batch went in the op's outputs (``batched``: its operands that carry the
+        batch, where none derives from a parameter: ``BatchTracker.batched_only``); a
+        functional batch norm in training mode on the batch refused."""
         if self._intercept is not None and not self._computing:
-            self._tracker.propagate(func, args, kwargs, out, replay=self._recomputing())
+            replay = self._recomputing()
+            if batched is None:
+                self._tracker.propagate(func, args, kwargs, out, replay=replay)
+            else:
+                self._tracker.propagate_batched(func, args, kwargs, out, batched, replay)
             if func in _BATCH_NORMS and self._batch_statistics(args, kwargs):
                 self._refuse_batch_statistics(f"'{op_name(func)}' (a functional batch norm)")
 
@@ -967,8 +983,9 @@ class PerSample:
         end of backward, memory growing with depth)."""
         if self._recomputing():
             return
+        states = self._states
         for p in params:
-            self._states[p].uses += 1
+            states[p].uses += 1
 
     def _sink(self) -> ops.Contribute:
         """The current cycle's place for contributions found outside any call."""
@@ -1118,13 +1135,16 @@ class PerSample:
         weight is ``weight``; None to leave the op alone."""
         if self._computing or not self._active or not torch.is_grad_enabled():
             return None
-        candidates = self._fusable_by_weight.get(id(weight), ())
-        site = next((s for s in candidates if s.running and s.module.weight is weight), None)
+        site = None
+        for s in self._fusable_by_weight.get(id(weight), ()):
+            if s.running and s.module._parameters.get("weight") is weight:
+                site = s
+                break
         if (
             site is None
             or type(x) is not Tensor
-            or torch.is_autocast_enabled(x.device.type)
             or site.fused
+            or torch.is_autocast_enabled(x.device.type)
         ):
             return None
         bd = self._rule_batch(site, x)
@@ -1134,9 +1154,10 @@ class PerSample:
         site.calls += 1
         site.fused = True
         # the input lives in the replaced op's autograd graph (it saves it), not in the call
-        call = Call(site, dict(site.direct), None, {}, n, [None], 1, in_bd=bd, out_bd=bd)
-        call.forward, call.replaced = self._sink(), True
-        self._count_use(call.params.values())
+        params = dict(site.direct)
+        call = Call(site, params, None, {}, n, [None], 1, in_bd=bd, out_bd=bd,
+                    forward=self._sink(), replaced=True)  # fmt: skip
+        self._count_use(params.values())
         return call
 
     def end_fused(
@@ -1145,10 +1166,10 @@ class PerSample:
         """Called by the op interceptor after a replaced op: where the batch went in its
         output; an op that mixed the samples (a LayerNorm normalising over the batch, a linear
         layer summing over it) has no per-sample gradients: refused."""
+        info = None
         if self._intercept is not None and not self._computing:
-            self._tracker.propagate_layer(func, args, kwargs, out, replay=self._recomputing())
-        info = self._tracker.info(out) if self._tracking() else None
-        if isinstance(info, Lost):
+            info = self._tracker.propagate_layer(func, args, kwargs, out, self._recomputing())
+        if isinstance(info, Lost) and self._tracking():
             site = call.site
             raise BatchError(
                 f"per_sample: {type(site.module).__name__} '{site.name}' mixes the samples "
@@ -1157,9 +1178,10 @@ class PerSample:
                 "on (batch_dim=, or the layer's configuration)."
             )
 
-    def fused_backward(self, call: Call, x: Tensor, grad: Tensor) -> dict[str, Tensor] | None:
-        """Output gradient of a replaced op: process the call, return its summed gradients
-        (None when the capture is over and the op must do an ordinary backward)."""
+    def fused_backward(self, call: Call, x: Tensor, grad: Tensor) -> Call | None:
+        """Output gradient of a replaced op: the call to process (:meth:`fused_sums`, inside
+        :meth:`own_work`), or None when the capture is over and the op must do an ordinary
+        backward."""
         if self._active and self._kinds:
             call.forward.refuse_if_dropped()
         if not self._active or not self._kinds or call.forward.closed:
@@ -1170,7 +1192,12 @@ class PerSample:
         self._open_cycle()
         call.grads[0] = grad
         call.pending = 0
-        return self._process(call)
+        return call
+
+    def fused_sums(self, call: Call) -> dict[str, Tensor]:
+        """A replaced op's call (from :meth:`fused_backward`) processed: its summed gradients
+        (see ``compute``). Inside :meth:`own_work`."""
+        return self._compute_call(call)
 
     def _site_params(self, site: Site) -> dict[str, nn.Parameter]:
         """Parameters a call of ``site`` is responsible for (names within the module)."""
@@ -1473,11 +1500,15 @@ class PerSample:
             self._process(call)
 
     def _process(self, call: Call) -> dict[str, Tensor]:
+        with self.own_work():
+            return self._compute_call(call)
+
+    def _compute_call(self, call: Call) -> dict[str, Tensor]:
+        """The call's quantities (``compute.py``), inside :meth:`own_work`."""
         call.closed = True
         try:
             self._cycle.from_forward(call.forward)
-            with self.own_work():
-                return compute(call, self._work())
+            return compute(call, self._work())
         except BaseException:
             self._abort_cycle()  # the backward is aborted: the next one starts clean
             raise

@@ -76,6 +76,11 @@ def _slice_batch(x: Any, start: int, stop: int, n: int, dim: int) -> Any:
     return x
 
 
+_L2_ONLY = frozenset({BatchL2Grad})
+_SGS_ONLY = frozenset({SumGradSquared})
+_SHARED = frozenset({BatchGrad})  # what a use of a shared parameter keeps (summed with others)
+
+
 def compute(call: Call, work: Work) -> dict[str, Tensor]:
     """Compute one call's quantities into its parameters' states (``work.states``).
 
@@ -90,22 +95,26 @@ def compute(call: Call, work: Work) -> dict[str, Tensor]:
         input's gradient ``[*x.shape]`` where the rule gave it with the individual gradients.
         A parameter is missing where its closed form gave no sum.
     """
-    site, kinds = call.site, work.kinds
-    if work.observers and site.rule is not None and call.n:
-        front_args, g = _fronted(call)
+    site, kinds, params = call.site, work.kinds, call.params
+    rule = site.rule
+    states = {k: work.states[p] for k, p in params.items()}
+    # a rule's input and output gradient with the batch first, made once (and, for the
+    # closed forms, each input in the dtype the layer computed in: ``liked``)
+    fronted = _fronted(call) if rule is not None and call.n else None
+    liked = None
+    if work.observers and fronted is not None:
         for observe in work.observers:
-            observe(site.module, front_args, g)
-    opts = work.options(next(iter(call.params.values())).device)
-    dtype = next(g.dtype for g in call.grads if g is not None)
+            observe(site.module, *fronted)
+    opts = work.options(next(iter(params.values())).device)
+    first = call.grads[0]
+    dtype = first.dtype if first is not None else next(g.dtype for g in call.grads if g is not None)
     dtype = call.autocast[1] if call.autocast is not None else dtype
-    for p in call.params.values():
-        work.states[p].saw(dtype)
+    for state in states.values():
+        state.saw(dtype)
     # several contributions (weight sharing, or one already formed: a use only counted
     # when a reentrant checkpoint recomputes it) are summed as individual gradients
-    multi = frozenset(
-        k for k, p in call.params.items() if work.states[p].uses > 1 or work.states[p].formed
-    )
-    single = frozenset(call.params) - multi
+    multi = frozenset(k for k, st in states.items() if st.uses > 1 or st.formed)
+    single = frozenset(params) - multi if multi else frozenset(params)
     if work.clipping and call.n:
         # each single use leaves its reweigher; one without (no rule, or none that gives
         # the summed gradient) keeps its individual gradients for the weighted sum
@@ -113,59 +122,58 @@ def compute(call: Call, work: Work) -> dict[str, Tensor]:
         multi, single = multi | (single - reweighed), reweighed
     sums: dict[str, Tensor] = {}
     if call.n == 0:
-        for k, p in call.params.items():
+        for k, p in params.items():
             empty = p.new_zeros(0, *p.shape)
-            sums[k] = _store(p, k in multi, quantities_from_batch(empty, kinds | {BatchGrad}), work)
+            sums[k] = _store(p, k in multi, quantities_from_batch(empty, kinds | _SHARED), work)
         return sums
     closed: dict[str, Tensor] = {}
-    l2_only = kinds == frozenset({BatchL2Grad})
+    l2_only = kinds == _L2_ONLY
     # clipping hands autograd zeros for a replaced op (see below): norms alone are wanted
     hands_zeros = call.replaced and not work.sums_wanted
     if hands_zeros:
         opts = replace(opts, sums_wanted=False)
-    if single and l2_only and site.rule is not None and site.rule.batch_l2 is not None:
-        front_args, g = _fronted(call)
-        args = tuple(_like(a, g) for a in front_args)
-        closed = site.rule.batch_l2(site.module, args, g, single, opts)
+    if single and l2_only and rule is not None and rule.batch_l2 is not None:
+        args, g = liked = _like_all(fronted)
+        closed = rule.batch_l2(site.module, args, g, single, opts)
         for k, v in closed.items():
-            work.states[call.params[k]].results[BatchL2Grad.attr] = widen(v)
-    if single and kinds == frozenset({SumGradSquared}) and site.rule is not None:
+            states[k].results[BatchL2Grad.attr] = widen(v)
+    if single and kinds == _SGS_ONLY and rule is not None:
         closed = _closed_sum_of_squares(call, single, work)  # (the GGN's diagonal passes)
     if closed and hands_zeros:
         # clipping puts back what autograd accumulates: hand it zeros, not the summed
         # gradient (a use that escaped the op still shows in the check)
         for k in closed:
-            p = call.params[k]
-            sums[k] = work.states[p].total = p.new_zeros(()).expand_as(p)
+            p = params[k]
+            sums[k] = states[k].total = p.new_zeros(()).expand_as(p)
     elif closed:  # their sums, for the check (and handed to autograd: not computed again)
-        sums.update(_closed_totals(call, frozenset(closed), work))
-    names = (single - closed.keys()) | multi
-    if multi and site.rule is not None and site.rule.factors is not None:
+        liked = liked or _like_all(fronted)
+        sums.update(_closed_totals(call, frozenset(closed), work, liked))
+    names = (single - closed.keys()) | multi if closed else single | multi
+    if multi and rule is not None and rule.factors is not None:
         # a shared weight: its use as factors (norms without individual gradients, or
         # added to those of its other uses without a temporary)
-        front_args, g = _fronted(call)
-        args = tuple(_like(a, g) for a in front_args)
-        for k, f in site.rule.factors(site.module, args, g, multi).items():
+        args, g = liked = liked or _like_all(fronted)
+        for k, f in rule.factors(site.module, args, g, multi).items():
             # (clipping: the weighted sum from factors, without individual gradients)
             keep = l2_only and (norms_are_cheaper(f) or work.clipping)
-            sums[k] = work.states[call.params[k]].add_factors(f, keep, opts.workspace_bytes)
+            sums[k] = states[k].add_factors(f, keep, opts.workspace_bytes)
         names -= sums.keys()
-    scratch, shared = work.scratch, frozenset({BatchGrad})
+    if not names:
+        return sums
+    scratch = work.scratch
     reducers = {
-        k: Reducer(kinds if k in single else shared, call.params[k], call.n, scratch, k)
-        for k in names
+        k: Reducer(kinds if k in single else _SHARED, params[k], call.n, scratch, k) for k in names
     }
     inputs: list[Tensor] = []  # the input's gradient, where the rule gives it too
-    if names:
-        asked = names | {INPUT} if _input_grad_too(call) else names
-        for chunk in _chunks(call, asked, opts, reducers):
-            for k, b in chunk.items():
-                if k == INPUT:
-                    inputs.append(b)
-                else:
-                    reducers[k].add(b)
+    asked = names | {INPUT} if _input_grad_too(call) else names
+    for chunk in _chunks(call, asked, opts, reducers, fronted):
+        for k, b in chunk.items():
+            if k == INPUT:
+                inputs.append(b)
+            else:
+                reducers[k].add(b)
     for k, r in reducers.items():
-        sums[k] = _store(call.params[k], k in multi, r.result(), work)
+        sums[k] = _store(params[k], k in multi, r.result(), work)
     x = call.args[0] if call.args else None
     grad_x = inputs[0] if len(inputs) == 1 else torch.cat(inputs) if inputs else None
     if grad_x is not None and isinstance(x, Tensor) and grad_x.shape == x.shape:
@@ -221,13 +229,15 @@ def _closed_sum_of_squares(call: Call, names: frozenset[str], work: Work) -> dic
     return done
 
 
-def _closed_totals(call: Call, names: frozenset[str], work: Work) -> dict[str, Tensor]:
+def _closed_totals(
+    call: Call, names: frozenset[str], work: Work, fronted: tuple[tuple[Any, ...], Tensor]
+) -> dict[str, Tensor]:
     """The summed gradients of the parameters ``names`` whose quantities came from a
     closed form (from the rule's ordinary backward, else its factors): kept as their total,
-    so the sum check covers them as it covers the others."""
+    so the sum check covers them as it covers the others. ``fronted``: the rule's inputs and
+    output gradient (``_like_all``)."""
     rule = call.site.rule
-    front_args, g = _fronted(call)
-    args = tuple(_like(a, g) for a in front_args)
+    args, g = fronted
     sums = {}
     if rule.param_grads is not None:  # (the layer's own backward: linear, convolutions)
         sums.update(rule.param_grads(call.site.module, args[0], g, names))
@@ -269,6 +279,13 @@ def _fronted(call: Call) -> tuple[tuple[Any, ...], Tensor]:
     return (to_front(call.args[0], call.in_bd, n), *call.args[1:]), to_front(g, call.out_bd, n)
 
 
+def _like_all(fronted: tuple[tuple[Any, ...], Tensor]) -> tuple[tuple[Any, ...], Tensor]:
+    """A rule call's inputs and output gradient (:func:`_fronted`), each floating input in
+    the dtype the layer computed in (see :func:`_like`)."""
+    args, g = fronted
+    return tuple(_like(a, g) for a in args), g
+
+
 class _Targets(Mapping[str, "Tensor | None"]):
     """The buffers a rule may write a chunk's individual gradients into (``Reducer.target``),
     taken only when the rule asks for one (a rule that returns a view of what it has, a
@@ -292,12 +309,15 @@ class _Targets(Mapping[str, "Tensor | None"]):
 
 
 def _chunks(
-    call: Call, names: frozenset[str], opts: RuleOptions, reducers: dict[str, Reducer]
-) -> Iterator[dict]:
+    call: Call, names: frozenset[str], opts: RuleOptions, reducers: dict[str, Reducer],
+    fronted: tuple[tuple[Any, ...], Tensor] | None,
+) -> Iterator[dict]:  # fmt: skip
+    """Each chunk's individual gradients ``{name: [n_chunk, *p.shape]}`` (``fronted``: a rule
+    call's inputs and output gradient with the batch first, ``_fronted``)."""
     site, n = call.site, call.n
     own = names - {INPUT}  # (INPUT: the rule's input gradient asked for too)
     if site.rule is not None:
-        front_args, front_g = _fronted(call)
+        front_args, front_g = fronted
         per_sample = (
             site.rule.workspace(site.module, front_args, front_g, opts)
             if site.rule.workspace is not None

@@ -83,25 +83,25 @@ class FusedOp(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, _ = ctx.saved_tensors
-        module, rule = ctx.module, ctx.call.site.rule
+        capture, module, rule = ctx.capture, ctx.module, ctx.call.site.rule
         needs = ctx.needs_input_grad
         want = _WANT[needs[4], needs[5]]
-        if ctx.capture.layer_outputs_only:  # (a backward to layer outputs: the curvature's)
+        if capture.layer_outputs_only:  # (a backward to layer outputs: the curvature's)
             want = _WANT[False, False]
-        sums = ctx.capture.fused_backward(ctx.call, x, g) or {}
-        grad_x = sums.get(INPUT)  # (computed with the individual gradients, by some rules)
-        sums = {k: v for k, v in sums.items() if k in want}
-        missing = want - sums.keys()
-        with ctx.capture.own_work():  # the layer's backward ops are not the model's
+        call = capture.fused_backward(ctx.call, x, g)
+        with capture.own_work():  # the layer's backward ops are not the model's
+            sums = {} if call is None else capture.fused_sums(call)
+            grad_x = sums.get(INPUT)  # (computed with the individual gradients, by some rules)
+            missing = want - sums.keys()
             if missing:
-                sums.update(rule.param_grads(module, x, g, missing))
-            if not ctx.needs_input_grad[3]:
+                sums = {**sums, **rule.param_grads(module, x, g, missing)}
+            if not needs[3]:
                 grad_x = None
             elif grad_x is None:
                 grad_x = rule.input_grad(module, x, g)
-        return (None, None, None, grad_x, sums.get("weight"), sums.get("bias")) + (
-            None,
-        ) * ctx.n_extra
+        weight = sums.get("weight") if "weight" in want else None
+        bias = sums.get("bias") if "bias" in want else None
+        return (None, None, None, grad_x, weight, bias) + (None,) * ctx.n_extra
 
 
 _BACKWARD_ENTRIES = (torch.Tensor.backward, torch.autograd.backward)
@@ -275,6 +275,4 @@ class Intercept(TorchFunctionMode):
                 out = FusedOp.apply(capture, call, FUSABLE_OPS[func], *fused)
                 capture.end_fused(call, func, args, kwargs, out)
                 return out
-        if not capture.follows(args, kwargs):
-            return func(*args, **kwargs)
-        return capture.run_op(func, args, kwargs)
+        return capture.follow_op(func, args, kwargs)

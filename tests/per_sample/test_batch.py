@@ -29,23 +29,30 @@ def pad(packed, batch_first=True):
 
 
 class Follow(TorchFunctionMode):
-    def __init__(self, tracker: BatchTracker) -> None:
+    """Follows every op with ``propagate`` or, where ``quick`` (as the op interception does),
+    with ``propagate_batched`` for ops that take no parameter-derived operand."""
+
+    def __init__(self, tracker: BatchTracker, quick: bool = False) -> None:
         super().__init__()
-        self.tracker = tracker
+        self.tracker, self.quick = tracker, quick
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.tracker.propagate(func, args, kwargs, out)
+        batched = self.tracker.batched_only(args, kwargs) if self.quick else None
+        if batched is None:
+            self.tracker.propagate(func, args, kwargs, out)
+        else:
+            self.tracker.propagate_batched(func, args, kwargs, out, batched, False)
         return out
 
 
-def follow(op):
+def follow(op, quick=False):
     tracker = BatchTracker(())
     tracker.n = N
     x = torch.arange(N, dtype=torch.float64).view(N, 1, 1).expand(N, N, N).clone()
     tracker.mark(x, BatchDim(0))
-    with Follow(tracker):
+    with Follow(tracker, quick):
         out = op(x)
     outs = out if isinstance(out, tuple | list) else (out,)
     return [(o, tracker.info(o)) for o in outs]
@@ -172,6 +179,36 @@ def test_batch_followed_exactly(name):
 def test_batch_lost_where_samples_are_selected_or_mixed(name):
     for _out, info in follow(LOSE[name]):
         assert isinstance(info, Lost), f"{name}: {info}"
+
+
+@pytest.mark.parametrize("name", [*KEEP, *LOSE])
+def test_ops_on_batched_operands_alone_are_followed_alike_the_quick_way(name):
+    """The op interception follows an op whose operands carry the batch or are constants
+    (no parameter among them) with ``batched_only`` + ``propagate_batched``: every op gives
+    what ``propagate`` gives."""
+    op = {**KEEP, **LOSE}[name]
+    torch.manual_seed(0)
+    careful = [info for _, info in follow(op)]
+    torch.manual_seed(0)
+    quick = [info for _, info in follow(op, quick=True)]
+    assert quick == careful
+
+
+def test_ops_on_parameters_are_not_taken_the_quick_way():
+    """An operand that is a tracked parameter, or derives from one, sends the op the careful
+    way (``batched_only`` answers None): such an op may be a use to capture."""
+    w = torch.nn.Parameter(torch.randn(N))
+    tracker = BatchTracker([w])
+    tracker.n = N
+    x = torch.randn(N, N)
+    tracker.mark(x, BatchDim(0))
+    derived = w * 2
+    tracker.mark_derived(derived, frozenset({w}))
+    assert tracker.batched_only((x, w), {}) is None
+    assert tracker.batched_only((x,), {"other": derived}) is None
+    assert tracker.batched_only(([x, derived],), {}) is None
+    assert tracker.batched_only((x, torch.randn(N)), {}) == [(0, x, BatchDim(0))]
+    assert tracker.batched_only((torch.randn(N),), {}) == []
 
 
 def test_merged_infos_prefer_sums_of_samples_in_a_fixed_order():

@@ -70,13 +70,20 @@ def test_bf16_autocast(name, backward_inside):
     torch.manual_seed(0)
     model, losses_fn, options = (ZOO.get(name) or hf_models()[name])()
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    with leanprop.per_sample(model, *ALL, **options):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses = losses_fn().float()
-            if backward_inside:
+    try:
+        with leanprop.per_sample(model, *ALL, **options):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses = losses_fn().float()
+                if backward_inside:
+                    losses.sum().backward(retain_graph=True)
+            if not backward_inside:
                 losses.sum().backward(retain_graph=True)
-        if not backward_inside:
-            losses.sum().backward(retain_graph=True)
+    except RuntimeError as e:  # (oneDNN has no bf16 LSTM kernel on some CPUs, AMD EPYC among
+        # them: torch's own forward fails, or, over a PackedSequence, the per-sample passes'
+        # LSTM on one unpacked sequence)
+        if "could not create a primitive descriptor" not in str(e):
+            raise
+        pytest.skip(f"torch's bf16 LSTM kernel is missing on this CPU: {e}")
     expected = individual_gradients_of_losses(losses, params)
     for k, p in params.items():
         for q in ALL:
