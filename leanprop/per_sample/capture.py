@@ -263,6 +263,7 @@ class PerSample:
         self.conv_algorithm = conv_algorithm
         self._workspace_mib = max_workspace_mib
         self._options_made: dict[tuple, RuleOptions] = {}
+        self._work_made: Work | None = None  # (see _work)
         self._check = check
         self._fuse = fuse  # op interception while active (a TorchFunctionMode)
         self._batch_dim = batch_dim
@@ -278,6 +279,7 @@ class PerSample:
         self._captured: frozenset[nn.Parameter] = frozenset()  # rule sites' and op-level
         self._handles: list[RemovableHandle] = []
         self._sites: list[Site] = []
+        self._batch_norms: list[tuple[str, nn.Module]] = []  # (name, module) of the model's
         self._states: dict[nn.Parameter, ParamState] = {}
         self._cycle = Cycle(self._states, self._sites)  # the current forward and its backward
         self._cycle.watch_results = weakref.WeakMethod(self._watch_results)  # (no cycle)
@@ -490,9 +492,8 @@ class PerSample:
                 )
             self._cycle.clear_attrs()
             hooks, model = self._handles, self.model  # (hooks hold this context weakly)
-            for m_name, m in model.named_modules():
-                if isinstance(m, BatchNormBase):
-                    hooks.append(m.register_forward_pre_hook(_Weakly(self._bn_check, m_name)))
+            for m_name, m in self._batch_norms:
+                hooks.append(m.register_forward_pre_hook(_Weakly(self._bn_check, m_name)))
             for site in self._sites:
                 enter = self._on_fallback_enter if site.rule is None else self._on_rule_enter
                 hooks.append(site.module.register_forward_pre_hook(_Weakly(enter, site)))
@@ -542,6 +543,7 @@ class PerSample:
         # a later backward through the graph is an ordinary one
         self._cycle.abort()
         self._sites.clear()
+        self._batch_norms.clear()
         self._fusable_by_weight.clear()
         self._rule_sites_of.clear()
         self._rule_sites_using.clear()
@@ -563,6 +565,8 @@ class PerSample:
         if id(module) in planned:  # one module at several places (a layer registered twice):
             return  # one site takes all its calls
         planned.add(id(module))
+        if isinstance(module, BatchNormBase):  # (refused in training mode: _bn_check)
+            self._batch_norms.append((prefix, module))
         direct = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
         rule = rule_for(module)
         if rule is not None and not set(direct) <= {"weight", "bias"}:
@@ -1535,11 +1539,23 @@ class PerSample:
         return options
 
     def _work(self) -> Work:
-        """The computation of a call's view of this context (``compute.py``)."""
-        return Work(
-            self._kinds, self._states, self._clip is not None, self._sums_wanted(),
-            self._observers, self._cycle.scratch, self._options,
-        )  # fmt: skip
+        """The computation of a call's view of this context (``compute.py``): made again
+        where what it holds changed (the quantities computed, whether sums go into ``.grad``),
+        else the one made for an earlier call."""
+        work, sums_wanted = self._work_made, self._sums_wanted()
+        if (
+            work is None
+            or work.kinds is not self._kinds
+            or work.sums_wanted != sums_wanted
+            or work.clipping != (self._clip is not None)
+            or work.scratch is not self._cycle.scratch
+        ):
+            # (the options through a weak binding: a Work kept here makes no cycle)
+            work = self._work_made = Work(
+                self._kinds, self._states, self._clip is not None, sums_wanted,
+                self._observers, self._cycle.scratch, _Weakly(self._options),
+            )  # fmt: skip
+        return work
 
     def _watch_results(self, nodes: list[Any]) -> None:
         """Hook the nodes of a create_graph backward's results: a later backward that reaches

@@ -310,9 +310,11 @@ class Cycle:
     def clear_attrs(self) -> None:
         """Remove every quantity attribute from the parameters."""
         for p in self.states:
-            for attr in ALL_ATTRS:
-                if hasattr(p, attr):
-                    delattr(p, attr)
+            held = p.__dict__  # (where they are set: most parameters hold none)
+            if held:
+                for attr in ALL_ATTRS:
+                    if attr in held:
+                        delattr(p, attr)
 
     def finish(
         self,

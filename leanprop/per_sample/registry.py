@@ -139,17 +139,27 @@ def register_rule(
     return decorate
 
 
+def _builtin_rules() -> None:
+    """Register the built-in rules (on first use: they import this module)."""
+    if not _BUILTIN:
+        from . import rules  # noqa: F401
+
+        _BUILTIN.append(True)
+
+
+_BUILTIN: list[bool] = []  # (the built-in rules are registered)
+
+
 def has_rule(module_type: type[nn.Module]) -> bool:
     """Whether a rule is registered for ``module_type`` (built-in or by the user)."""
-    from . import rules  # noqa: F401  (registers the built-in rules on first use)
-
+    _builtin_rules()
     return module_type in _RULES
 
 
 def rule_for(module: nn.Module) -> Rule | None:
     """The rule registered for ``type(module)`` exactly, or None."""
-    from . import rules  # noqa: F401  (registers the built-in rules on first use)
-
+    if not _BUILTIN:
+        _builtin_rules()
     return _RULES.get(type(module))
 
 

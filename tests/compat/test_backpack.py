@@ -258,6 +258,8 @@ def test_extend_every_iteration_frees_each_model_without_the_garbage_collector()
             ref = weakref.ref(model)
             del model
             assert ref() is None
+            # (nor its context: a cycle through the context outlived the model)
+            assert all(c.model_alive for c in facade._EXTENDED)
     finally:
         gc.enable()
 
