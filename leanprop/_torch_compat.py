@@ -197,6 +197,11 @@ def function_modes() -> list[object]:
     return list(_get_current_function_mode_stack())
 
 
+def function_modes_active() -> int:
+    """How many ``TorchFunctionMode`` objects are active (on the stack) here."""
+    return torch._C._len_torch_function_stack()
+
+
 def top_function_mode() -> object | None:
     """The innermost active ``TorchFunctionMode``, or None."""
     stack = function_modes()

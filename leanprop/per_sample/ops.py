@@ -32,7 +32,13 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from .._torch_compat import checkpoint_saves_tensors, engine_grad, graph_nodes, saveable
+from .._torch_compat import (
+    checkpoint_saves_tensors,
+    engine_grad,
+    function_modes_active,
+    graph_nodes,
+    saveable,
+)
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
 from .op_rules import closed_form, closed_norms, linear_form, linear_input_grad, linear_reweigher
@@ -263,7 +269,9 @@ class OpCapture(torch.autograd.Function):
             local, out = _local_graph(op, tensors)
         out_leaves, op.out_spec = flatten(out)
         outs = [o for o in out_leaves if isinstance(o, Tensor)]
-        op.nested = _captured_inside(outs, local)
+        # (another context's capture inside: only where another mode is active, as an outer
+        # context's interception is while this one's runs the op; else no walk of the graph)
+        op.nested = function_modes_active() > 0 and _captured_inside(outs, local)
         op.out_leaves = [_TENSOR if isinstance(o, Tensor) else o for o in out_leaves]
         ctx.op = op
         ctx.n_local = len(local)
