@@ -11,6 +11,9 @@ bytes held at once by tensor storages created inside the block.
   This counts exactly the tensor bytes (no allocator slack), deterministically.
   Not counted: scratch memory an op allocates and frees internally (e.g. a convolution's
   workspace), and tensors created without going through the dispatcher (``torch.from_numpy``).
+  The scratch buffers :func:`leanprop.per_sample` keeps on CPU between backward passes (at
+  most 64 MiB) are released at entry: a backward inside the block makes them anew, and its
+  peak counts them (else a step after the first would hide the memory it holds).
 
 Why not RSS (what ``memory_profiler`` and ``/proc/self/status`` report)? The resident set
 includes memory the allocator keeps after tensors are freed (glibc arenas and heap
@@ -31,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._torch_compat import TorchDispatchMode, tree_leaves
 from ..errors import LeanpropValueError
+from ..per_sample.chunks import release_kept
 
 
 def _storage_key(t: Tensor) -> tuple[str, int]:
@@ -172,6 +176,7 @@ class track_memory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            release_kept()  # (see the module's docstring)
             self._mode = _LiveStorages(_tensors_of(self._existing))
             self._mode.__enter__()
         return self

@@ -33,6 +33,14 @@ _KEPT_BYTES = 64 * 2**20
 _KEPT_LOCK = threading.Lock()
 
 
+def release_kept() -> None:
+    """Free the CPU scratch buffers kept between backward passes (the next backward makes its
+    own again): so that a measured block pays for them as a first step does, and its peak
+    holds them (``leanprop.track_memory`` calls it on entry)."""
+    with _KEPT_LOCK:
+        _KEPT.clear()
+
+
 class Scratch:
     """One buffer per device, dtype and slot, reused by every chunk of one backward pass for
     temporaries that are consumed before the next chunk is computed (individual gradients

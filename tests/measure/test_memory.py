@@ -66,6 +66,29 @@ def test_freed_memory_inside_a_training_step():
     assert mem.peak_mib == mem.peak_bytes / 2**20
 
 
+def test_per_sample_scratch_kept_between_steps_is_counted_in_each_step():
+    """per_sample keeps its CPU scratch buffers from one backward for the next: a step
+    measured after another must count them (they were hidden, and the benchmarks reported
+    BatchL2Grad at the plain step's peak where it held a chunk of individual gradients)."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    x = torch.randn(32, 64, 64)  # (long sequences: the individual weight gradients are formed)
+
+    def step() -> int:
+        with (
+            track_memory(existing=[model, x]) as mem,
+            leanprop.per_sample(model, leanprop.BatchL2Grad()),
+        ):
+            model(x).square().sum().backward()
+        for p in model.parameters():
+            p.grad = None
+        return mem.peak_bytes
+
+    first, second = step(), step()
+    scratch = 32 * 128 * 64 * 4  # one layer's individual weight gradients, one chunk
+    assert first >= scratch
+    assert second == first
+
+
 def test_bad_device():
     with pytest.raises(LeanpropValueError, match=r"got device 'meta'"):
         track_memory("meta")
