@@ -85,12 +85,25 @@ SUITES: dict[str, Suite] = {
 }
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo; elsewhere what platform tells)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict:
-    """What the numbers were measured on."""
+    """What the numbers were measured on (the same code's ratios move with the CPU)."""
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu": _cpu_model(),
         "cpu_threads": torch.get_num_threads(),
     }
     if torch.cuda.is_available():
