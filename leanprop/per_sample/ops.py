@@ -182,13 +182,17 @@ class OpSpec:
 
 def _captured_inside(outs: Sequence[Tensor], local: Sequence[Tensor]) -> bool:
     """Whether the local graph of an op (``outs`` back to the views ``local``) runs one of
-    leanprop's autograd functions: another per_sample context (nested contexts on the same
-    parameters) captured the op, or an operand of it, inside it."""
+    the per-sample engine's autograd functions: another per_sample context (nested contexts on
+    the same parameters) captured the op, or an operand of it, inside it. (Not leanprop's
+    other functions: ``chunked_linear_cross_entropy``'s own, a gradient transform's.)"""
     stop = frozenset(id(t.grad_fn) for t in local if t.grad_fn is not None)
     return any(
-        getattr(node, "_forward_cls", type).__module__.startswith("leanprop.")
+        getattr(node, "_forward_cls", type).__module__.startswith(_ENGINE)
         for node in graph_nodes((o.grad_fn for o in outs), stop)
     )
+
+
+_ENGINE = __name__.rpartition(".")[0] + "."  # (this package: leanprop.per_sample.)
 
 
 def _kept(t: Tensor) -> Tensor:

@@ -1891,6 +1891,52 @@ def test_nested_contexts_with_op_level_layers_each_compute_theirs(inner_on, quan
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+@pytest.mark.parametrize("contexts", ["one", "two on disjoint modules"])
+def test_chunked_cross_entropy_is_not_taken_for_another_contexts_capture(contexts):
+    """An op-level capture of ``chunked_linear_cross_entropy`` has leanprop's own autograd
+    function in its local graph, which was taken for another context's capture (nested
+    contexts): create_graph was refused with "two nested per_sample contexts both track"
+    where none, or one other context on other parameters, was open; the op's own refusal
+    comes instead. Without create_graph, exact."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mix, self.head = nn.Linear(4, 4), nn.Linear(4, 11)
+
+        def forward(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.mix(h)).flatten(0, 1)
+            return leanprop.chunked_linear_cross_entropy(
+                h, self.head.weight, y.flatten(), self.head.bias, chunk_size=3
+            )
+
+    torch.manual_seed(0)
+    body, top = nn.Linear(4, 4).double(), Head().double()
+    x, y = torch.randn(4, 4, 4, dtype=torch.float64), torch.randint(0, 11, (4, 4))
+
+    def opened() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if contexts != "one":
+            stack.enter_context(leanprop.per_sample(body, BatchGrad()))
+        stack.enter_context(leanprop.per_sample(top, BatchGrad()))
+        return stack
+
+    with opened(), pytest.raises(UnsupportedModelError, match="chunk by chunk"):
+        top(body(x), y).backward(create_graph=True)
+    for p in [*body.parameters(), *top.parameters()]:
+        p.grad = None
+    with opened():
+        top(body(x), y).backward()
+    rows = [
+        torch.autograd.grad(
+            top(body(x[i : i + 1]), y[i : i + 1]) / 4, list(top.parameters())
+        )  # (a mean over the 16 tokens: each sample's share)
+        for i in range(4)
+    ]
+    for j, p in enumerate(top.parameters()):
+        assert_close(p.grad_batch, torch.stack([r[j] for r in rows]), f"{j}", 1e-10, 1e-12)
+
+
 def test_nested_contexts_with_op_level_layers_under_create_graph_are_refused_clearly():
     """Under create_graph the op's graph is rebuilt without the other context's capture:
     the outer context got nothing ("got a gradient but no per-sample quantities"). Refused
