@@ -789,6 +789,9 @@ class PerSample:
         of one that joins values in which the samples were combined: watched (escapes.py)."""
         if not torch.is_grad_enabled():
             return args, kwargs
+        if not args and "tensors" in kwargs and op_name(func) in broadcast.CONCAT_MEETINGS:
+            kwargs = dict(kwargs)  # (torch.cat(tensors=[...]): positional, as meet reads it)
+            args = (kwargs.pop("tensors"),)
         if self._tracking():
             owned = self._captured - self._in_rule.keys() if self._in_rule else self._captured
             args = broadcast.meet(

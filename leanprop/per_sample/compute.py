@@ -161,8 +161,9 @@ def compute(call: Call, work: Work) -> dict[str, Tensor]:
     if not names:
         return sums
     scratch = work.scratch
-    reducers = {
-        k: Reducer(kinds if k in single else _SHARED, params[k], call.n, scratch, k) for k in names
+    reducers = {  # (in a fixed order: an error names the first, whatever the hash seed)
+        k: Reducer(kinds if k in single else _SHARED, params[k], call.n, scratch, k)
+        for k in sorted(names)
     }
     inputs: list[Tensor] = []  # the input's gradient, where the rule gives it too
     asked = names | {INPUT} if _input_grad_too(call) else names

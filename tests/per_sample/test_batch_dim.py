@@ -60,6 +60,33 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
 
 
+def test_class_token_concatenated_by_keyword_is_exact():
+    """``torch.cat(tensors=[cls, x], dim=1)``: the keyword form raised IndexError where a
+    tracked parameter is in the list (the concatenation was read positionally only)."""
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cls = nn.Parameter(torch.randn(1, 1, 4))
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            cls = self.cls.expand(x.shape[0], 1, 4)
+            return self.fc(torch.cat(tensors=[cls, x], dim=1))
+
+    torch.manual_seed(0)
+    model = Tokens().double()
+    x = torch.randn(5, 4, 4, dtype=torch.float64)  # (N == T + 1: 5)
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).square().sum().backward()
+    rows = [
+        torch.autograd.grad(model(x[i : i + 1]).square().sum(), list(model.parameters()))
+        for i in range(5)
+    ]
+    for j, (k, p) in enumerate(model.named_parameters()):
+        assert_close(p.grad_batch, torch.stack([r[j] for r in rows]), k, 1e-10, 1e-12)
+
+
 @pytest.mark.parametrize(("n", "t"), [(6, 6), (4, 6)])
 def test_position_embedding_broadcast_over_the_batch(n, t):
     torch.manual_seed(0)

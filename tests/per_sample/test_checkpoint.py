@@ -4,6 +4,10 @@ a weight tied between the checkpointed block and the head: exact, or a clear err
 from __future__ import annotations
 
 import contextlib
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -88,6 +92,31 @@ def test_reentrant_reuse_without_individual_gradients_is_an_error():
         leanprop.per_sample(model, BatchL2Grad()),
     ):
         model(x).square().sum().backward()
+
+
+def test_reentrant_reuse_error_names_one_parameter_whatever_the_hash_seed():
+    """The error named the weight or the bias by the set's order (PYTHONHASHSEED 0 and 1
+    gave each): a parameter's quantities are formed in a fixed order."""
+    script = (
+        "import torch, leanprop\n"
+        "from tests.per_sample.test_checkpoint import Checkpointed\n"
+        "model = Checkpointed(reentrant=True, tied=False, uses=3).double()\n"
+        "x = torch.randn(5, 5, 4, dtype=torch.float64)\n"
+        "try:\n"
+        "    with leanprop.per_sample(model, leanprop.BatchL2Grad()):\n"
+        "        model(x).square().sum().backward()\n"
+        "except leanprop.UnsupportedModelError as e:\n"
+        '    print(str(e).split("\'")[1])\n'
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    named = {
+        subprocess.run(
+            [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout.strip()
+        for seed in (0, 1)
+    }  # fmt: skip
+    assert named == {"block.3.bias"}
 
 
 class CheckpointedLast(nn.Module):
