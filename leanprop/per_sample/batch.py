@@ -923,9 +923,7 @@ class BatchTracker:
         name = op_name(func)
         if name in _NON_TENSOR or name in _FACTORIES:
             return
-        outs = (
-            [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]
-        )
+        outs = _tensor_outputs(out)
         if not outs:
             return
         batched: list[tuple[int | str, Tensor, Info]] = []
@@ -1031,9 +1029,7 @@ class BatchTracker:
         name = op_name(func)
         if name in _NON_TENSOR or name in _FACTORIES:
             return
-        outs = (
-            [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]
-        )
+        outs = _tensor_outputs(out)
         batched = _by_value(name, args, kwargs, batched) if outs else []
         if batched:
             self._record(name, args, kwargs, outs, batched, False, replay)
@@ -1169,6 +1165,11 @@ def _merge(results: set[Info]) -> Info:
     if plain:
         return plain[0]
     return Lost("inputs of one op carry the batch in different places or orders")
+
+
+def _tensor_outputs(out: Any) -> list[Tensor]:
+    """An op's tensor outputs, flattened."""
+    return [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]
 
 
 def _flat(out: Any) -> list[Any]:

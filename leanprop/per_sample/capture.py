@@ -1186,7 +1186,7 @@ class PerSample:
             )
 
     def fused_backward(self, call: Call, x: Tensor, grad: Tensor) -> Call | None:
-        """Output gradient of a replaced op: the call to process (:meth:`fused_sums`, inside
+        """Output gradient of a replaced op: the call to process (:meth:`compute_call`, inside
         :meth:`own_work`), or None when the capture is over and the op must do an ordinary
         backward."""
         if self._active and self._kinds:
@@ -1200,11 +1200,6 @@ class PerSample:
         call.grads[0] = grad
         call.pending = 0
         return call
-
-    def fused_sums(self, call: Call) -> dict[str, Tensor]:
-        """A replaced op's call (from :meth:`fused_backward`) processed: its summed gradients
-        (see ``compute``). Inside :meth:`own_work`."""
-        return self._compute_call(call)
 
     def _site_params(self, site: Site) -> dict[str, nn.Parameter]:
         """Parameters a call of ``site`` is responsible for (names within the module)."""
@@ -1508,10 +1503,11 @@ class PerSample:
 
     def _process(self, call: Call) -> dict[str, Tensor]:
         with self.own_work():
-            return self._compute_call(call)
+            return self.compute_call(call)
 
-    def _compute_call(self, call: Call) -> dict[str, Tensor]:
-        """The call's quantities (``compute.py``), inside :meth:`own_work`."""
+    def compute_call(self, call: Call) -> dict[str, Tensor]:
+        """The call's quantities (``compute.py``) and its summed gradients, inside
+        :meth:`own_work` (a replaced op's backward runs there whole)."""
         call.closed = True
         try:
             self._cycle.from_forward(call.forward)

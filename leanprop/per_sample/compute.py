@@ -114,7 +114,7 @@ def compute(call: Call, work: Work) -> dict[str, Tensor]:
     # several contributions (weight sharing, or one already formed: a use only counted
     # when a reentrant checkpoint recomputes it) are summed as individual gradients
     multi = frozenset(k for k, st in states.items() if st.uses > 1 or st.formed)
-    single = frozenset(params) - multi if multi else frozenset(params)
+    single = frozenset(params) - multi
     if work.clipping and call.n:
         # each single use leaves its reweigher; one without (no rule, or none that gives
         # the summed gradient) keeps its individual gradients for the weighted sum
@@ -148,7 +148,7 @@ def compute(call: Call, work: Work) -> dict[str, Tensor]:
     elif closed:  # their sums, for the check (and handed to autograd: not computed again)
         liked = liked or _like_all(fronted)
         sums.update(_closed_totals(call, frozenset(closed), work, liked))
-    names = (single - closed.keys()) | multi if closed else single | multi
+    names = (single - closed.keys()) | multi
     if multi and rule is not None and rule.factors is not None:
         # a shared weight: its use as factors (norms without individual gradients, or
         # added to those of its other uses without a temporary)

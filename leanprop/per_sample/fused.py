@@ -90,7 +90,7 @@ class FusedOp(torch.autograd.Function):
             want = _WANT[False, False]
         call = capture.fused_backward(ctx.call, x, g)
         with capture.own_work():  # the layer's backward ops are not the model's
-            sums = {} if call is None else capture.fused_sums(call)
+            sums = {} if call is None else capture.compute_call(call)
             grad_x = sums.get(INPUT)  # (computed with the individual gradients, by some rules)
             missing = want - sums.keys()
             if missing:
