@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 
 def assert_close(actual: Tensor, expected: Tensor, what: str, rtol: float, atol: float) -> None:
@@ -92,31 +93,54 @@ def positive_curvature_blocks(model, x, loss_fn, y, power=1):
     return blocks
 
 
-def kfra_oracle(model: nn.Sequential, x, loss_fn, y) -> dict[str, list[Tensor]]:
-    """KFRA's Kronecker factors of a Sequential of linear layers and per-sample modules, by its
-    definition with brute-force pieces: ``B = sum_n H_n`` from the loss's full Hessian with
-    respect to the output, then module by module back: a linear layer takes ``[B, E[a a^T]]``
-    (weight) and ``[B]`` (bias) and passes ``W^T B W``; any other module ``1/N sum_n J_n^T B
-    J_n`` with its per-sample Jacobians by ``torch.func.jacrev`` (deterministic modules only:
-    dropout would draw new masks)."""
+def kfra_oracle(
+    model: nn.Sequential, x, loss_fn, y, differentiable: bool = False
+) -> dict[str, list[Tensor]]:
+    """KFRA's Kronecker factors of a Sequential of linear layers, convolutions and
+    per-sample modules, by its definition with brute-force pieces: ``B = sum_n H_n`` from the
+    loss's full Hessian with respect to the output, then module by module back: a linear layer
+    takes ``[B, E[a a^T]]`` (weight) and ``[B]`` (bias) and passes ``W^T B W``; a convolution
+    ``[B_c, E[sum_l p_l p_l^T]]`` and ``[B_c]`` (``B_c``: ``B`` summed over the output
+    positions on both sides; ``p_l`` its input patches, from the output's Jacobian with respect
+    to the weight), as BackPACK's; any
+    other module (and a convolution, to pass ``B`` on) ``1/N sum_n J_n^T B J_n`` with its
+    per-sample Jacobians by ``torch.func.jacrev`` (deterministic modules only: dropout would
+    draw new masks). ``differentiable``: the factors as functions of the parameters."""
+    keep = (lambda t: t) if differentiable else (lambda t: t.detach())
     inputs, h = [], x
     for m in model:
         inputs.append(h)
         h = m(h)
     n, k = h.shape[0], h[0].numel()
-    hess = torch.autograd.functional.hessian(lambda o: loss_fn(o, y), h.detach())
+    hess = torch.autograd.functional.hessian(
+        lambda o: loss_fn(o, y), keep(h), create_graph=differentiable
+    )
     hess = hess.reshape(n, k, n, k)
     b = torch.diagonal(hess, dim1=0, dim2=2).sum(-1)  # sum_n H_nn
     out: dict[str, list[Tensor]] = {}
     for i in reversed(range(len(model))):
-        m, a = model[i], inputs[i].detach()
+        m, a = model[i], keep(inputs[i])
         if isinstance(m, nn.Linear):
             out[f"{i}.weight"] = [b, a.T @ a / n]
             if m.bias is not None:
                 out[f"{i}.bias"] = [b]
-            b = m.weight.detach().T @ b @ m.weight.detach()
-        else:
-            jac = torch.func.vmap(torch.func.jacrev(lambda s, m=m: m(s[None])[0]))(a)
-            jac = jac.reshape(n, -1, a[0].numel())  # [N, out units, in units]
-            b = torch.einsum("nji,jk,knl->il", jac, b, jac.transpose(0, 1)) / n
+            b = keep(m.weight).T @ b @ keep(m.weight)
+            continue
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            c = m.out_channels
+            b_c = b.view(c, b.shape[0] // c, c, -1).sum((1, 3))
+            conv = (F.conv1d, F.conv2d, F.conv3d)[a.dim() - 3]
+            # each output position's patch: d out[n, 0, l] / d W[0] (the same for every channel)
+            jac = torch.autograd.functional.jacobian(
+                lambda w, m=m, a=a, conv=conv: conv(a, w, None, m.stride, m.padding, m.dilation),
+                m.weight.detach(),
+                create_graph=differentiable,
+            )  # [N, C_out, *S_out, C_out, C_in, *k]
+            patches = jac[:, 0].flatten(1, -m.weight.dim() - 1)[:, :, 0].flatten(2)  # [N, L, K]
+            out[f"{i}.weight"] = [b_c, torch.einsum("nlk,nlj->kj", patches, patches) / n]
+            if m.bias is not None:
+                out[f"{i}.bias"] = [b_c]
+        jac = torch.func.vmap(torch.func.jacrev(lambda s, m=m: m(s[None])[0]))(a)
+        jac = jac.reshape(n, -1, a[0].numel())  # [N, out units, in units]
+        b = torch.einsum("nji,jk,knl->il", jac, b, jac.transpose(0, 1)) / n
     return out

@@ -647,6 +647,40 @@ def test_kfra_against_backpack(act, loss):
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize(
+    ("d", "pools"), [(1, False), (2, False), (3, False), (2, True)],
+    ids=["conv1d", "conv2d", "conv3d", "conv2d-pools"],
+)  # fmt: skip
+def test_kfra_on_convolutions_against_backpack(d, pools):
+    """KFRA through convolutions, pooling, padding and a flatten (BackPACK has 2d pooling
+    modules only). BackPACK 1.7.1's max and average pooling fail in float64 (their
+    temporaries are float32): those run in float32; the others in float64."""
+    bp = pytest.importorskip("backpack")
+    dtype = torch.float32 if pools else torch.float64
+    conv, max_pool, avg_pool = {
+        1: (nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d), 2: (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d),
+        3: (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d),
+    }[d]  # fmt: skip
+    torch.manual_seed(0)
+    between = [max_pool(2), nn.ZeroPad2d((1, 0, 0, 1))] if pools else []
+    after = [avg_pool(2)] if pools else []
+    side = {1: 9, 2: 8, 3: 5}[d]
+    x = torch.randn(5, 2, *([side] * d), dtype=dtype)
+    model = nn.Sequential(conv(2, 3, 3, padding=1), nn.ReLU(), *between,
+                          conv(3, 4, 2, stride=2, padding=1), nn.Sigmoid(), *after, nn.Flatten(),
+                          nn.LazyLinear(5), nn.Tanh(), nn.Linear(5, 3))  # fmt: skip
+    model(x.float())
+    model = model.to(dtype)
+    y = torch.randint(0, 3, (5,))
+    mine = _facade_then_backpack(bp, model, nn.CrossEntropyLoss, x, y, ["KFRA"])
+    tol = (1e-10, 1e-13) if dtype == torch.float64 else (1e-5, 1e-7)
+    for k, p in model.named_parameters():
+        assert len(mine[k]["kfra"]) == len(p.kfra), k
+        for i, (a, b) in enumerate(zip(mine[k]["kfra"], p.kfra, strict=True)):
+            assert_close(a, b, f"{k}.kfra[{i}]", *tol)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_token_level_cross_entropy_against_backpack():
     """Cross-entropy on [N, C, T] (classes second, a target per position), as BackPACK takes
     it; T == N + 3 and a 1x1 convolution over the positions."""

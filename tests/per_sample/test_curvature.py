@@ -9,6 +9,7 @@ import importlib
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import leanprop
@@ -406,6 +407,114 @@ def test_kfra_against_its_definition(act, loss):
     torch.testing.assert_close(torch.kron(*model[0].weight.kfra), full, rtol=1e-10, atol=1e-12)
 
 
+def _conv_chain(d: int, pools: bool) -> nn.Sequential:
+    """Convolutions with what lies between them in CNNs: activations, zero padding, max and
+    average pooling, a flatten, then linear layers."""
+    conv, max_pool, avg_pool = {
+        1: (nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d), 2: (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d),
+        3: (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d),
+    }[d]  # fmt: skip
+    pad = {  # (a constant other than zero: the same Jacobian)
+        1: lambda: nn.ConstantPad1d((1, 2), 0.5), 2: lambda: nn.ZeroPad2d((1, 0, 0, 1)),
+        3: lambda: nn.ConstantPad3d(1, 0.0),
+    }[d]  # fmt: skip
+    layers = [conv(2, 3, 3, padding=1), nn.ReLU()]
+    layers += [max_pool(2), pad()] if pools else [pad()]
+    layers += [conv(3, 4, 2, stride=2, dilation=1 if pools else 2), nn.Sigmoid()]
+    layers += [avg_pool(2)] if pools else []
+    return nn.Sequential(*layers, nn.Flatten(), nn.LazyLinear(5), nn.Tanh(), nn.Linear(5, 3))
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("pools", [True, False], ids=["pools", "no-pools"])
+def test_kfra_on_convolutions_against_its_definition(d, pools):
+    """KFRA through convolutions, max and average pooling, padding and flattening, against its
+    definition (each module's per-sample Jacobians by jacrev). Batches of 1, 3 (not dividing
+    the units carried back, packed N per pass), 4 (== the channels of the last convolution)
+    and 9 (more samples than some layers' units per sample)."""
+    side = {1: 10, 2: 8, 3: 4}[d]
+    for n in (1, 3, 4, 9):
+        torch.manual_seed(n)
+        model = _conv_chain(d, pools)
+        x = torch.randn(n, 2, *([side] * d))
+        model(x)  # (the lazy layer's size)
+        model, x = model.double(), x.double()
+        y = torch.randint(0, 3, (n,))
+        loss_fn = nn.CrossEntropyLoss()
+        with leanprop.per_sample(model) as ctx:
+            leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.KFRA())
+        expected = kfra_oracle(model, x, loss_fn, y)
+        assert expected.keys() == dict(model.named_parameters()).keys()
+        for k, p in model.named_parameters():
+            assert len(p.kfra) == len(expected[k]), k
+            for i, (a, b) in enumerate(zip(p.kfra, expected[k], strict=True)):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13, msg=f"{k}[{i}], N={n}")
+
+
+@pytest.mark.parametrize("d", [2, 3])
+def test_kfra_through_adaptive_pooling_against_its_definition(d):
+    conv = (nn.Conv2d, nn.Conv3d)[d - 2]
+    max_pool, avg_pool = {
+        2: (nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool2d),
+        3: (nn.AdaptiveMaxPool3d, nn.AdaptiveAvgPool3d),
+    }[d]  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(conv(2, 3, 2), nn.ReLU(), max_pool(3), conv(3, 4, 2), nn.Tanh(),
+                          avg_pool(1), nn.Flatten(), nn.Linear(4, 3)).double()  # fmt: skip
+    x, y = torch.randn(3, 2, *([6] * d), dtype=torch.float64), torch.randint(0, 3, (3,))
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.KFRA())
+    expected = kfra_oracle(model, x, loss_fn, y)
+    for k, p in model.named_parameters():
+        for i, (a, b) in enumerate(zip(p.kfra, expected[k], strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13, msg=f"{k}[{i}]")
+
+
+def test_kfra_of_a_convolution_with_one_sample_is_kflr():
+    """With one sample nothing is averaged: a convolution's KFRA factors are its KFLR ones
+    (computed by other code: the GGN's square root backpropagated)."""
+    torch.manual_seed(0)
+    model = _conv_chain(2, pools=True)
+    x = torch.randn(1, 2, 8, 8)
+    model(x)
+    model, x, y = model.double(), x.double(), torch.tensor([1])
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.KFRA(), leanprop.KFLR())
+    for k, p in model.named_parameters():
+        for a, b in zip(p.kfra, p.kflr, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13, msg=k)
+
+
+def test_kfra_through_convolutions_under_create_graph():
+    """``create_graph=True``: the factors carried back through a convolution (and pooling)
+    are the same values, and differentiate as the oracle's (autograd through every step)."""
+    torch.manual_seed(0)
+    model = _conv_chain(2, pools=True)
+    x = torch.randn(3, 2, 8, 8)
+    model(x)
+    model, x, y = model.double(), x.double(), torch.randint(0, 3, (3,))
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.KFRA(), create_graph=True)
+    params = list(model.parameters())
+    factors = [t for p in params for t in p.kfra]
+    oracle = kfra_oracle(model, x, loss_fn, y, differentiable=True)
+    expected = [t for k, _ in model.named_parameters() for t in oracle[k]]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in factors]
+    ours = sum((t * w).sum() for t, w in zip(factors, weights, strict=True))
+    theirs = sum((t * w).sum() for t, w in zip(expected, weights, strict=True))
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(ours, params, allow_unused=True)
+    want = torch.autograd.grad(theirs, params, allow_unused=True)
+    for p, a, b in zip(params, got, want, strict=True):
+        a = torch.zeros_like(p) if a is None else a
+        b = torch.zeros_like(p) if b is None else b
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 class _Branches(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -420,7 +529,14 @@ def test_kfra_refuses_what_is_not_a_chain_of_linear_layers():
     shared = nn.Linear(3, 3)
     cases = {
         "two layers": (_Branches(), torch.randn(4, 3)),
-        "a Conv1d layer": (nn.Sequential(nn.Conv1d(2, 2, 3), nn.Flatten()), torch.randn(4, 2, 5)),
+        "groups=2": (
+            nn.Sequential(nn.Conv1d(2, 2, 3, groups=2), nn.Flatten()),
+            torch.randn(4, 2, 5),
+        ),
+        "padding_mode='reflect'": (
+            nn.Sequential(nn.Conv1d(2, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten()),
+            torch.randn(4, 2, 5),
+        ),
         r"a Linear layer \(not a linear one on \[N, I\]": (
             nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
             torch.randn(4, 5, 3),
@@ -734,14 +850,14 @@ def test_closed_form_sum_grad_squared_is_checked():
 def test_kronecker_input_patches_are_the_convolutions(d):
     """The im2col patches ``A`` is built from (a hand-written unfold for 1d and 3d) satisfy
     ``conv(x, W) = W_flat @ patches`` for the layer's stride, dilation and padding."""
-    from leanprop.per_sample.curvature.kronecker import _unfolded
+    from leanprop.per_sample.curvature.kronecker import unfolded
 
     torch.manual_seed(0)
     conv_cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1]
     conv = conv_cls(2, 3, (3, 2, 2)[:d], stride=(2, 1, 1)[:d], padding=(1, 2, 0)[:d],
                     dilation=(1, 2, 1)[:d], bias=False).double()  # fmt: skip
     x = torch.randn(4, 2, *(7, 8, 6)[:d], dtype=torch.float64)
-    patches = _unfolded(conv, x)
+    patches = unfolded(conv, x)
     got = torch.einsum("ok,nkl->nol", conv.weight.flatten(1), patches)
     torch.testing.assert_close(got, conv(x).flatten(2), rtol=1e-12, atol=1e-12)
 
@@ -1007,8 +1123,83 @@ def test_kfra_refuses_ops_that_move_the_samples_or_are_not_elementwise(between):
     x, y = torch.randn(5, 5, dtype=torch.float64), torch.randint(0, 3, (5,))
     with leanprop.per_sample(model) as ctx:
         out = model(x)
-        with pytest.raises(UnsupportedModelError, match="neither elementwise nor a view"):
+        with pytest.raises(UnsupportedModelError, match="neither elementwise, pooling, padding"):
             leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.KFRA())
+
+
+class _Wide(nn.Module):
+    """A linear layer to ``[N, 25]``, ``between`` (to ``[N, 5]``), a linear layer."""
+
+    def __init__(self, between) -> None:
+        super().__init__()
+        self.a, self.b, self.between = nn.Linear(5, 25), nn.Linear(5, 3), between
+
+    def forward(self, x):
+        return self.b(self.between(self.a(x)))
+
+
+@pytest.mark.parametrize(
+    "between",
+    [lambda h: h.view(5, 5, 5).sum(0), lambda h: h.view(5, 5, 5).mean(-3),
+     lambda h: F.pad(h.view(5, 5, 5), (0, 0, 0, 0, 1, -1)).sum(-1)],
+    ids=["summed-over-the-samples", "mean-over-the-samples", "padded-over-the-samples"],
+)  # fmt: skip
+def test_kfra_refuses_linear_ops_that_mix_the_samples(between):
+    """Ops linear in their input whose first dimension stays the batch's (N == 5 == the
+    units), but which mix the samples: taken as the same for every sample, they would be
+    silently wrong. The per-sample engine's batch tracking refuses them in the forward; the
+    BackPACK facade, which tracks no batch, gets KFRA's own refusal."""
+    from leanprop.compat import backpack as facade
+
+    torch.manual_seed(0)
+    model = _Wide(between).double()
+    x, y = torch.randn(5, 5, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(leanprop.errors.BatchError), leanprop.per_sample(model):
+        model(x)
+    model, loss_fn = facade.extend(model), facade.extend(nn.CrossEntropyLoss())
+    try:
+        with (
+            pytest.raises(UnsupportedModelError, match=r"KFRA.*neither elementwise"),
+            facade.backpack(facade.extensions.KFRA()),
+        ):
+            loss_fn(model(x), y).backward()
+    finally:
+        facade.unextend(model)
+        facade.unextend(loss_fn)
+
+
+class _ConvCalledOtherwise(nn.Module):
+    """A convolution's weight used by ``F.conv2d`` with another stride than the module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(2, 3, 3), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(F.conv2d(x, self.conv.weight, self.conv.bias, stride=2).flatten(1))
+
+
+def test_kfra_refuses_a_convolution_weight_called_with_other_options():
+    """Its factors would be formed with the module's stride, not the call's."""
+    from leanprop.compat import backpack as facade
+
+    torch.manual_seed(0)
+    model = _ConvCalledOtherwise().double()
+    x, y = torch.randn(4, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        with pytest.raises(UnsupportedModelError, match="KFRA"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.KFRA())
+    model, loss_fn = facade.extend(model), facade.extend(nn.CrossEntropyLoss())
+    try:
+        with (
+            pytest.raises(UnsupportedModelError, match=r"KFRA.*not all in linear layers"),
+            facade.backpack(facade.extensions.KFRA()),
+        ):
+            loss_fn(model(x), y).backward()
+    finally:
+        facade.unextend(model)
+        facade.unextend(loss_fn)
 
 
 def test_kfra_refuses_layers_of_another_context():

@@ -21,10 +21,10 @@ from torch.nn import functional as F
 
 from ...errors import UnsupportedModelError
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _unfolded(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: Tensor) -> Tensor:
+def unfolded(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: Tensor) -> Tensor:
     """The input as im2col patches ``[N, C_in * prod(k), positions]``."""
     if isinstance(module, nn.Conv2d):
         return F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
@@ -38,6 +38,33 @@ def _unfolded(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: Tensor) -> Tensor:
     positions = x.shape[2 : 2 + d]
     x = x.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d))
     return x.reshape(n, c * math.prod(k), math.prod(positions))
+
+
+def unsupported_conv(module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> str | None:
+    """Why a convolution's Kronecker factors are not defined (as BackPACK's), or None."""
+    name = type(module).__name__
+    if isinstance(module.padding, str) or module.padding_mode != "zeros":
+        return (
+            f"{name} with padding={module.padding!r}, padding_mode={module.padding_mode!r}; "
+            "Kronecker factors are computed for explicit zero padding (padding=<int or tuple>, "
+            "padding_mode='zeros')"
+        )
+    if module.groups != 1:
+        return (
+            f"{name} with groups={module.groups}; Kronecker factors are defined for groups=1 "
+            "(as in BackPACK)"
+        )
+    return None
+
+
+def input_factor(module: nn.Module, x: Tensor) -> Tensor:
+    """The input-side factor ``A`` of a linear layer (``x`` ``[N, I]``: ``[I, I]``) or a
+    convolution (``x`` ``[N, C_in, *S]``: ``[C_in k..., C_in k...]``), averaged over the
+    samples."""
+    if isinstance(module, nn.Linear):
+        return x.mT @ x / x.shape[0]
+    cols = unfolded(module, x)  # [N, K, L]
+    return torch.einsum("nkl,njl->kj", cols, cols) / x.shape[0]
 
 
 class KroneckerFactors:
@@ -57,7 +84,7 @@ class KroneckerFactors:
     def observe(self, module: nn.Module, inputs: tuple[Any, ...], g: Tensor) -> None:
         """One call of ``module`` in the current pass: input ``inputs[0]`` and output gradient
         ``g``, both with the batch first."""
-        if not isinstance(module, (nn.Linear, *_CONV)):
+        if not isinstance(module, (nn.Linear, *CONVS)):
             return
         if self._pass.get(module) == self.passes:
             raise UnsupportedModelError(
@@ -74,25 +101,14 @@ class KroneckerFactors:
                     "factors are defined for [N, in_features] inputs (as in BackPACK)."
                 )
             b = g.mT @ g
-            if module not in self.a:
-                self.a[module] = x.mT @ x / x.shape[0]
         else:
-            if isinstance(module.padding, str) or module.padding_mode != "zeros":
-                raise UnsupportedModelError(
-                    f"{self.name}: {type(module).__name__} with padding={module.padding!r}, "
-                    f"padding_mode={module.padding_mode!r}; Kronecker factors are computed "
-                    "for explicit zero padding (padding=<int or tuple>, padding_mode='zeros')."
-                )
-            if module.groups != 1:
-                raise UnsupportedModelError(
-                    f"{self.name}: {type(module).__name__} with groups={module.groups}; "
-                    "Kronecker factors are defined for groups=1 (as in BackPACK)."
-                )
+            why = unsupported_conv(module)
+            if why is not None:
+                raise UnsupportedModelError(f"{self.name}: {why}.")
             summed = g.flatten(2).sum(2)  # [N, C_out]
             b = summed.mT @ summed
-            if module not in self.a:
-                cols = _unfolded(module, x)  # [N, K, L]
-                self.a[module] = torch.einsum("nkl,njl->kj", cols, cols) / x.shape[0]
+        if module not in self.a:
+            self.a[module] = input_factor(module, x)
         self.b[module] = b if module not in self.b else self.b[module] + b
 
     def results(self) -> dict[nn.Parameter, list[Tensor]]:
