@@ -319,6 +319,40 @@ def test_kronecker_factors_under_create_graph_differentiate_as_the_ggn_block(con
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+class _AttentionHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.att = nn.Embedding(7, 4), nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        return self.head(self.att(h, h, h, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.parametrize("kind", ["KFLR", "KFAC"])
+def test_kronecker_factors_refuse_parameters_outside_linear_and_conv_layers(kind):
+    """An embedding's and an attention's parameters (used at the op level) have no Kronecker
+    factors: they were left without the attribute, silently, while the head got its factors.
+    Refused, naming them; frozen, the head's factors are its KFLR as without them."""
+    torch.manual_seed(0)
+    model = _AttentionHead().double()
+    tokens, y = torch.randint(0, 7, (3, 5)), torch.randint(0, 3, (3,))
+    q = getattr(leanprop, kind)()
+    with leanprop.per_sample(model) as ctx:
+        out = model(tokens)
+        with pytest.raises(UnsupportedModelError, match=f"{kind}: 5 parameter.*'emb.weight'"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, q)
+    assert not any(hasattr(p, q.attr) for p in model.parameters())
+    for p in [*model.emb.parameters(), *model.att.parameters()]:
+        p.requires_grad_(False)
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, model(tokens), nn.CrossEntropyLoss(), y, leanprop.KFLR())
+    h = model.att(*[model.emb(tokens)] * 3, need_weights=False)[0].mean(1).detach()
+    ref = ggn_blocks(model.head, h, nn.CrossEntropyLoss(), y)
+    torch.testing.assert_close(model.head.bias.kflr[0], ref["bias"][0], rtol=1e-10, atol=1e-13)
+
+
 def test_kfac_estimates_kflr():
     model, x, y = _kron_problem(2, 4)
     loss_fn = nn.CrossEntropyLoss()

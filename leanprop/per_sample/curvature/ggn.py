@@ -346,6 +346,26 @@ def _both_signs(
     return [(sign, residual_squares(contexts, act, r, sign, layers)) for sign in (1.0, -1.0)]
 
 
+def _refuse_unfactored(
+    contexts: Sequence[PerSample], params: list[nn.Parameter], reached: list[bool],
+    kron: dict[nn.Parameter, list[Tensor]], name: str,
+) -> None:  # fmt: skip
+    """Kronecker factors asked for: every parameter the output depends on must have them (as
+    BackPACK refuses a module its extension does not cover), not be left without a result."""
+    missing = [
+        _name_of(contexts, p) for p, r in zip(params, reached, strict=True) if r and p not in kron
+    ]
+    if missing:
+        shown = ", ".join(f"'{k}'" for k in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise UnsupportedModelError(
+            f"{name}: {len(missing)} parameter(s) the output depends on are not in an nn.Linear "
+            "on [N, in_features] inputs or an nn.Conv1d/2d/3d called as a module, where "
+            f"Kronecker factors are defined (as in BackPACK): {shown}. Freeze them "
+            "(requires_grad_(False)) to get the factors of the others, or ask for "
+            "DiagGGNExact or SqrtGGNExact, which cover every layer."
+        )
+
+
 def _name_of(contexts: Sequence[PerSample], p: nn.Parameter) -> str:
     return next((f"{k}" for c in contexts for k, q in c.model.named_parameters() if q is p), "?")
 
@@ -499,6 +519,8 @@ def _passes(
                         continue
                 diag[i] = summed if diag[i] is None else diag[i] + summed
     kron = {} if factors is None else factors.results()
+    if factors is not None:
+        _refuse_unfactored(contexts, params, [d is not None for d in diag], kron, factors.name)
     for i, p in enumerate(params):
         if diag[i] is None:
             continue  # the output does not depend on it
