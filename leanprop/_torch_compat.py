@@ -87,6 +87,14 @@ def graph_nodes(starts: Iterable[Any], stop: frozenset[int] = frozenset()) -> It
         todo.extend(fn for fn, _ in node.next_functions)
 
 
+def not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or, where it is a view (``F.linear`` on a ``[N, T, I]`` input with a bias returns
+    one), the same memory as a tensor autograd does not take for a view: a custom
+    ``Function``'s output that is a view refuses in-place ops (``ReLU(inplace=True)``,
+    ``h += x``), which the op replaced accepts (``aten._unsafe_view``: no copy)."""
+    return t if t._base is None else torch.ops.aten._unsafe_view(t, t.shape)
+
+
 def saveable(t: torch.Tensor | None) -> torch.Tensor | None:
     """What a custom autograd Function saves (``ctx.save_for_backward``) for its input ``t``:
     a leaf that requires grad (a parameter) as a view of itself. On torch 2.8 (not 2.13),

@@ -171,6 +171,39 @@ def resnet_batchnorm_eval() -> Built:
     return m, lambda: F.cross_entropy(m(x), y, reduction="none"), {}
 
 
+class InPlaceAfterLayers(nn.Module):
+    """Results changed in place right after the layer that made them, each accepted by plain
+    autograd: an embedding's output scaled in place; ``h += x`` and ``ReLU(inplace=True)``
+    after a Linear on ``[N, T, D]`` (whose output is a view); the residual added in place to
+    an eval-mode BatchNorm's output (HF ResNet's blocks)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(7, d), nn.Linear(d, d)
+        self.conv, self.bn = nn.Conv1d(d, d, 1), nn.BatchNorm1d(d)
+        self.bn.running_mean.uniform_(-0.5, 0.5)
+        self.bn.running_var.uniform_(0.5, 1.5)
+        self.bn.eval()
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:  # [N, T]
+        h = self.emb(ids)
+        h.mul_(2.0)
+        z = self.lin(h)
+        z += h
+        z = F.relu(z, inplace=True)
+        c = self.bn(self.conv(z.transpose(1, 2)))  # [N, D, T]
+        c += z.transpose(1, 2)
+        return self.head(c.mean(-1))
+
+
+@model
+def in_place_after_layers() -> Built:
+    m = InPlaceAfterLayers()
+    ids = torch.randint(0, 7, (N, N))
+    return m, lambda: per_sample_sq(m(ids)), {}
+
+
 class _TokensGroupNorm(nn.Module):
     """GroupNorm over tokens turned to channels: ``[N, T, C] -> [N, C, T]``, a transposed
     (non-contiguous) input, as in audio and time-series models."""

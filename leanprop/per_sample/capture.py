@@ -131,6 +131,18 @@ _SECOND_CLIPPED_BACKWARD = (
 )
 
 
+def _whole_base(t: Tensor) -> Tensor | None:
+    """The tensor ``t`` is a view of, where ``t`` is all of it in the same layout (a reshape of
+    an op's result) and it has a gradient of its own, else None."""
+    base = t._base
+    if base is None or base.grad_fn is None or base.numel() != t.numel():
+        return None
+    same = (
+        t.is_contiguous() and base.is_contiguous() and t.storage_offset() == base.storage_offset()
+    )
+    return base if same else None
+
+
 class _Weakly:
     """``method(*bound, *args)`` while the method's object lives: the hooks on the user's
     modules and tensors never keep a context (nor, through it, the model) alive."""
@@ -1256,9 +1268,16 @@ class PerSample:
         for i, t in enumerate(leaves):
             if isinstance(t, Tensor) and t.requires_grad:
                 call.pending += 1
-                self._cycle.tensor_handles.append(
+                # (a layer's output that is a view of the whole op's result, F.linear's on
+                # [N, T, I]: hooked at the result, whose gradient is the same; the view's own
+                # node leaves the graph when the view is changed in place, `h += x`)
+                base = _whole_base(t) if site.rule is not None else None
+                hook = (
                     t.register_hook(_Weakly(self._on_output_grad, call, i))
+                    if base is None
+                    else base.register_hook(_Weakly(self._on_base_grad, call, i, t.shape))
                 )
+                self._cycle.tensor_handles.append(hook)
         call.hooked = call.pending
         if call.pending and params:
             self._count_use(params.values())
@@ -1472,6 +1491,9 @@ class PerSample:
                 and any(q is p for q in call.params.values())
             ):
                 self._process(call)
+
+    def _on_base_grad(self, call: Call, index: int, shape: torch.Size, grad: Tensor) -> None:
+        self._on_output_grad(call, index, grad.view(shape))
 
     def _on_output_grad(self, call: Call, index: int, grad: Tensor) -> None:
         if not self._active or not self._kinds or self._computing or self._passive:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
-from .._torch_compat import engine_backward, engine_grad, function_modes, saveable
+from .._torch_compat import engine_backward, engine_grad, function_modes, not_a_view, saveable
 from .registry import INPUT
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class FusedOp(torch.autograd.Function):
         # then too (no copy) has autograd refuse a weight changed in place since the forward,
         # as it does for the op replaced
         ctx.save_for_backward(saveable(x), saveable(weight) if x.requires_grad else None)
-        return op(x, weight, bias, *extra)
+        return not_a_view(op(x, weight, bias, *extra))
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from .._torch_compat import (
     function_modes_active,
     graph_nodes,
     saveable,
+    saved_tensor_hooks_in_effect,
 )
 from .batch import BatchDim, op_name, to_front
 from .chunks import Scratch, sample_chunks
@@ -279,11 +281,19 @@ class OpCapture(torch.autograd.Function):
         op.out_leaves = [_TENSOR if isinstance(o, Tensor) else o for o in out_leaves]
         ctx.op = op
         ctx.n_local = len(local)
-        # a linear op's outputs are not needed by its backward; another op's are compared
-        # with a fresh graph's under create_graph (randomness inside the op)
-        ctx.stubbed = closed_form_op
+        # the outputs of a linear op and of a layer rule's (an embedding's: deterministic) are
+        # not needed by its backward, which leaves them free to change in place (`h *= 2`);
+        # another op's are compared with a fresh graph's under create_graph (randomness
+        # inside the op)
+        ctx.stubbed = closed_form_op or op.rule is not None
         ctx.out_grad = [o.requires_grad for o in outs]
-        kept_outs = map(_stub, outs) if ctx.stubbed else outs
+        ctx.held = None
+        if ctx.stubbed:
+            kept_outs = list(map(_stub, outs))
+        elif saved_tensor_hooks_in_effect() is None:
+            ctx.held, kept_outs = _held(outs)
+        else:  # (a checkpoint's or save_on_cpu's hooks: saved as they want)
+            kept_outs = outs
         ctx.save_for_backward(*local, *kept_outs, *map(saveable, tensors))
         results = tuple(o.detach() for o in outs)
         ctx.mark_non_differentiable(*(r for r in results if not r.is_floating_point()))
@@ -295,9 +305,13 @@ class OpCapture(torch.autograd.Function):
         saved = ctx.saved_tensors
         k = ctx.n_local
         local, outs = list(saved[:k]), list(saved[k : len(saved) - k])
+        if ctx.held is not None:
+            outs = ctx.held.outs
         if torch.is_grad_enabled():
             if op.nested and not op.contribute.closed:
                 raise _nested_create_graph(op)
+            if ctx.held is not None and ctx.held.changed():
+                raise _changed_in_place(op)
             # create_graph: differentiate a fresh graph of the op (a backward of the results,
             # run later, may free the saved one while passing through it)
             with op.contribute.computing():  # not an op of the model: not captured again
@@ -373,6 +387,40 @@ class OpCapture(torch.autograd.Function):
             if generic:
                 _generic(live, generic, local, op)
         return (None, *result)
+
+
+@dataclass(eq=False)
+class _Held:
+    """An op's local outputs, held beside its saved tensors rather than saved: saved, a change
+    of the op's result in place (``h += x`` after an eval-mode BatchNorm), which the op alone
+    accepts, fails the backward's version check; the local graph's own saved tensors still
+    check what its backward reads."""
+
+    outs: list[Tensor]
+    versions: list[int]
+
+    def changed(self) -> bool:
+        return any(o._version != v for o, v in zip(self.outs, self.versions, strict=True))
+
+
+def _held(outs: list[Tensor]) -> tuple[_Held, list[Tensor]]:
+    """``outs`` held, and the tensor to save in their place: an empty one whose release with
+    the op's other saved tensors (after a backward without ``retain_graph``, or with the
+    graph) releases them too."""
+    anchor = torch.empty(0)
+    weakref.finalize(anchor, outs.clear)
+    return _Held(outs, [o._version for o in outs]), [anchor]
+
+
+def _changed_in_place(op: OpSpec) -> Exception:
+    from ..errors import UnsupportedModelError
+
+    return UnsupportedModelError(
+        f"per_sample: backward(create_graph=True) through '{op_name(op.func)}', whose result "
+        "was changed in place afterwards (e.g. `h += x`): leanprop cannot check that its fresh "
+        "graph for the second derivatives computes the same values. Change it out of place "
+        "(`h = h + x`) to differentiate the quantities."
+    )
 
 
 def _nested_create_graph(op: OpSpec) -> Exception:

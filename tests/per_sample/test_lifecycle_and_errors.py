@@ -1989,3 +1989,22 @@ def test_metadata_and_gradient_bookkeeping_are_not_followed(monkeypatch):
         _ = w * 2  # (a use: followed)
         _ = w.grad
     assert len(followed) == 2 and "mul" in followed[0] and followed[1] == "__get__", followed
+
+
+def test_create_graph_through_an_op_whose_result_changed_in_place_is_refused():
+    """Its fresh graph for the second derivatives cannot be checked against the forward's
+    values (which would tell randomness inside the op); without create_graph it is exact (the
+    model zoo's in_place_after_layers)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 3, 1), nn.BatchNorm1d(3)).double().eval()
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+
+    def forward() -> torch.Tensor:
+        h = model(x)
+        h += x  # (in place on the BatchNorm's result)
+        return h.square().sum()
+
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        loss = forward()
+        with pytest.raises(leanprop.UnsupportedModelError, match="changed in place"):
+            loss.backward(create_graph=True)

@@ -133,3 +133,39 @@ def test_a_sum_not_taken_by_autograd_is_not_held():
     state.add_batch(individual, summed=individual.sum(0))
     assert not state.hand_over(individual.sum(0).float(), allowed=True)  # (another tensor)
     assert state.summed is None
+
+
+def test_an_op_captures_outputs_go_with_its_saved_tensors():
+    """An op captured without a closed form (an eval-mode BatchNorm's) holds its local
+    outputs beside its saved tensors, not among them (its result may change in place): they
+    go when a backward without retain_graph frees the saved tensors, and with the graph when
+    no backward comes; a retained graph keeps them for the next backward."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 3, 1), nn.BatchNorm1d(3), nn.Flatten()).eval()
+    x = torch.randn(N, 3, 5)
+
+    def held(out: torch.Tensor) -> list[weakref.ref]:
+        nodes, refs = [out.grad_fn], []
+        while nodes:
+            node = nodes.pop()
+            if node is None:
+                continue
+            refs += [weakref.ref(o) for o in getattr(getattr(node, "held", None), "outs", [])]
+            nodes += [n for n, _ in node.next_functions]
+        return refs
+
+    with leanprop.per_sample(model, BatchGrad()):
+        out = model(x)
+        refs = held(out)
+        assert refs and all(r() is not None for r in refs)
+        out.square().sum().backward(retain_graph=True)
+        assert all(r() is not None for r in refs)  # (retained: another backward may come)
+        out.square().sum().backward()
+        gc.collect()
+        assert all(r() is None for r in refs)
+        refs = held(model(x))  # (the graph dropped at once: no backward)
+        gc.collect()
+        assert refs and all(r() is None for r in refs)
