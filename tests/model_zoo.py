@@ -575,7 +575,18 @@ def hf_models() -> dict[str, Callable[[], Built]]:
         img, y = torch.randn(N, 3, 4, 4), torch.randint(0, 3, (N,))
         return m, lambda: F.cross_entropy(m(pixel_values=img).logits, y, reduction="none"), {}
 
+    def bart() -> Built:  # encoder-decoder; its key projections' biases get no gradient
+        cfg = tf.BartConfig(
+            vocab_size=30, d_model=8, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+            decoder_ffn_dim=16, max_position_embeddings=16, pad_token_id=1, bos_token_id=0,
+            eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+        )  # fmt: skip
+        m = tf.BartForConditionalGeneration(cfg)
+        ids = torch.randint(3, 30, (N, N))
+        return m, lambda: token_losses(m(input_ids=ids, labels=ids).logits, ids), {}
+
     return {
         "hf_gpt2": gpt2, "hf_gpt2_wide": gpt2_wide, "hf_llama": llama, "hf_bert": bert,
-        "hf_vit": vit,
+        "hf_vit": vit, "hf_bart": bart,
     }  # fmt: skip

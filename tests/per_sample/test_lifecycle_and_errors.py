@@ -2008,3 +2008,28 @@ def test_create_graph_through_an_op_whose_result_changed_in_place_is_refused():
         loss = forward()
         with pytest.raises(leanprop.UnsupportedModelError, match="changed in place"):
             loss.backward(create_graph=True)
+
+
+class SmallEscape(nn.Module):
+    """The weight used again in an in-place op outside its module (as InPlaceUse's, an op
+    leanprop leaves alone), its share of the gradient a millionth of the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + torch.zeros_like(h).addmm_(x, self.lin.weight.t(), alpha=1e-6)
+
+
+def test_the_sum_check_takes_a_module_scale_for_rounding_not_for_errors():
+    """A parameter's difference may be taken relative to its module's gradient (a bias whose
+    gradient is zero but for rounding, HF BART's key projections'); an escaped use a millionth
+    of the module's gradient is still refused in float64."""
+    model = SmallEscape().double()
+    with (
+        pytest.raises(UnsupportedModelError, match=r"do not add up.*'lin\.weight'"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(torch.randn(4, 3, dtype=torch.float64)).square().sum().backward()
