@@ -1100,8 +1100,11 @@ def _by_value(
     name: str, args: Sequence[Any], kwargs: dict[str, Any],
     batched: list[tuple[int | str, Tensor, Info]],
 ) -> list[tuple[int | str, Tensor, Info]]:  # fmt: skip
-    """``batched`` without an index argument the op reads by value (see ``_index_arg``):
-    its own batch does not reach the outputs."""
+    """``batched`` without an index argument the op reads by value (see ``_index_arg``), nor
+    the tensor ``x.type_as(other)`` and ``x.to(other)`` take their dtype and device from: its
+    own batch does not reach the outputs."""
+    if name in ("type_as", "to"):
+        return [b for b in batched if b[0] == 0]
     if name not in _READS_INDEX and name not in _RNN_OPS:  # (the ops _index_arg knows)
         return batched
     try:

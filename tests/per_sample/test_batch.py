@@ -59,6 +59,9 @@ def follow(op, quick=False):
 
 
 KEEP = {
+    # (the other tensor gives the dtype alone; its batch, of another shape, is not the output's)
+    "type_as another batched tensor": lambda x: x[:, 0].float().type_as(x),
+    "to another batched tensor": lambda x: x[:, :, 0].float().to(x),
     "view": lambda x: x.view(N, N * N),
     "flatten samples": lambda x: x.reshape(N * N, N),
     "flatten then back": lambda x: x.reshape(-1, N).view(N, N, N),
