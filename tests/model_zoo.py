@@ -135,6 +135,39 @@ def convnext_blocks() -> Built:
     return m, lambda: per_sample_sq(m(x)), {}
 
 
+class GRN(nn.Module):
+    """ConvNeXt V2's global response normalisation (channels last): a vector norm over the
+    positions, divided by its mean over the channels (HF's ``ConvNextV2GRN``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1, 1, 1, dim), 0.3))
+        self.bias = nn.Parameter(torch.full((1, 1, 1, dim), 0.1))
+
+    def forward(self, h: Tensor) -> Tensor:  # [N, H, W, C]
+        g = torch.linalg.vector_norm(h, ord=2, dim=(1, 2), keepdim=True)
+        return self.weight * (h * (g / (g.mean(dim=-1, keepdim=True) + 1e-6))) + self.bias + h
+
+
+@model
+def convnext_v2_grn() -> Built:
+    m = nn.Sequential(nn.Conv2d(3, 4, 2), Permuted(GRN(4)), nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(N, 3, N, N)  # H == W == N
+    m(x)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+class Permuted(nn.Module):
+    """``inner`` on channels-last ``[N, H, W, C]``, back to ``[N, C, H, W]``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
 class ResBlock(nn.Module):
     def __init__(self, c: int, norm: Callable[[int], nn.Module]) -> None:
         super().__init__()

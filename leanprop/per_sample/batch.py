@@ -255,7 +255,7 @@ _INDEX_OPS = {
 _REDUCTIONS = {
     "sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "norm", "logsumexp",
     "all", "any", "argmax", "argmin", "nansum", "nanmean", "median", "var_mean", "std_mean",
-    "count_nonzero",
+    "count_nonzero", "linalg_vector_norm",
 }  # fmt: skip
 _BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it there
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
@@ -1124,7 +1124,8 @@ def _combines(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 def _reduced_dims(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """The dimensions a reduction's call names; None where it reduces every element."""
-    d = _dims_arg(args, kwargs, 1, "dim", "axis")
+    # (torch.linalg.vector_norm(x, ord, dim, keepdim): the order first)
+    d = _dims_arg(args, kwargs, 2 if name == "linalg_vector_norm" else 1, "dim", "axis")
     d = None if isinstance(d, bool) or d == [] or d == () else d  # std(x, True): unbiased
     if name in ("norm", "std", "var") and not isinstance(d, int | list | tuple):
         return None  # (norm(x, 2): the order, not a dimension)

@@ -17,6 +17,7 @@ from leanprop.per_sample.batch import BatchDim, BatchTracker, Lost, to_front
 
 N = 4
 PERM = torch.tensor([2, 0, 3, 1])
+inf = float("inf")
 LENGTHS = torch.tensor([2, N, 1, 3])
 
 
@@ -59,6 +60,9 @@ def follow(op, quick=False):
 
 
 KEEP = {
+    # (the largest magnitude: each sample's value stays its index)
+    "vector norm over other dimensions": lambda x: torch.linalg.vector_norm(x, inf, (1, 2), True),
+    "vector norm by keyword": lambda x: torch.linalg.vector_norm(x, ord=inf, dim=-1),
     # (the other tensor gives the dtype alone; its batch, of another shape, is not the output's)
     "type_as another batched tensor": lambda x: x[:, 0].float().type_as(x),
     "to another batched tensor": lambda x: x[:, :, 0].float().to(x),
@@ -134,6 +138,8 @@ KEEP = {
 }
 
 LOSE = {
+    "vector norm over the samples": lambda x: torch.linalg.vector_norm(x, 2, (0, 2)),
+    "vector norm of everything": lambda x: torch.linalg.vector_norm(x),
     "permuted": lambda x: x.index_select(0, PERM),
     "permuted, flattened, back": lambda x: x.index_select(0, PERM).reshape(N * N, N),
     "permuted plus in order, then back": lambda x: (x.index_select(0, PERM) + x).index_select(
