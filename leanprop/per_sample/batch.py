@@ -695,6 +695,10 @@ class BatchTracker:
         self._param_ids = frozenset(map(id, self.params))  # (held in ``params``: ids stay theirs)
         self.n: int | None = None
         self._info = _ByTensor()  # tensor -> Info
+        # tensor -> why its values mix samples, where it requires grad: one sample's values
+        # through another's (softmax or flip along the batch, o @ o.T) or joined with a value
+        # over all samples (o - o.mean(0)); a loss from one has no per-sample parts
+        self._mixed = _ByTensor()
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
         self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
         # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
@@ -719,6 +723,7 @@ class BatchTracker:
         weight prepared outside the model, a penalty), they are still batch-free."""
         self.n = None
         self._info = _ByTensor()
+        self._mixed = _ByTensor()
         self._forward = object()
         self._edges_kept = False
         self._accumulators = {}
@@ -775,6 +780,11 @@ class BatchTracker:
 
     def mark(self, t: Tensor, info: Info) -> None:
         self._info[t] = info
+
+    def mixed(self, t: Any) -> str | None:
+        """Why ``t``'s values mix samples (see ``_record``), or None: a loss computed from such
+        values is no sum of per-sample terms."""
+        return self._mixed.get(t) if isinstance(t, Tensor) else None
 
     def info(self, t: Any) -> Info | None:
         """Where ``t`` carries the batch; None if it does not (or is not a tensor)."""
@@ -1043,6 +1053,7 @@ class BatchTracker:
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
             results = set()
+            mixing = None  # (why this op mixes the samples of an input that requires grad)
             for i, t, info in batched:
                 if name in _ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
                     info = Reordered(_REORDERED, info.dim, tuple(range(t.shape[info.dim])))
@@ -1056,11 +1067,18 @@ class BatchTracker:
                     results.add(Combined(f"'{name}' over {info.reason}") if combined else info)
                 else:
                     try:
-                        results.add(result_dim(name, args, kwargs, i, t, info, o, k, n, self))
+                        r = result_dim(name, args, kwargs, i, t, info, o, k, n, self)
                     except (IndexError, TypeError, ValueError, KeyError):
-                        results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
+                        r = Lost(f"'{name}' with arguments leanprop cannot read")
+                    results.add(r)
+                    if type(r) is Lost and r.reason.endswith(_MIXES) and t.requires_grad:
+                        mixing = r.reason
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
+            if o.requires_grad:
+                mixing = mixing or _mixing(name, batched, res, self._mixed)
+                if mixing is not None:
+                    self._mixed[o] = mixing
             if by_edge:
                 self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
@@ -1157,6 +1175,37 @@ def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup 
     return Lookup(ids, weight, padding)
 
 
+# the reasons of a Lost that say the op mixes samples itself (not where it selects some, or
+# where leanprop cannot tell)
+_MIXES = ("mixes samples", "attention over the batch dimension")
+_DIFFERENT_PLACES = "inputs of one op carry the batch in different places or orders"
+
+
+def _mixing(
+    name: str, batched: list[tuple[int | str, Tensor, Info]], res: Info, mixed: _ByTensor
+) -> str | None:
+    """Why an op's output (which requires grad; ``res``: where its batch is) mixes samples,
+    from its operands ``batched``: one of them does; a value over all samples that requires
+    grad is joined with one that carries the batch (``o - o.mean(0)``); or two that require
+    grad carry it in different places (``o @ o.T``). None where it does not."""
+    for _, t, _ in batched:
+        reason = mixed.get(t)
+        if reason is not None:
+            return reason
+    over_all = [i for _, t, i in batched if isinstance(i, Combined) and t.requires_grad]
+    per_sample = [i for _, _, i in batched if type(i) not in (Lost, Combined)]
+    if over_all and per_sample:
+        return (
+            f"'{name}' joins each sample's values with a value over all samples "
+            f"({over_all[0].reason})"
+        )
+    if type(res) is Lost and res.reason == _DIFFERENT_PLACES:
+        carrying = [t for _, t, i in batched if not isinstance(i, Lost) and t.requires_grad]
+        if len(carrying) > 1:
+            return f"'{name}': {_DIFFERENT_PLACES} (each sample's values with the others')"
+    return None
+
+
 def _merge(results: set[Info]) -> Info:
     """Inputs whose batch lands differently: plain :class:`Lost` (never one that a later op
     could put back in order)."""
@@ -1168,7 +1217,7 @@ def _merge(results: set[Info]) -> Info:
     )
     if plain:
         return plain[0]
-    return Lost("inputs of one op carry the batch in different places or orders")
+    return Lost(_DIFFERENT_PLACES)
 
 
 def _tensor_outputs(out: Any) -> list[Tensor]:

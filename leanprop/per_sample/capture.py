@@ -1345,6 +1345,25 @@ class PerSample:
             self._cycle.finish_queued = True
             queue_callback(self._finish)
 
+    def _refuse_mixed_roots(self, roots: tuple[Any, ...]) -> None:
+        """A backward from a loss whose values mix the samples (after the last layer: a
+        contrastive loss, outputs centred over the batch) has no per-sample parts; refused
+        where the results are checked (``check=False``: each sample's contribution through
+        the output gradient, which adds up to the batch gradient all the same)."""
+        if not self._check:
+            return
+        reason = next((r for t in roots if (r := self._tracker.mixed(t)) is not None), None)
+        if reason is not None:
+            raise UnsupportedModelError(
+                f"per_sample: this backward's loss mixes the samples ({reason}), so it is not a "
+                "sum of per-sample terms and sample n's gradient is not defined: a "
+                "contrastive loss over the batch, outputs centred or normalised over the "
+                "batch, a softmax over it. Per-sample quantities need a loss whose terms each "
+                "depend on one sample. per_sample(..., check=False) gives each sample's "
+                "contribution through the output gradient instead (it adds up to p.grad, but "
+                "is no sample's own gradient)."
+            )
+
     @contextmanager
     def backward_scope(
         self, passive: bool, accumulates: bool = False, roots: tuple[Any, ...] = ()
@@ -1366,6 +1385,7 @@ class PerSample:
             self._params_reached = False
             self._accumulating = accumulates
             if not passive:  # (what an earlier backward's watched uses found is not this one's)
+                self._refuse_mixed_roots(roots)
                 self._cycle.escaped = {}
                 self._cycle.begin_backward(list(roots))
         self._backward_depth += 1

@@ -240,3 +240,45 @@ def test_elementwise_names_are_taken_by_no_branch():
     named = literals.union(*(s for s in sets if isinstance(s, set | frozenset | dict | tuple)))
     assert sets and "linear" in named and "view" in named  # (the search reads the branches)
     assert not (batch._ELEMENTWISE & named)
+
+
+def _mixed(op):
+    """Why ``op(x, y)``'s result mixes samples (x ``[N, N, N]`` requires grad, y labels)."""
+    tracker = BatchTracker(())
+    tracker.n = N
+    x = torch.randn(N, N, N, dtype=torch.float64, requires_grad=True) * 1
+    tracker.mark(x, BatchDim(0))
+    y = torch.arange(N).flip(0)
+    with Follow(tracker):
+        out = op(x, y)
+    return tracker.mixed(out)
+
+
+PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients are defined
+    "sum": lambda x, y: x.square().sum(),
+    "mean of per-sample sums": lambda x, y: x.flatten(1).square().sum(1).mean(),
+    "cross-entropy": lambda x, y: F.cross_entropy(x[:, :, 0], y),
+    "masked, over the count": lambda x, y: (
+        (F.cross_entropy(x[:, :, 0], y, reduction="none") * (y > 0)).sum() / (y > 0).sum()
+    ),
+    "boolean-mask selection": lambda x, y: F.cross_entropy(x[:, :, 0][y > 1], y[y > 1]),
+    "labels of other samples": lambda x, y: (x[:, 0, 0] * y.flip(0)).sum(),
+    "a function of the summed loss": lambda x, y: x.square().sum() ** 2,
+}
+MIXING_LOSSES = {  # a sample's term reads other samples' values
+    "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
+    "normalised over the batch": lambda x, y: (x / x.norm(dim=0, keepdim=True)).sum(),
+    "softmax over the batch": lambda x, y: (x.softmax(0) * x).sum(),
+    "contrastive (o @ o.T)": lambda x, y: F.cross_entropy(x[:, :, 0] @ x[:, :, 0].T, y),
+    "flipped over the batch": lambda x, y: (x.flip(0) * x).sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_SAMPLE_LOSSES))
+def test_per_sample_losses_do_not_mix(name):
+    assert _mixed(PER_SAMPLE_LOSSES[name]) is None
+
+
+@pytest.mark.parametrize("name", sorted(MIXING_LOSSES))
+def test_losses_that_mix_samples_are_told(name):
+    assert _mixed(MIXING_LOSSES[name]) is not None

@@ -2033,3 +2033,29 @@ def test_the_sum_check_takes_a_module_scale_for_rounding_not_for_errors():
         leanprop.per_sample(model, BatchGrad()),
     ):
         model(torch.randn(4, 3, dtype=torch.float64)).square().sum().backward()
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [lambda o: (o - o.mean(0)).square().sum(), lambda o: F.cross_entropy(o @ o.T, torch.arange(4)),
+     lambda o: (o.softmax(0) * o).sum()],
+    ids=["centred", "contrastive", "softmax-over-the-batch"],
+)  # fmt: skip
+def test_a_loss_that_mixes_the_samples_after_the_last_layer_is_refused(loss):
+    """It ran: each sample's values through the others' leave no sample its own gradient,
+    yet the contributions add up to p.grad, so the sum check passed (sample-alone errors of
+    50-300 %). N == 4 == the output's width, where o @ o.T keeps the output's shape.
+    check=False gives the contributions, which add up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with leanprop.per_sample(model, BatchGrad()):
+        with pytest.raises(UnsupportedModelError, match="mixes the samples"):
+            loss(model(x)).backward()
+        model(x).square().sum().backward()  # (usable after the refusal)
+    assert model[0].weight.grad_batch.shape == (4, 4, 3)
+    model.zero_grad()
+    with leanprop.per_sample(model, BatchGrad(), check=False):
+        loss(model(x)).backward()
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad, rtol=1e-10, atol=1e-12)
