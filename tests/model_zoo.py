@@ -619,7 +619,13 @@ def hf_models() -> dict[str, Callable[[], Built]]:
         ids = torch.randint(3, 30, (N, N))
         return m, lambda: token_losses(m(input_ids=ids, labels=ids).logits, ids), {}
 
+    def falcon() -> Built:  # multi-query attention, its heads split by x[..., [-2], :]
+        return _hf_causal(
+            tf.FalconConfig, tf.FalconForCausalLM, vocab_size=30, hidden_size=8,
+            num_hidden_layers=2, num_attention_heads=2,
+        )  # fmt: skip
+
     return {
         "hf_gpt2": gpt2, "hf_gpt2_wide": gpt2_wide, "hf_llama": llama, "hf_bert": bert,
-        "hf_vit": vit, "hf_bart": bart,
+        "hf_vit": vit, "hf_bart": bart, "hf_falcon": falcon,
     }  # fmt: skip

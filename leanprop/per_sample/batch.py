@@ -346,10 +346,21 @@ def _advanced_index(
     """``x[..., idx, ...]`` with index tensors: the batch survives where the batch dimension is
     indexed by ``arange(N)`` (checked, one host synchronisation) or by a batched index, and
     lands where that index varies in the broadcast index shape."""
-    if any(it is Ellipsis or it is None for it in items) or bd.inner != 1:
+    if any(it is None for it in items) or items.count(Ellipsis) > 1 or bd.inner != 1:
         return Lost("advanced indexing")
+    if Ellipsis in items:  # (as many full slices as dimensions the other items leave)
+        at = items.index(Ellipsis)
+        items[at : at + 1] = [slice(None)] * (ndim - len(items) + 1)
     items = items + [slice(None)] * (ndim - len(items))
     adv = [d for d, it in enumerate(items) if not isinstance(it, slice)]
+    for d in adv:  # a list of integers indexes as the tensor of them (``x[..., [-2], :]``)
+        if isinstance(items[d], list | tuple):
+            try:
+                items[d] = torch.tensor(items[d])
+            except (TypeError, ValueError, RuntimeError):
+                return Lost("advanced indexing with a list")
+            if items[d].dtype in (torch.bool, torch.uint8) or items[d].is_floating_point():
+                return Lost("advanced indexing with a list")
     if any(not isinstance(items[d], Tensor) for d in adv):
         return Lost("advanced indexing with a list")
     it = items[bd.dim]

@@ -60,6 +60,9 @@ def follow(op, quick=False):
 
 
 KEEP = {
+    "list index after an ellipsis": lambda x: x[..., [-2], :],
+    "list index beside the samples": lambda x: x[:, [0, 2]],
+    "tensor index after an ellipsis": lambda x: x[..., torch.tensor([1, 0])],
     # (the largest magnitude: each sample's value stays its index)
     "vector norm over other dimensions": lambda x: torch.linalg.vector_norm(x, inf, (1, 2), True),
     "vector norm by keyword": lambda x: torch.linalg.vector_norm(x, ord=inf, dim=-1),
@@ -138,6 +141,8 @@ KEEP = {
 }
 
 LOSE = {
+    "list index into the samples": lambda x: x[[0, 1]],
+    "list index into the samples after an ellipsis": lambda x: x[..., [0, 1], :, :],
     "vector norm over the samples": lambda x: torch.linalg.vector_norm(x, 2, (0, 2)),
     "vector norm of everything": lambda x: torch.linalg.vector_norm(x),
     "permuted": lambda x: x.index_select(0, PERM),

@@ -43,7 +43,9 @@ def test_model_pattern(name):
     check(ZOO[name])
 
 
-@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "hf_bert", "hf_vit", "hf_bart"])
+@pytest.mark.parametrize(
+    "name", ["hf_gpt2", "hf_llama", "hf_bert", "hf_vit", "hf_bart", "hf_falcon"]
+)
 def test_hf_model_in_training_mode(name):
     pytest.importorskip("transformers")
     check(hf_models()[name])
