@@ -237,6 +237,29 @@ def in_place_after_layers() -> Built:
     return m, lambda: per_sample_sq(m(ids)), {}
 
 
+class MaskedSteps(nn.Module):
+    """Wav2Vec2's SpecAugment: the time steps a mask picks take a learned embedding, written
+    in place (``h[mask] = embedding``)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(3, d), nn.Linear(d, 2)
+        self.masked = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:  # x [N, T, 3], mask [N, T]
+        h = self.proj(x)
+        h[mask] = self.masked.to(h.dtype)
+        return self.head(torch.tanh(h))
+
+
+@model
+def masked_steps_filled_with_a_parameter() -> Built:
+    m = MaskedSteps()
+    x, mask = torch.randn(N, N, 3), torch.rand(N, N) < 0.4
+    mask[0] = False  # (a sample with none)
+    return m, lambda: per_sample_sq(m(x, mask)), {}
+
+
 class _TokensGroupNorm(nn.Module):
     """GroupNorm over tokens turned to channels: ``[N, T, C] -> [N, C, T]``, a transposed
     (non-contiguous) input, as in audio and time-series models."""
@@ -625,7 +648,19 @@ def hf_models() -> dict[str, Callable[[], Built]]:
             num_hidden_layers=2, num_attention_heads=2,
         )  # fmt: skip
 
+    def wav2vec2() -> Built:  # SpecAugment: masked time steps take a learned embedding
+        cfg = tf.Wav2Vec2Config(
+            vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=16, conv_dim=(4, 4), conv_stride=(2, 2), conv_kernel=(3, 3),
+            num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+            num_feat_extract_layers=2, feat_extract_norm="group", mask_time_prob=0.5,
+            mask_time_length=2, mask_feature_prob=0.3, mask_feature_length=2,
+        )  # fmt: skip
+        m = tf.Wav2Vec2ForSequenceClassification(cfg)
+        audio, y = torch.randn(N, 60), torch.randint(0, 2, (N,))
+        return m, lambda: F.cross_entropy(m(input_values=audio).logits, y, reduction="none"), {}
+
     return {
         "hf_gpt2": gpt2, "hf_gpt2_wide": gpt2_wide, "hf_llama": llama, "hf_bert": bert,
-        "hf_vit": vit, "hf_bart": bart, "hf_falcon": falcon,
+        "hf_vit": vit, "hf_bart": bart, "hf_falcon": falcon, "hf_wav2vec2": wav2vec2,
     }  # fmt: skip

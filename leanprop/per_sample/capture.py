@@ -131,6 +131,13 @@ _SECOND_CLIPPED_BACKWARD = (
 )
 
 
+def _set_item(x: Tensor, index: Any, value: Any) -> Tensor:
+    """``x[index] = value`` out of place: a new tensor."""
+    out = x.clone()
+    out[index] = value
+    return out
+
+
 def _whole_base(t: Tensor) -> Tensor | None:
     """The tensor ``t`` is a view of, where ``t`` is all of it in the same layout (a reshape of
     an op's result) and it has a gradient of its own, else None."""
@@ -874,12 +881,36 @@ class PerSample:
         device = next(iter(self._states)).device
         tensors = _flat_tensors(args, kwargs)
         roots = {i: self._tracker.vjp_root(tensors[i]) for i in captured}
+        if func is Tensor.__setitem__ and not kwargs and self._batch_at(args[0]) is not None:
+            return self._run_setitem(args, captured, n, device, roots)
         return ops.run(
             func, args, kwargs, captured,
             lambda out: self.after_op(func, args, kwargs, out),
-            lambda t: info if isinstance(info := self._tracker.info(t), BatchDim) else None,
-            n, self._budget(device), self._sink(), roots=roots,
+            self._batch_at, n, self._budget(device), self._sink(), roots=roots,
         )  # fmt: skip
+
+    def _batch_at(self, t: Tensor) -> BatchDim | None:
+        """Where ``t`` holds the samples, where one dimension does."""
+        info = self._tracker.info(t)
+        return info if isinstance(info, BatchDim) else None
+
+    def _run_setitem(
+        self, args: tuple[Any, ...], captured: dict[int, tuple[nn.Parameter, ...]], n: int,
+        device: torch.device, roots: dict[int, Tensor],
+    ) -> None:  # fmt: skip
+        """``x[index] = value`` with a parameter in ``value`` (Wav2Vec2's masked time steps
+        take a learned embedding): captured as the same assignment into a copy of ``x``,
+        which then goes into ``x`` (whose batch stays where it is). The op captured in place
+        would change ``x`` inside its own graph, where its contributions are not taken."""
+        x, info = args[0], self._tracker.info(args[0])
+        copy = x.clone()
+        self._tracker.mark(copy, info)
+        out = ops.run(
+            _set_item, (copy, *args[1:]), {}, captured,
+            lambda result: self._tracker.mark(result, info), self._batch_at, n,
+            self._budget(device), self._sink(), roots=roots,
+        )  # fmt: skip
+        x.copy_(out)
 
     def _rule_op(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
