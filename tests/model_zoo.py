@@ -642,6 +642,18 @@ def hf_models() -> dict[str, Callable[[], Built]]:
         ids = torch.randint(3, 30, (N, N))
         return m, lambda: token_losses(m(input_ids=ids, labels=ids).logits, ids), {}
 
+    def bart_classifier() -> Built:  # each sample's end-of-sentence token by a boolean mask
+        cfg = tf.BartConfig(
+            vocab_size=30, d_model=8, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+            decoder_ffn_dim=16, max_position_embeddings=16, pad_token_id=1, bos_token_id=0,
+            eos_token_id=2, num_labels=3,
+        )  # fmt: skip
+        m = tf.BartForSequenceClassification(cfg)
+        ids, y = torch.randint(3, 30, (N, N)), torch.randint(0, 3, (N,))
+        ids[:, -1] = 2
+        return m, lambda: F.cross_entropy(m(input_ids=ids).logits, y, reduction="none"), {}
+
     def falcon() -> Built:  # multi-query attention, its heads split by x[..., [-2], :]
         return _hf_causal(
             tf.FalconConfig, tf.FalconForCausalLM, vocab_size=30, hidden_size=8,
@@ -662,5 +674,6 @@ def hf_models() -> dict[str, Callable[[], Built]]:
 
     return {
         "hf_gpt2": gpt2, "hf_gpt2_wide": gpt2_wide, "hf_llama": llama, "hf_bert": bert,
-        "hf_vit": vit, "hf_bart": bart, "hf_falcon": falcon, "hf_wav2vec2": wav2vec2,
+        "hf_vit": vit, "hf_bart": bart, "hf_bart_classifier": bart_classifier,
+        "hf_falcon": falcon, "hf_wav2vec2": wav2vec2,
     }  # fmt: skip

@@ -131,6 +131,8 @@ def _ordered_result(
         return Packed(_PACKED, info.order) if k == 0 else Lost("batch sizes of a packed sequence")
     res = result_dim(name, args, kwargs, which, x, BatchDim(info.dim), out, k, n, tracker)
     if isinstance(res, BatchDim):
+        if info.order == tuple(range(len(info.order))):  # (in their order: as they are)
+            return res
         if res.inner != 1:
             return Lost(f"{_REORDERED}, flattened with another dimension")
         return _in_order(res.dim, info.order)
@@ -313,7 +315,7 @@ def _index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTra
     """Where the batch lands in ``x[index]``."""
     items = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(it, Tensor) and it.dtype == torch.bool for it in items):
-        return Lost("boolean-mask indexing")
+        return _masked_rows(items, bd, n)
     if any(isinstance(it, Tensor | list) for it in items):
         return _advanced_index(items, ndim, bd, n, tracker)
     n_consumes = sum(1 for it in items if it is not None and it is not Ellipsis)
@@ -338,6 +340,29 @@ def _index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTra
                 return Lost("an index into the batch dimension selects one sample")
             in_dim += 1
     return BatchDim(out_dim + bd.dim - in_dim, bd.inner)
+
+
+def _masked_rows(items: list[Any], bd: BatchDim, n: int) -> Info:
+    """Where the batch lands in ``x[mask]``: a boolean mask over ``x``'s first dimensions, the
+    samples' first, gives each sample's selected elements together, in order; the batch
+    survives, as N groups of ``c`` rows, where every sample has the same number ``c`` of them
+    (HF BART's classification head takes each sample's end-of-sentence tokens so). One host
+    synchronisation."""
+    mask, rest = items[0], items[1:]
+    whole = all(it is Ellipsis or it == slice(None) for it in rest)
+    if (
+        not (isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.dim() > 0)
+        or not whole
+        or bd != BatchDim(0)
+        or mask.shape[0] != n
+        or n == 0
+    ):
+        return Lost("boolean-mask indexing")
+    counts = mask.reshape(n, -1).sum(1)
+    c = int(counts[0])
+    if c == 0 or not bool((counts == c).all()):
+        return Lost("boolean-mask indexing (not as many elements of every sample)")
+    return BatchDim(0, c)
 
 
 def _advanced_index(

@@ -60,6 +60,9 @@ def follow(op, quick=False):
 
 
 KEEP = {
+    # (as many elements of every sample: each sample's rows together, N groups of them)
+    "boolean mask, as many per sample": lambda x: x[x[:, :, 0] >= 0].view(N, N, N),
+    "boolean mask over the first two dimensions": lambda x: x[torch.eye(N, dtype=torch.bool)],
     "list index after an ellipsis": lambda x: x[..., [-2], :],
     "list index beside the samples": lambda x: x[:, [0, 2]],
     "tensor index after an ellipsis": lambda x: x[..., torch.tensor([1, 0])],
@@ -141,6 +144,8 @@ KEEP = {
 }
 
 LOSE = {
+    "boolean mask, not as many per sample": lambda x: x[torch.ones(N, N).tril().bool()],
+    "boolean mask beside the samples": lambda x: x[:, torch.ones(N, dtype=torch.bool)],
     "list index into the samples": lambda x: x[[0, 1]],
     "list index into the samples after an ellipsis": lambda x: x[..., [0, 1], :, :],
     "vector norm over the samples": lambda x: torch.linalg.vector_norm(x, 2, (0, 2)),

@@ -44,7 +44,17 @@ def test_model_pattern(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["hf_gpt2", "hf_llama", "hf_bert", "hf_vit", "hf_bart", "hf_falcon", "hf_wav2vec2"]
+    "name",
+    [
+        "hf_gpt2",
+        "hf_llama",
+        "hf_bert",
+        "hf_vit",
+        "hf_bart",
+        "hf_bart_classifier",
+        "hf_falcon",
+        "hf_wav2vec2",
+    ],
 )
 def test_hf_model_in_training_mode(name):
     pytest.importorskip("transformers")
