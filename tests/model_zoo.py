@@ -654,6 +654,12 @@ def hf_models() -> dict[str, Callable[[], Built]]:
         ids[:, -1] = 2
         return m, lambda: F.cross_entropy(m(input_ids=ids).logits, y, reduction="none"), {}
 
+    def bloom() -> Built:  # ALiBi added by alibi.baddbmm(batch1=q, batch2=k)
+        # (no padding: a padded row's scores are all masked in its eager attention, NaN)
+        m = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=30, hidden_size=8, n_layer=1, n_head=2))
+        ids = torch.randint(0, 30, (N, N))
+        return m, lambda: token_losses(m(input_ids=ids).logits, ids), {}
+
     def falcon() -> Built:  # multi-query attention, its heads split by x[..., [-2], :]
         return _hf_causal(
             tf.FalconConfig, tf.FalconForCausalLM, vocab_size=30, hidden_size=8,
@@ -675,5 +681,5 @@ def hf_models() -> dict[str, Callable[[], Built]]:
     return {
         "hf_gpt2": gpt2, "hf_gpt2_wide": gpt2_wide, "hf_llama": llama, "hf_bert": bert,
         "hf_vit": vit, "hf_bart": bart, "hf_bart_classifier": bart_classifier,
-        "hf_falcon": falcon, "hf_wav2vec2": wav2vec2,
+        "hf_bloom": bloom, "hf_falcon": falcon, "hf_wav2vec2": wav2vec2,
     }  # fmt: skip

@@ -342,6 +342,24 @@ def _index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTra
     return BatchDim(out_dim + bd.dim - in_dim, bd.inner)
 
 
+# the tensor arguments of the matrix products, by position
+_MATMUL_ARGS = {
+    "matmul": ("input", "other"), "mm": ("input", "mat2"), "bmm": ("input", "mat2"),
+    "addmm": ("input", "mat1", "mat2"), "baddbmm": ("input", "batch1", "batch2"),
+    "addbmm": ("input", "batch1", "batch2"),
+}  # fmt: skip
+
+
+def _matmul_positional(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str
+) -> tuple[Sequence[Any], int | str]:
+    """A matrix product's tensors passed by keyword, as positional ones (and ``which``, the
+    operand asked about, as its position)."""
+    names = _MATMUL_ARGS[name]
+    full = list(args) + [kwargs.get(k) for k in names[len(args) :]]
+    return full, names.index(which) if which in names else which
+
+
 def _masked_rows(items: list[Any], bd: BatchDim, n: int) -> Info:
     """Where the batch lands in ``x[mask]``: a boolean mask over ``x``'s first dimensions, the
     samples' first, gives each sample's selected elements together, in order; the batch
@@ -489,6 +507,8 @@ def result_dim(
     ``which`` is the position of ``x`` in ``args`` (also for an element of a list argument), or
     its keyword."""
     nd, od = x.dim(), out.dim()
+    if name in _MATMUL_ARGS and kwargs:  # (HF Bloom: alibi.baddbmm(batch1=q, batch2=k, ...))
+        args, which = _matmul_positional(name, args, kwargs, which)
     if name == "scaled_dot_product_attention":  # q, k, v, attn_mask [N, ..., L, S]
         if bd.dim >= nd - 2:
             return Lost("attention over the batch dimension")

@@ -60,6 +60,8 @@ def follow(op, quick=False):
 
 
 KEEP = {
+    "baddbmm by keyword": lambda x: x[:, :1].baddbmm(batch1=x[..., :2], batch2=x[:, :2], alpha=0),
+    "matmul by keyword": lambda x: torch.matmul(input=x, other=torch.eye(N, dtype=x.dtype)),
     # (as many elements of every sample: each sample's rows together, N groups of them)
     "boolean mask, as many per sample": lambda x: x[x[:, :, 0] >= 0].view(N, N, N),
     "boolean mask over the first two dimensions": lambda x: x[torch.eye(N, dtype=torch.bool)],

@@ -52,6 +52,7 @@ def test_model_pattern(name):
         "hf_vit",
         "hf_bart",
         "hf_bart_classifier",
+        "hf_bloom",
         "hf_falcon",
         "hf_wav2vec2",
     ],
