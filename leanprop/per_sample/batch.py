@@ -316,7 +316,7 @@ def _index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTra
     items = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(it, Tensor) and it.dtype == torch.bool for it in items):
         return _masked_rows(items, bd, n)
-    if any(isinstance(it, Tensor | list) for it in items):
+    if any(isinstance(it, Tensor | list | tuple) for it in items):  # (a tuple item: a list)
         return _advanced_index(items, ndim, bd, n, tracker)
     n_consumes = sum(1 for it in items if it is not None and it is not Ellipsis)
     in_dim = out_dim = 0
@@ -1109,30 +1109,34 @@ class BatchTracker:
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
             results = set()
-            mixing = None  # (why this op mixes the samples of an input that requires grad)
+            held = set()  # (what became of the operands that require grad: held differently,
+            mixing = None  # their samples meet; and why this op mixes them itself)
             for i, t, info in batched:
                 if name in _ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
                     info = Reordered(_REORDERED, info.dim, tuple(range(t.shape[info.dim])))
                 if isinstance(info, Reordered | Packed):
                     try:
-                        results.add(_ordered_result(name, args, kwargs, i, t, info, o, k, n, self))
+                        r = _ordered_result(name, args, kwargs, i, t, info, o, k, n, self)
                     except (IndexError, TypeError, ValueError, KeyError):
-                        results.add(Lost(f"'{name}' with arguments leanprop cannot read"))
+                        r = Lost(f"'{name}' with arguments leanprop cannot read")
                 elif isinstance(info, Lost):
                     combined = _combines(name, args, kwargs) and not isinstance(info, Combined)
-                    results.add(Combined(f"'{name}' over {info.reason}") if combined else info)
+                    r = Combined(f"'{name}' over {info.reason}") if combined else info
                 else:
                     try:
                         r = result_dim(name, args, kwargs, i, t, info, o, k, n, self)
                     except (IndexError, TypeError, ValueError, KeyError):
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
-                    results.add(r)
-                    if type(r) is Lost and r.reason.endswith(_MIXES) and t.requires_grad:
+                    if name in _MIXES and type(r) is Lost and t.requires_grad:
                         mixing = r.reason
+                results.add(r)
+                at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
+                if t.requires_grad and _holds_samples(at):
+                    held.add(at)
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
             if o.requires_grad:
-                mixing = mixing or _mixing(name, batched, res, self._mixed)
+                mixing = mixing or _mixing(name, batched, res, held, self._mixed)
                 if mixing is not None:
                     self._mixed[o] = mixing
             if by_edge:
@@ -1231,19 +1235,41 @@ def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup 
     return Lookup(ids, weight, padding)
 
 
-# the reasons of a Lost that say the op mixes samples itself (not where it selects some, or
-# where leanprop cannot tell)
-_MIXES = ("mixes samples", "attention over the batch dimension")
+# ops that mix the samples themselves where they act along the batch (a reordering keeps each
+# value one sample's: what it meets next tells)
+_MIXES = frozenset(
+    {"softmax", "log_softmax", "_softmax", "softmin", "logcumsumexp", "cumsum", "cumprod",
+     "normalize", "glu", "scaled_dot_product_attention"}
+)  # fmt: skip
+# ops that put their operands side by side (their samples stay each one's)
+_SIDE_BY_SIDE = frozenset(
+    {"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack",
+     "row_stack"}
+)  # fmt: skip
 _DIFFERENT_PLACES = "inputs of one op carry the batch in different places or orders"
 
 
+def _holds_samples(info: Info) -> bool:
+    """Whether ``info`` says where the samples are, or how they were moved (reordered, or
+    put in different places): not where leanprop cannot tell (an op it does not know, a
+    selection), whose meeting with others says nothing of mixing."""
+    if type(info) is not Lost:
+        return not isinstance(info, Combined)
+    return info.reason == _DIFFERENT_PLACES or info.reason.endswith(
+        ("mixes samples", "reorders samples", "(may reorder samples)")
+    )
+
+
 def _mixing(
-    name: str, batched: list[tuple[int | str, Tensor, Info]], res: Info, mixed: _ByTensor
-) -> str | None:
+    name: str, batched: list[tuple[int | str, Tensor, Info]], res: Info, held: set[Info],
+    mixed: _ByTensor,
+) -> str | None:  # fmt: skip
     """Why an op's output (which requires grad; ``res``: where its batch is) mixes samples,
     from its operands ``batched``: one of them does; a value over all samples that requires
-    grad is joined with one that carries the batch (``o - o.mean(0)``); or two that require
-    grad carry it in different places (``o @ o.T``). None where it does not."""
+    grad is joined with one that carries the batch (``o - o.mean(0)``); or operands that
+    require grad reach the output holding the samples differently (``held``: where each
+    one's batch went; ``o @ o.T``, ``o * o.flip(0)``: each sample's values with another's).
+    None where it does not."""
     for _, t, _ in batched:
         reason = mixed.get(t)
         if reason is not None:
@@ -1255,10 +1281,11 @@ def _mixing(
             f"'{name}' joins each sample's values with a value over all samples "
             f"({over_all[0].reason})"
         )
-    if type(res) is Lost and res.reason == _DIFFERENT_PLACES:
-        carrying = [t for _, t, i in batched if not isinstance(i, Lost) and t.requires_grad]
-        if len(carrying) > 1:
-            return f"'{name}': {_DIFFERENT_PLACES} (each sample's values with the others')"
+    if name in _SIDE_BY_SIDE or type(res) not in (Lost, Combined):
+        return None
+    given = {i for _, t, i in batched if _holds_samples(i) and t.requires_grad}
+    if len(held) > 1 or (len(given) > 1 and type(res) is Lost):  # (an op it cannot follow)
+        return f"'{name}': {_DIFFERENT_PLACES} (each sample's values with another's)"
     return None
 
 

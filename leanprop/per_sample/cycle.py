@@ -559,14 +559,23 @@ class Cycle:
             for out, x in zip(norms, (diffs, totals, refs), strict=True):
                 out += foreach_norms(x)
         d, a, b = (torch.stack(x).double() for x in norms)
-        # each difference relative to the parameter's gradient, and to its module's (all its
-        # parameters' together): a parameter whose gradient is zero but for rounding (a key
-        # projection's bias under softmax, HF BART's) differs at the rounding of its module's
-        # sums, which no tolerance relative to that rounding alone can take
-        module = _module_norms([s.name for s, _, _ in pairs], a) + _module_norms(
-            [s.name for s, _, _ in pairs], b
+        # each difference relative to the parameter's gradient; for a parameter whose gradient
+        # is zero but for rounding (a key projection's bias under softmax, HF BART's), which
+        # differs at the rounding of its module's sums, relative to its module's (all its
+        # parameters' together): no tolerance relative to that rounding alone can take it
+        names = [s.name for s, _, _ in pairs]
+        module = _module_norms(names, a) + _module_norms(names, b)
+        # (the module's scale only for a gradient at the rounding of its module's: within a
+        # hundred units of the last place, in the parameter's dtype)
+        ulps = torch.tensor(
+            [
+                100 * torch.finfo(min(r.dtype, t.dtype, s.compute_dtype or t.dtype, key=bits)).eps
+                for s, t, r in pairs
+            ],
+            dtype=d.dtype,
         )
-        rel = torch.stack([d / (a + b + 1e-30), d / (module + 1e-30)]).amin(0).tolist()
+        rounding = a + b <= ulps * module
+        rel = torch.where(rounding, d / (module + 1e-30), d / (a + b + 1e-30)).tolist()
         bad = [
             f"'{s.name}' (relative error {e:.2e})"
             for (s, t, r), e in zip(pairs, rel, strict=True)

@@ -60,6 +60,7 @@ def follow(op, quick=False):
 
 
 KEEP = {
+    "tuple index before the samples": lambda x: x.transpose(0, 1)[(0, 1), ...],
     "baddbmm by keyword": lambda x: x[:, :1].baddbmm(batch1=x[..., :2], batch2=x[:, :2], alpha=0),
     "matmul by keyword": lambda x: torch.matmul(input=x, other=torch.eye(N, dtype=x.dtype)),
     # (as many elements of every sample: each sample's rows together, N groups of them)
@@ -276,6 +277,12 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     "boolean-mask selection": lambda x, y: F.cross_entropy(x[:, :, 0][y > 1], y[y > 1]),
     "labels of other samples": lambda x, y: (x[:, 0, 0] * y.flip(0)).sum(),
     "a function of the summed loss": lambda x, y: x.square().sum() ** 2,
+    "reordered with its labels": lambda x, y: F.cross_entropy(x[:, :, 0].flip(0), y.flip(0)),
+    "per-sample losses sorted and summed": lambda x, y: x.square().sum((1, 2)).sort().values.sum(),
+    "hard-example mining": lambda x, y: (
+        F.cross_entropy(x[:, :, 0], y, reduction="none").sort(descending=True).values[:3].mean()
+    ),
+    "a reordered value squared": lambda x, y: x.flip(0).flip(0).square().sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
@@ -283,6 +290,13 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     "softmax over the batch": lambda x, y: (x.softmax(0) * x).sum(),
     "contrastive (o @ o.T)": lambda x, y: F.cross_entropy(x[:, :, 0] @ x[:, :, 0].T, y),
     "flipped over the batch": lambda x, y: (x.flip(0) * x).sum(),
+    "reordered by an index": lambda x, y: (x[torch.tensor([1, 0, 2, 3])] * x).sum(),
+    "all pairs, by einsum": lambda x, y: torch.einsum("nd,md->nm", x[:, 0], x[:, 0]).exp().sum(),
+    "all pairs, by broadcasting": lambda x, y: F.cosine_similarity(
+        x[:, None, 0], x[None, :, 0], dim=-1
+    ).sum(),
+    "a loss between samples": lambda x, y: F.mse_loss(x, x.flip(0)),
+    "a running sum": lambda x, y: x.cumsum(0).square().sum(),
 }
 
 

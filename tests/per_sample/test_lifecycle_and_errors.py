@@ -2059,3 +2059,31 @@ def test_a_loss_that_mixes_the_samples_after_the_last_layer_is_refused(loss):
         loss(model(x)).backward()
     for p in model.parameters():
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad, rtol=1e-10, atol=1e-12)
+
+
+class BiasEscape(nn.Module):
+    """A wide layer called twice (its totals are sums, checked), its bias used again in an
+    in-place op outside it; inputs in [0, 255]: the weight's gradient is thousands of times
+    the bias's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(784, 10)
+
+    def forward(self, x):
+        h = self.lin(x) + self.lin(x.flip(-1))
+        return h + torch.zeros_like(h).addmm_(x[:, :10], torch.diag(self.lin.bias), alpha=0.01)
+
+
+def test_the_module_scale_does_not_hide_an_escape_in_float32():
+    """Taken relative to the module's gradient whatever the parameter's own, the escaped use
+    (40 % of the bias's gradient) passed in float32, silently wrong; the module's scale is
+    only for gradients at the rounding of the module's."""
+    torch.manual_seed(0)
+    model = BiasEscape()
+    x, y = torch.rand(8, 784) * 255, torch.randint(0, 10, (8,))
+    with (
+        pytest.raises(UnsupportedModelError, match=r"do not add up.*'lin\.bias'"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
