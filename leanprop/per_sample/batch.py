@@ -1136,7 +1136,9 @@ class BatchTracker:
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
             if o.requires_grad:
-                mixing = mixing or _mixing(name, batched, res, held, self._mixed)
+                # (one operand mixes nothing by meeting: only an op of its own or its history)
+                if mixing is None and (len(batched) > 1 or self._mixed):
+                    mixing = _mixing(name, batched, res, held, self._mixed)
                 if mixing is not None:
                     self._mixed[o] = mixing
             if by_edge:

@@ -964,7 +964,7 @@ class PerSample:
         return ops.run(
             func, args, kwargs, {i: (site.direct[k],) for i, k in positions.items()},
             lambda out: self.after_op(func, args, kwargs, out),
-            lambda t: info if isinstance(info := self._tracker.info(t), BatchDim) else None,
+            self._batch_at,
             n, self._budget(x.device), forward, rule,
         )  # fmt: skip
 

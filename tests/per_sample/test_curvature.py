@@ -1133,11 +1133,12 @@ def test_batched_columns_refuse_batchnorm_in_training_mode():
 
 
 class _Between(nn.Module):
-    """Two linear layers with ``between`` applied to the first one's output."""
+    """Two linear layers (the first to ``width`` units, the second from 5) with ``between``
+    applied to the first one's output."""
 
-    def __init__(self, between) -> None:
+    def __init__(self, between, width: int = 5) -> None:
         super().__init__()
-        self.a, self.b, self.between = nn.Linear(5, 5), nn.Linear(5, 3), between
+        self.a, self.b, self.between = nn.Linear(5, width), nn.Linear(5, 3), between
 
     def forward(self, x):
         return self.b(self.between(self.a(x)))
@@ -1161,15 +1162,20 @@ def test_kfra_refuses_ops_that_move_the_samples_or_are_not_elementwise(between):
             leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.KFRA())
 
 
-class _Wide(nn.Module):
-    """A linear layer to ``[N, 25]``, ``between`` (to ``[N, 5]``), a linear layer."""
+def _facade_kfra_refuses(model: nn.Module, x: Tensor, y: Tensor, match: str) -> None:
+    """KFRA through the BackPACK facade (which replaces no op) refuses ``model``'s graph."""
+    from leanprop.compat import backpack as facade
 
-    def __init__(self, between) -> None:
-        super().__init__()
-        self.a, self.b, self.between = nn.Linear(5, 25), nn.Linear(5, 3), between
-
-    def forward(self, x):
-        return self.b(self.between(self.a(x)))
+    model, loss_fn = facade.extend(model), facade.extend(nn.CrossEntropyLoss())
+    try:
+        with (
+            pytest.raises(UnsupportedModelError, match=match),
+            facade.backpack(facade.extensions.KFRA()),
+        ):
+            loss_fn(model(x), y).backward()
+    finally:
+        facade.unextend(model)
+        facade.unextend(loss_fn)
 
 
 @pytest.mark.parametrize(
@@ -1183,23 +1189,12 @@ def test_kfra_refuses_linear_ops_that_mix_the_samples(between):
     units), but which mix the samples: taken as the same for every sample, they would be
     silently wrong. The per-sample engine's batch tracking refuses them in the forward; the
     BackPACK facade, which tracks no batch, gets KFRA's own refusal."""
-    from leanprop.compat import backpack as facade
-
     torch.manual_seed(0)
-    model = _Wide(between).double()
+    model = _Between(between, width=25).double()  # ([N, 25] to [N, 5] between)
     x, y = torch.randn(5, 5, dtype=torch.float64), torch.randint(0, 3, (5,))
     with pytest.raises(leanprop.errors.BatchError), leanprop.per_sample(model):
         model(x)
-    model, loss_fn = facade.extend(model), facade.extend(nn.CrossEntropyLoss())
-    try:
-        with (
-            pytest.raises(UnsupportedModelError, match=r"KFRA.*neither elementwise"),
-            facade.backpack(facade.extensions.KFRA()),
-        ):
-            loss_fn(model(x), y).backward()
-    finally:
-        facade.unextend(model)
-        facade.unextend(loss_fn)
+    _facade_kfra_refuses(model, x, y, r"KFRA.*neither elementwise")
 
 
 class _ConvCalledOtherwise(nn.Module):
@@ -1215,8 +1210,6 @@ class _ConvCalledOtherwise(nn.Module):
 
 def test_kfra_refuses_a_convolution_weight_called_with_other_options():
     """Its factors would be formed with the module's stride, not the call's."""
-    from leanprop.compat import backpack as facade
-
     torch.manual_seed(0)
     model = _ConvCalledOtherwise().double()
     x, y = torch.randn(4, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
@@ -1224,16 +1217,7 @@ def test_kfra_refuses_a_convolution_weight_called_with_other_options():
         out = model(x)
         with pytest.raises(UnsupportedModelError, match="KFRA"):
             leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.KFRA())
-    model, loss_fn = facade.extend(model), facade.extend(nn.CrossEntropyLoss())
-    try:
-        with (
-            pytest.raises(UnsupportedModelError, match=r"KFRA.*not all in linear layers"),
-            facade.backpack(facade.extensions.KFRA()),
-        ):
-            loss_fn(model(x), y).backward()
-    finally:
-        facade.unextend(model)
-        facade.unextend(loss_fn)
+    _facade_kfra_refuses(model, x, y, r"KFRA.*not all in linear layers")
 
 
 def test_kfra_refuses_layers_of_another_context():

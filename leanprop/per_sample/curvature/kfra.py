@@ -263,7 +263,7 @@ def _averaged_through(
             elif kind in _MAX_POOLS and samples_first:
                 b = _through_max_pool(b, out.node._saved_result1, before, _MAX_POOLS[kind])
             elif samples_first and _same_for_every_sample(kind, out.node, len(before)):
-                b = _sandwiched(b, functools.partial(_vjp, out, inp, shape, create_graph), n)
+                b = _through_op(b, functools.partial(_vjp, out, inp, shape, create_graph), n)
             elif not (kind in _VIEWS and samples_first):
                 raise UnsupportedModelError(
                     _REFUSAL.format(
@@ -307,37 +307,43 @@ def _vjp(
     ])  # fmt: skip
 
 
-def _sandwiched(b: Tensor, back: Callable[[Tensor], Tensor], n: int) -> Tensor:
-    """``J^T b J`` for an op whose Jacobian ``J`` is the same for every sample (``b``
-    symmetric): ``back(rows)`` takes ``[k, N, D_out]`` output gradients (reshaped as the op's
-    output) to the input's ``[k, N, D_in]``. Each sample's slot carries another column, so
-    ``D`` columns cost ``D / N`` passes."""
+def _sandwiched(b: Tensor, columns_back: Callable[[Tensor], Tensor]) -> Tensor:
+    """``J^T b J`` for a Jacobian ``J`` ``[D_out, D_in]`` the same for every sample (``b``
+    symmetric), from ``columns_back(m)``: ``J^T`` applied to each row of ``m`` ``[R, D_out]``,
+    ``[R, D_in]``."""
+    jb = columns_back(b)  # [D_out, D_in]: b J (b symmetric)
+    return columns_back(jb.mT.contiguous())  # J^T (b J)
 
-    def columns_back(m: Tensor) -> Tensor:  # J^T applied to each row of m [R, D_out]
+
+def _through_op(b: Tensor, back: Callable[[Tensor], Tensor], n: int) -> Tensor:
+    """``J^T b J`` for an op between layers whose Jacobian is the same for every sample:
+    ``back(rows)`` takes ``[k, N, D_out]`` output gradients (reshaped as the op's output) to
+    the input's ``[k, N, D_in]``. Each sample's slot carries another column, so ``D`` columns
+    cost ``D / N`` passes."""
+
+    def columns_back(m: Tensor) -> Tensor:
         rows = m.shape[0]
         k = -(-rows // n)
         packed = torch.cat([m, m.new_zeros(k * n - rows, m.shape[1])]).view(k, n, -1)
         return back(packed).reshape(k * n, -1)[:rows]
 
-    jb = columns_back(b)  # [D_out, D_in]: b J (b symmetric)
-    return columns_back(jb.mT.contiguous())  # J^T (b J)
+    return _sandwiched(b, columns_back)
 
 
 def _through_conv(
     module: nn.Conv1d | nn.Conv2d | nn.Conv3d, weight: Tensor, in_shape: tuple[int, ...],
     out_shape: tuple[int, ...], b: Tensor,
 ) -> Tensor:  # fmt: skip
-    """``J^T b J`` for a convolution's input Jacobian ``J`` ``[D_out, D_in]`` (the same for
-    every sample): ``b``'s columns, then the result's, through the transposed convolution."""
+    """``J^T b J`` for a convolution's input Jacobian ``J`` (the same for every sample): the
+    columns through the transposed convolution, all at once."""
     back = _CONV_INPUT_GRAD[weight.dim() - 2]
     options = (module.stride, module.padding, module.dilation)
 
-    def columns_back(m: Tensor) -> Tensor:  # J^T applied to each row of m [R, D_out]
+    def columns_back(m: Tensor) -> Tensor:
         grads = m.reshape(m.shape[0], *out_shape[1:])
         return back((m.shape[0], *in_shape[1:]), weight, grads, *options).flatten(1)
 
-    jb = columns_back(b)  # [D_out, D_in]
-    return columns_back(jb.mT)
+    return _sandwiched(b, columns_back)
 
 
 _CONV_INPUT_GRAD = {
