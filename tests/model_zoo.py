@@ -260,6 +260,31 @@ def masked_steps_filled_with_a_parameter() -> Built:
     return m, lambda: per_sample_sq(m(x, mask)), {}
 
 
+class VectorQuantiser(nn.Module):
+    """VQ-VAE's bottleneck: each step's code is its nearest codebook row (``cdist`` between
+    the steps and the codebook, T == N), passed on straight through; the codebook and
+    commitment terms added to each sample's loss."""
+
+    def __init__(self, d: int = 4, codes: int = 6) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Conv1d(3, d, 3, padding=1), nn.Linear(d, 3)
+        self.codebook = nn.Parameter(torch.randn(codes, d))
+
+    def forward(self, x: Tensor) -> Tensor:  # x [N, 3, T] -> each sample's loss [N]
+        z = self.enc(x).transpose(1, 2)  # [N, T, d]
+        q = self.codebook[torch.cdist(z, self.codebook).argmin(-1)]
+        side = (q - z.detach()).square() + 0.25 * (z - q.detach()).square()
+        out = self.dec(z + (q - z).detach())
+        return per_sample_sq(out) + side.flatten(1).sum(1)
+
+
+@model
+def vector_quantiser() -> Built:
+    m = VectorQuantiser()
+    x = torch.randn(N, 3, N)
+    return m, lambda: m(x), {}
+
+
 class _TokensGroupNorm(nn.Module):
     """GroupNorm over tokens turned to channels: ``[N, T, C] -> [N, C, T]``, a transposed
     (non-contiguous) input, as in audio and time-series models."""

@@ -54,8 +54,11 @@ class Lost:
 @dataclass(frozen=True)
 class Combined(Lost):
     """The samples were summed or averaged together (a reduction over the batch, a loss, a
-    product contracting the batch): a batch-free value joined with this one afterwards
+    product contracting the batch), or one sample's value was chosen for each element
+    (``x.amax(0)``; ``summed`` False): a batch-free value joined with this one afterwards
     reaches the loss in no sample's part."""
+
+    summed: bool = True
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,8 @@ def op_name(func: Any) -> str:
         name = getattr(getattr(func, "__self__", None), "__name__", name)
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
+        if name == "rtruediv":  # (2 / x: not linear in x, as x / 2 is)
+            return name
         if name[:1] in "ri" and name[1:] in _ARITH:  # __radd__, __iadd__
             name = name[1:]
     elif name.endswith("_") and not name.startswith("_"):
@@ -259,6 +264,7 @@ _REDUCTIONS = {
     "all", "any", "argmax", "argmin", "nansum", "nanmean", "median", "var_mean", "std_mean",
     "count_nonzero", "linalg_vector_norm",
 }  # fmt: skip
+_SELECTIONS = {"amax", "amin", "max", "min", "median", "argmax", "argmin"}  # (one value's)
 _BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it there
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "group_norm", "batch_norm", "instance_norm", "max_pool1d", "max_pool2d", "max_pool3d",
@@ -444,6 +450,35 @@ def _advanced_index(
     return BatchDim(front + positions.pop())
 
 
+# functions of each matrix of their first argument [*, m, n]
+_MATRIX_FUNCTIONS = frozenset({
+    "det", "linalg_det", "logdet", "slogdet", "linalg_slogdet", "inverse", "linalg_inv",
+    "linalg_solve", "linalg_svdvals", "linalg_svd", "svd", "linalg_cholesky", "cholesky",
+    "linalg_qr", "linalg_eigh", "linalg_eigvalsh", "linalg_eig", "linalg_eigvals",
+    "matrix_exp", "linalg_matrix_exp", "linalg_pinv", "linalg_matrix_power", "nuclear_norm",
+    "linalg_cond",
+})  # fmt: skip
+
+
+def _pairs(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, bd: BatchDim,
+    nd: int, od: int,
+) -> Info:  # fmt: skip
+    """Distances between rows (``cdist(x1 [*, P, M], x2 [*, R, M]) -> [*, P, R]``, ``pdist``),
+    covariances between rows (``cov``, ``corrcoef``), differences of neighbours (``diff``):
+    where the batch of operand ``which`` goes, or why its samples are mixed."""
+    if name == "diff":  # (x, n, dim)
+        d = _dims_arg(args, kwargs, 2, "dim")
+        if _norm_dim(-1 if d is None else int(d), nd) == bd.dim or which != 0:
+            return Lost("diff along the batch dimension mixes samples")
+        return bd
+    if name == "cdist" and bd.dim < nd - 2:
+        return BatchDim(od - (nd - bd.dim), bd.inner)
+    if name == "cdist" and bd.dim == nd - 2 and which in (0, 1):  # x1's rows, or x2's
+        return BatchDim(od - 2 + which, bd.inner)
+    return Lost(f"'{name}' over the batch dimension mixes samples")
+
+
 def _einsum(args: Sequence[Any], which: int, bd: BatchDim) -> Info:
     eq = args[0].replace(" ", "")
     if "..." in eq or "->" not in eq:
@@ -486,11 +521,19 @@ CURVED_ELEMENTWISE = frozenset({
 # test_elementwise_names_are_taken_by_no_branch keeps this true)
 _ELEMENTWISE = frozenset({
     "relu", "gelu", "silu", "tanh", "sigmoid", "dropout", "add", "sub", "rsub", "mul",
-    "truediv", "div", "neg", "exp", "log", "sqrt", "rsqrt", "pow", "square", "abs", "clamp",
-    "clip", "where", "masked_fill", "contiguous", "to", "float", "half", "bfloat16", "double",
-    "type_as", "erf", "softplus", "elu", "leaky_relu", "hardtanh", "relu6", "hardswish",
+    "truediv", "rtruediv", "div", "neg", "exp", "log", "sqrt", "rsqrt", "pow", "square", "abs",
+    "clamp", "clip", "where", "masked_fill", "contiguous", "to", "float", "half", "bfloat16",
+    "double", "type_as", "erf", "softplus", "elu", "leaky_relu", "hardtanh", "relu6", "hardswish",
     "mish", "log_sigmoid", "cos", "sin", "minimum", "maximum", "clone", "sign", "reciprocal",
 })  # fmt: skip
+
+
+def _adds(name: str, args: Sequence[Any]) -> bool:
+    """``index_add``, ``scatter_add``, ``scatter_reduce`` by sum or mean: the source's values
+    added up into the places the index names."""
+    if name == "scatter_reduce":
+        return len(args) > 4 and args[4] in ("sum", "mean")
+    return name in ("index_add", "scatter_add")
 
 
 def _is_tensor_unfold(name: str, args: Sequence[Any]) -> bool:
@@ -537,6 +580,22 @@ def result_dim(
         if name == "embedding_bag" and nd == 1:
             return Lost("embedding_bag with offsets")
         return bd
+    if name in _MATRIX_FUNCTIONS:  # of each matrix [*, m, n] (a solve's A)
+        if which != 0 and bd.dim >= nd - 2:  # (a solve's B, whose columns may be samples)
+            return Lost(f"'{name}' with its argument {which} batched")
+        if bd.dim >= nd - 2:
+            return Lost(f"'{name}' of a matrix made of samples mixes samples")
+        return BatchDim(bd.dim, bd.inner)
+    if name == "linalg_matrix_norm":  # (A, ord="fro", dim=(-2, -1), keepdim=False)
+        d = _dims_arg(args, kwargs, 2, "dim")
+        dims = [-2, -1] if d is None else [_norm_dim(int(k), nd) - nd for k in d]
+        if bd.dim - nd not in dims:
+            return BatchDim(bd.dim - sum(nd + k < bd.dim for k in dims if od < nd), bd.inner)
+        if _dims_arg(args, kwargs, 1, "ord") in (None, "fro"):  # (a vector norm of the matrix)
+            return Combined("a matrix norm over the batch dimension sums samples")
+        return Lost(f"'{name}' of a matrix made of samples mixes samples")
+    if name in ("cdist", "pdist", "cov", "corrcoef", "diff"):
+        return _pairs(name, args, kwargs, which, bd, nd, od)
     if name in ("layer_norm", "rms_norm"):
         k = len(args[1]) if isinstance(args[1], Sequence) else 1
         return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
@@ -544,8 +603,10 @@ def result_dim(
         if name == "pad":
             k = len(args[1]) // 2
             return Lost("padding the batch dimension") if bd.dim >= nd - k else bd
-        if bd.dim != 0 or bd.inner != 1:
+        if bd.dim != 0:
             return Lost(f"{name} needs the batch first")
+        if bd.inner != 1:
+            return Lost(f"{name} on samples flattened with another dimension")
         return bd
     if name in _VIEWS:
         return _reshaped(x.shape, bd, n, out.shape)
@@ -592,6 +653,8 @@ def result_dim(
             return BatchDim(bd.dim - (d < bd.dim), bd.inner)
         return bd
     if name == "getitem":
+        if which == 1 and args[1] is x and not x.is_floating_point() and x.dtype != torch.bool:
+            return bd  # (rows of a tensor at the samples' indices, codebook[ids]: [*ids, ...])
         return _index_result(args[1], nd, bd, n, tracker)
     if name in ("cat", "concat", "concatenate"):
         d = _norm_dim(int(_dims_arg(args, kwargs, 1, "dim", "axis") or 0), nd)
@@ -612,6 +675,8 @@ def result_dim(
         pos, default = _INDEX_OPS[name]
         d = _dims_arg(args, kwargs, pos, "dim", "axis")
         d = default if d is None else d
+        if which == 3 and d is not None and _norm_dim(int(d), nd) == bd.dim and _adds(name, args):
+            return Combined(f"{name} adds samples together")  # (into groups: index_add)
         if which != 0 or d is None or _norm_dim(int(d), nd) == bd.dim:
             return Lost(f"{name} along the batch dimension (or with a batched index)")
         return BatchDim(bd.dim, bd.inner) if name != "unfold" else bd
@@ -637,11 +702,12 @@ def result_dim(
         return _elementwise(name, args, kwargs, x, bd, out)  # torch.max(a, b): elementwise
     if name in _REDUCTIONS:
         d = _reduced_dims(name, args, kwargs)
+        summed = name not in _SELECTIONS
         if d is None:
-            return Combined(f"{name} over all elements sums samples")
+            return Combined(f"{name} over all elements sums samples", summed)
         dims = [_norm_dim(k, nd) for k in ([d] if isinstance(d, int) else d)]
         if bd.dim in dims:
-            return Combined(f"{name} over the batch dimension sums samples")
+            return Combined(f"{name} over the batch dimension sums samples", summed)
         if od == nd:  # keepdim
             return bd
         return BatchDim(bd.dim - sum(k < bd.dim for k in dims), bd.inner)
@@ -1110,7 +1176,8 @@ class BatchTracker:
         for k, o in enumerate(outs):
             results = set()
             held = set()  # (what became of the operands that require grad: held differently,
-            mixing = None  # their samples meet; and why this op mixes them itself)
+            # their samples meet; and why the output mixes them: an operand's history first)
+            mixing = self._mixed_before(batched) if self._mixed else None
             for i, t, info in batched:
                 if name in _ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
                     info = Reordered(_REORDERED, info.dim, tuple(range(t.shape[info.dim])))
@@ -1122,13 +1189,15 @@ class BatchTracker:
                 elif isinstance(info, Lost):
                     combined = _combines(name, args, kwargs) and not isinstance(info, Combined)
                     r = Combined(f"'{name}' over {info.reason}") if combined else info
+                    if type(info) is Combined and info.summed and t.requires_grad and t.numel() > 1:
+                        mixing = mixing or _reads_summed(name, i, info, batched)
                 else:
                     try:
                         r = result_dim(name, args, kwargs, i, t, info, o, k, n, self)
                     except (IndexError, TypeError, ValueError, KeyError):
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
-                    if name in _MIXES and type(r) is Lost and t.requires_grad:
-                        mixing = r.reason
+                    if t.requires_grad and type(r) is not BatchDim:
+                        mixing = mixing or _mixes_itself(name, i, info, r, o)
                 results.add(r)
                 at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
                 if t.requires_grad and _holds_samples(at):
@@ -1137,14 +1206,22 @@ class BatchTracker:
             self._info[o] = res
             if o.requires_grad:
                 # (one operand mixes nothing by meeting: only an op of its own or its history)
-                if mixing is None and (len(batched) > 1 or self._mixed):
-                    mixing = _mixing(name, batched, res, held, self._mixed)
+                if mixing is None and len(batched) > 1:
+                    mixing = _mixing(name, batched, res, held)
                 if mixing is not None:
                     self._mixed[o] = mixing
             if by_edge:
                 self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
                 self._keep(o.grad_fn, _CURVED, 0, res)
+
+    def _mixed_before(self, batched: list[tuple[int | str, Tensor, Info]]) -> str | None:
+        """Why one of the operands ``batched`` mixes samples already (None where none does)."""
+        for _, t, _ in batched:
+            reason = self._mixed.get(t)
+            if reason is not None:
+                return reason
+        return None
 
     def propagate_layer(
         self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Tensor, replay: bool
@@ -1243,6 +1320,75 @@ _MIXES = frozenset(
     {"softmax", "log_softmax", "_softmax", "softmin", "logcumsumexp", "cumsum", "cumprod",
      "normalize", "glu", "scaled_dot_product_attention"}
 )  # fmt: skip
+# (where they act along the batch: ops whose results are Lost only then)
+_MIXES_WHERE_LOST = frozenset({
+    "layer_norm", "rms_norm", "cdist", "pdist", "cov", "corrcoef", "diff", "linalg_matrix_norm",
+    "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", *_MATRIX_FUNCTIONS,
+})  # fmt: skip
+# ops taking the batch first whose results mix the samples where it is elsewhere (a
+# convolution sums over channels and neighbours, a pool averages neighbours)
+_MIXES_OFF_FRONT = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d", "interpolate", "upsample", "lp_pool2d", "local_response_norm",
+    "group_norm",
+})  # fmt: skip
+# reductions that centre the values they reduce; reductions not linear in them
+_CENTRING = frozenset({"std", "var", "std_mean", "var_mean"})
+_CURVED_REDUCTIONS = frozenset(
+    {"norm", "linalg_vector_norm", "linalg_matrix_norm", "logsumexp", "prod"}
+)
+# ops linear in each tensor operand (or choosing among its values); ops linear in each
+# operand where the others are fixed (an operand of a division: the dividend)
+_LINEAR = frozenset({
+    "add", "sub", "rsub", "neg", "sum", "mean", "nansum", "nanmean", "clone", "contiguous",
+    "to", "float", "double", "half", "bfloat16", "type_as", "where", "masked_fill",
+    "cat", "concat", "concatenate", "stack", "hstack", "vstack", "expand", "expand_as",
+    "broadcast_to", "repeat", "tile", "permute", "transpose", "swapaxes", "swapdims", "t", "T",
+    "mT", "movedim", "moveaxis", "squeeze", "unsqueeze", "select", "narrow", "split", "chunk",
+    "unbind", "tensor_split", "getitem", "flip", "roll", "index_select", "gather",
+    "take_along_dim", "diagonal", "diag", "diag_embed", "trace", "cumsum", "tril", "triu",
+    "max", "min", "amax", "amin", "sort", "topk", "kthvalue", "median", "nanmedian", "cummax",
+    "cummin", "pad", "sum_to_size", *_VIEWS,
+})  # fmt: skip
+_MULTILINEAR = frozenset({
+    "mul", "matmul", "mm", "bmm", "mv", "dot", "vdot", "inner", "outer", "ger", "einsum",
+    "linear", "addmm", "baddbmm", "addbmm", "tensordot", "kron", "truediv", "div",
+})  # fmt: skip
+
+
+def _mixes_itself(name: str, which: int | str, bd: BatchDim, r: Info, out: Tensor) -> str | None:
+    """Why an op mixes the samples of its operand ``which`` (batch at ``bd``; its result's
+    ``r``, in ``out``) by acting along the batch (None where it does not): a softmax or a
+    normalisation over the samples, a convolution taking them for channels, a variance over
+    them, a norm over them that is not one value for the batch (the norm of everything is a
+    function of the summed squares, as any function of the summed loss)."""
+    where_lost = name in _MIXES_WHERE_LOST and (which == 0 or name not in _MATRIX_FUNCTIONS)
+    if type(r) is Lost and (name in _MIXES or where_lost or (name in _MIXES_OFF_FRONT and bd.dim)):
+        return r.reason
+    if type(r) is Combined and (
+        name in _CENTRING or (name in _CURVED_REDUCTIONS and out.numel() > 1)
+    ):
+        return f"'{name}' over the batch dimension mixes samples"
+    return None
+
+
+def _reads_summed(
+    name: str, i: int | str, info: Combined, batched: list[tuple[int | str, Tensor, Info]]
+) -> str | None:
+    """Why an op mixes samples through its operand ``i``, a value summed over the samples
+    that is not one value for the batch and requires grad (``x.sum(0)``; ``info``: how it was
+    summed): the op is not linear in it (``x.sum(0).square()``: each sample's term reads the
+    others' values). None where it is: a weighted sum of such values, a selection among
+    them (the worst group's loss), a product with values that do not depend on the samples."""
+    if name in _LINEAR:
+        return None
+    alone = all(j == i or not t.requires_grad for j, t, _ in batched)
+    if name in _MULTILINEAR and alone and (i == 0 or name not in ("truediv", "div")):
+        return None
+    return f"'{name}' of a value summed over the samples ({info.reason}), not linear in it"
+
+
 # ops that put their operands side by side (their samples stay each one's)
 _SIDE_BY_SIDE = frozenset(
     {"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack",
@@ -1263,19 +1409,14 @@ def _holds_samples(info: Info) -> bool:
 
 
 def _mixing(
-    name: str, batched: list[tuple[int | str, Tensor, Info]], res: Info, held: set[Info],
-    mixed: _ByTensor,
-) -> str | None:  # fmt: skip
-    """Why an op's output (which requires grad; ``res``: where its batch is) mixes samples,
-    from its operands ``batched``: one of them does; a value over all samples that requires
-    grad is joined with one that carries the batch (``o - o.mean(0)``); or operands that
-    require grad reach the output holding the samples differently (``held``: where each
-    one's batch went; ``o @ o.T``, ``o * o.flip(0)``: each sample's values with another's).
-    None where it does not."""
-    for _, t, _ in batched:
-        reason = mixed.get(t)
-        if reason is not None:
-            return reason
+    name: str, batched: list[tuple[int | str, Tensor, Info]], res: Info, held: set[Info]
+) -> str | None:
+    """Why an op's output (which requires grad; ``res``: where its batch is) mixes samples
+    by joining its operands ``batched`` (none of which does already): a value over all
+    samples that requires grad is joined with one that carries the batch (``o - o.mean(0)``);
+    or operands that require grad reach the output holding the samples differently
+    (``held``: where each one's batch went; ``o @ o.T``, ``o * o.flip(0)``: each sample's
+    values with another's). None where it does not."""
     over_all = [i for _, t, i in batched if isinstance(i, Combined) and t.requires_grad]
     per_sample = [i for _, _, i in batched if type(i) not in (Lost, Combined)]
     if over_all and per_sample:

@@ -255,6 +255,11 @@ def test_elementwise_names_are_taken_by_no_branch():
     assert not (batch._ELEMENTWISE & named)
 
 
+CODEBOOK = torch.randn(5, N, dtype=torch.float64, requires_grad=True)
+WEIGHTS = torch.randn(N, dtype=torch.float64, requires_grad=True)
+KERNEL = torch.ones(1, N, 2, dtype=torch.float64)
+
+
 def _mixed(op):
     """Why ``op(x, y)``'s result mixes samples (x ``[N, N, N]`` requires grad, y labels)."""
     tracker = BatchTracker(())
@@ -283,6 +288,37 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
         F.cross_entropy(x[:, :, 0], y, reduction="none").sort(descending=True).values[:3].mean()
     ),
     "a reordered value squared": lambda x, y: x.flip(0).flip(0).square().sum(),
+    # (functions of what the batch's values are, each term one sample's)
+    "distances to a codebook": lambda x, y: torch.cdist(x[:, 0], CODEBOOK).amin(1).sum(),
+    "distances within each sample": lambda x, y: torch.cdist(x, x).sum(),
+    "per-sample dice": lambda x, y: (
+        (x.sigmoid() * (y[:, None, None] > 1)).sum((1, 2)) / (x.sigmoid().sum((1, 2)) + 1)
+    ).mean(),
+    "per-sample determinants": lambda x, y: torch.linalg.det(x).sum(),
+    "per-sample inverses": lambda x, y: torch.inverse(x + 9 * torch.eye(N)).sum(),
+    "per-sample matrix norms": lambda x, y: torch.linalg.matrix_norm(x).square().sum(),
+    "a layer norm over each sample's features": lambda x, y: F.layer_norm(x, (N,)).sum(),
+    "differences along time": lambda x, y: x.diff(dim=2).square().sum(),
+    "a spectrum along time": lambda x, y: torch.fft.rfft(x, dim=-1).abs().sum(),
+    "a quantile of the losses": lambda x, y: torch.quantile(x.square().sum((1, 2)), 0.7),
+    "the norm of everything": lambda x, y: x.norm(),
+    "a function of several summed losses": lambda x, y: (x.square().mean((0, 2)) * WEIGHTS).sum(),
+    "learned task weights": lambda x, y: (
+        torch.exp(-WEIGHTS) * x.square().mean((0, 2)) + WEIGHTS
+    ).sum(),
+    "the worst group's loss": lambda x, y: (
+        torch.zeros(2, dtype=x.dtype).index_add(0, y % 2, x.square().sum((1, 2))) / 2
+    ).amax(),
+    "a selection over the batch squared": lambda x, y: x.amax(0).square().sum(),
+    "summed over the batch, by counts": lambda x, y: (
+        x.square().sum(0) / x.detach().abs().sum(0)
+    ).sum(),
+    "a mean with learned weights (two summed values)": lambda x, y: (
+        (x.square().sum((1, 2)) * x[:, 0, 0].sigmoid()).sum() / x[:, 0, 0].sigmoid().sum()
+    ),
+    "an expert-balance loss": lambda x, y: (
+        x[:, 0].softmax(-1).mean(0) * torch.linspace(0, 1, N, dtype=x.dtype)
+    ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
@@ -297,6 +333,36 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     ).sum(),
     "a loss between samples": lambda x, y: F.mse_loss(x, x.flip(0)),
     "a running sum": lambda x, y: x.cumsum(0).square().sum(),
+    # (statistics and matrices over the samples; functions of sums that keep more than one
+    # value: the samples meet in each)
+    "distances between samples": lambda x, y: torch.cdist(x[:, 0], x[:, 0]).sum(),
+    "all pairwise distances": lambda x, y: torch.pdist(x[:, 0]).sum(),
+    "a covariance over the batch": lambda x, y: torch.cov(x[:, 0].T).square().sum(),
+    "a correlation over the batch": lambda x, y: torch.corrcoef(x[:, 0].T).square().sum(),
+    "a standard deviation over the batch": lambda x, y: x.std(0).sum(),
+    "the standard deviation of everything": lambda x, y: x.std(),
+    "a variance over the batch": lambda x, y: torch.var_mean(x, 0)[0].sum(),
+    "a log-sum-exp over the batch": lambda x, y: x.logsumexp(0).sum(),
+    "a norm over the batch": lambda x, y: x.norm(dim=0).sum(),
+    "a product over the batch": lambda x, y: x.prod(0).sum(),
+    "a determinant over the batch": lambda x, y: torch.linalg.det(x[:, 0]),
+    "an inverse over the batch": lambda x, y: torch.inverse(x[:, 0] + 9 * torch.eye(N)).sum(),
+    "singular values over the batch": lambda x, y: torch.linalg.svdvals(x[:, 0]).sum(),
+    "a nuclear norm over the batch": lambda x, y: torch.linalg.matrix_norm(x[:, 0], ord="nuc"),
+    "a layer norm over the batch": lambda x, y: F.layer_norm(x[:, 0].T, (N,)).square().sum(),
+    "a group norm over the batch": lambda x, y: F.group_norm(x.transpose(0, 1), 1).square().sum(),
+    "a convolution over the batch": lambda x, y: F.conv1d(x[:, 0].T[None], KERNEL).square().sum(),
+    "differences of samples": lambda x, y: x.diff(dim=0).square().sum(),
+    "a spectrum over the batch": lambda x, y: torch.fft.rfft(x, dim=0).abs().sum(),
+    "a batch sum squared": lambda x, y: x.sum(0).square().sum(),
+    "a batch mean's inverse": lambda x, y: (1 / x.mean(0)).sum(),
+    "a Gram matrix by einsum": lambda x, y: torch.einsum("nij,nkj->ik", x, x).square().sum(),
+    "samples added into groups, squared": lambda x, y: (
+        torch.zeros(2, N, N, dtype=x.dtype).index_add(0, y % 2, x).square().sum()
+    ),
+    "batch dice": lambda x, y: (
+        2 * (x.sigmoid() * (y[:, None, None] > 1)).sum((0, 2)) / (x.sigmoid().sum((0, 2)) + 1)
+    ).mean(),
 }
 
 
