@@ -249,7 +249,7 @@ _ARITH = {"add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "and", "o
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view"}
 _DIM_OPS = {  # same shape, acts along one dimension: mixes samples if that is the batch
     "softmax", "log_softmax", "_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax",
-    "cummin", "sort", "argsort", "normalize", "glu",
+    "cummin", "sort", "argsort", "normalize", "glu", "special_softmax", "special_log_softmax",
 }  # fmt: skip
 # ops taking (x, ..., dim at position pos, ...): {name: (pos, default dim)}
 _INDEX_OPS = {
@@ -262,9 +262,11 @@ _INDEX_OPS = {
 _REDUCTIONS = {
     "sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "norm", "logsumexp",
     "all", "any", "argmax", "argmin", "nansum", "nanmean", "median", "var_mean", "std_mean",
-    "count_nonzero", "linalg_vector_norm",
+    "count_nonzero", "linalg_vector_norm", "special_logsumexp", "aminmax", "nanmedian", "mode",
 }  # fmt: skip
-_SELECTIONS = {"amax", "amin", "max", "min", "median", "argmax", "argmin"}  # (one value's)
+_SELECTIONS = {
+    "amax", "amin", "max", "min", "aminmax", "median", "nanmedian", "mode", "argmax", "argmin"
+}  # fmt: skip
 _BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it there
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "group_norm", "batch_norm", "instance_norm", "max_pool1d", "max_pool2d", "max_pool3d",
@@ -480,12 +482,27 @@ def _pairs(
 
 
 def _einsum(args: Sequence[Any], which: int, bd: BatchDim) -> Info:
-    eq = args[0].replace(" ", "")
-    if "..." in eq or "->" not in eq:
-        return Lost("einsum without explicit output")
-    ins, out = eq.split("->")
-    letters = ins.split(",")[which]
-    letter = letters[bd.dim]
+    """Where ``einsum``'s operand ``which`` (its batch at ``bd``) puts the samples: the output
+    dimension of the batch's letter, or summed where the output lacks it (an ellipsis spelled
+    out as letters of its own; an implicit output: the letters met once, in order)."""
+    ins, _, out = args[0].replace(" ", "").partition("->")
+    operands = args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:]
+    terms = ins.split(",")
+    if len(terms) != len(operands) or "." in ins.replace("...", ""):
+        return Lost("einsum with an equation leanprop cannot read")
+    if "->" not in args[0]:
+        out = "..." * ("..." in ins) + "".join(
+            sorted(c for c in set(ins) if c.isalpha() and ins.count(c) == 1)
+        )
+    spare = [chr(c) for c in range(0x100, 0x100 + 64)]  # (letters no equation uses)
+    widths = [
+        t.dim() - len(term.replace("...", "")) for t, term in zip(operands, terms, strict=True)
+    ]
+    wide = max(widths, default=0)
+    dims = "".join(spare[:wide])  # (ellipses broadcast from the right)
+    terms = [term.replace("...", dims[wide - w :]) for term, w in zip(terms, widths, strict=True)]
+    out = out.replace("...", dims)
+    letter = terms[which][bd.dim]
     if letter not in out:
         return Combined("einsum sums samples")
     return BatchDim(out.index(letter), bd.inner)
@@ -686,6 +703,26 @@ def result_dim(
         return BatchDim(which, bd.inner)
     if name == "diag_embed":
         return bd if bd.dim < nd - 1 else Lost("diag_embed of the batch dimension")
+    if name == "repeat_interleave" and which == 0:  # (x, repeats, dim): each sample's rows
+        d, reps = _dims_arg(args, kwargs, 2, "dim"), _dims_arg(args, kwargs, 1, "repeats")
+        if d is None or _norm_dim(int(d), nd) != bd.dim:
+            return bd if d is not None else Lost("repeat_interleave of every element")
+        if isinstance(reps, int) and not isinstance(reps, bool):
+            return BatchDim(bd.dim, bd.inner * reps)
+        return Lost("repeat_interleave along the batch dimension by counts")
+    if name in ("quantile", "nanquantile"):  # (x, q, dim): between two values along dim
+        d = _dims_arg(args, kwargs, 2, "dim")
+        if d is None or _norm_dim(int(d), nd) == bd.dim:
+            return Combined(f"{name} over the batch dimension")
+        dims = 0 if kwargs.get("keepdim") else 1
+        q = _dims_arg(args, kwargs, 1, "q")
+        front = 1 if isinstance(q, Tensor) and q.dim() == 1 else 0  # (a quantile per q first)
+        return BatchDim(front + bd.dim - dims * (_norm_dim(int(d), nd) < bd.dim), bd.inner)
+    if name == "gumbel_softmax":  # (logits, tau, hard, eps, dim=-1)
+        d = _dims_arg(args, kwargs, 4, "dim")
+        if _norm_dim(-1 if d is None else int(d), nd) == bd.dim:
+            return Lost("gumbel_softmax along the batch dimension mixes samples")
+        return bd
     if name in _DIM_OPS:
         d = _dims_arg(args, kwargs, 1, "dim")
         d = 1 if name == "normalize" and d is None else d
@@ -733,7 +770,14 @@ def result_dim(
         if bd.dim == 1:  # (the classes' dimension: [N, C, ...] -> [N, ...])
             return Lost(f"{name} over the batch dimension (taken as the classes')")
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
+    d = kwargs.get("dim", kwargs.get("axis"))
+    dims = d if isinstance(d, list | tuple) else [d]
+    if any(isinstance(k, int) and _norm_dim(k, nd) == bd.dim for k in dims):
+        return Lost(f"'{name}' {_UNKNOWN_ALONG}")  # (torch.cumulative_trapezoid(x, dim=0))
     return _elementwise(name, args, kwargs, x, bd, out)
+
+
+_UNKNOWN_ALONG = "(an op leanprop does not know) along the batch dimension may mix samples"
 
 
 def _elementwise(
@@ -1318,7 +1362,8 @@ def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup 
 # value one sample's: what it meets next tells)
 _MIXES = frozenset(
     {"softmax", "log_softmax", "_softmax", "softmin", "logcumsumexp", "cumsum", "cumprod",
-     "normalize", "glu", "scaled_dot_product_attention"}
+     "normalize", "glu", "scaled_dot_product_attention", "special_softmax",
+     "special_log_softmax", "gumbel_softmax"}
 )  # fmt: skip
 # (where they act along the batch: ops whose results are Lost only then)
 _MIXES_WHERE_LOST = frozenset({
@@ -1336,7 +1381,7 @@ _MIXES_OFF_FRONT = frozenset({
 # reductions that centre the values they reduce; reductions not linear in them
 _CENTRING = frozenset({"std", "var", "std_mean", "var_mean"})
 _CURVED_REDUCTIONS = frozenset(
-    {"norm", "linalg_vector_norm", "linalg_matrix_norm", "logsumexp", "prod"}
+    {"norm", "linalg_vector_norm", "linalg_matrix_norm", "logsumexp", "special_logsumexp", "prod"}
 )
 # ops linear in each tensor operand (or choosing among its values); ops linear in each
 # operand where the others are fixed (an operand of a division: the dividend)
@@ -1364,7 +1409,10 @@ def _mixes_itself(name: str, which: int | str, bd: BatchDim, r: Info, out: Tenso
     them, a norm over them that is not one value for the batch (the norm of everything is a
     function of the summed squares, as any function of the summed loss)."""
     where_lost = name in _MIXES_WHERE_LOST and (which == 0 or name not in _MATRIX_FUNCTIONS)
-    if type(r) is Lost and (name in _MIXES or where_lost or (name in _MIXES_OFF_FRONT and bd.dim)):
+    off_front = name in _MIXES_OFF_FRONT and bd.dim != 0
+    if type(r) is Lost and (
+        name in _MIXES or where_lost or off_front or r.reason.endswith(_UNKNOWN_ALONG)
+    ):
         return r.reason
     if type(r) is Combined and (
         name in _CENTRING or (name in _CURVED_REDUCTIONS and out.numel() > 1)

@@ -106,6 +106,20 @@ KEEP = {
     "matmul vector": lambda x: x @ torch.ones(N, dtype=x.dtype) / N,
     "vector matmul": lambda x: torch.ones(N, dtype=x.dtype) @ x.transpose(1, 2) / N,
     "einsum list": lambda x: torch.einsum("ed,ntd->nte", [torch.eye(N, dtype=x.dtype), x]),
+    "einsum with an ellipsis": lambda x: torch.einsum(
+        "...d,de->...e", x, torch.eye(N, dtype=x.dtype)
+    ),
+    "einsum with the batch in an ellipsis": lambda x: torch.einsum("...td->t...d", x),
+    "einsum with an implicit output": lambda x: torch.einsum(
+        "ntd,de", x, torch.eye(N, dtype=x.dtype)
+    ),
+    "rows of a table at the samples' indices": lambda x: TABLE[x[:, :, 0].long()],
+    "repeat_interleave samples": lambda x: x.repeat_interleave(2, dim=0),
+    "repeat_interleave other": lambda x: x.repeat_interleave(2, dim=1),
+    "quantile other": lambda x: torch.quantile(x, 0.5, dim=2),
+    "quantiles other": lambda x: torch.quantile(x, torch.tensor([0.2, 0.5]).double(), dim=1),
+    "nanmedian other": lambda x: x.nanmedian(dim=1).values,
+    "mode other": lambda x: x.mode(dim=2).values,
     "index_select other": lambda x: x.index_select(2, torch.tensor([0, 2])),
     "gather other": lambda x: x.gather(1, torch.zeros(N, 1, N, dtype=torch.long)),
     "topk other": lambda x: x.topk(2, dim=2).values,
@@ -173,6 +187,8 @@ LOSE = {
     "moved, then summed over": lambda x: x.transpose(0, 1).sum(1),
     "split the batch": lambda x: x.reshape(2, 2, N, N),
     "unknown op": lambda x: torch.kron(x, torch.ones(1, 1, 2)),
+    "einsum over the samples with an ellipsis": lambda x: torch.einsum("n...,n...->...", x, x),
+    "einsum over the samples, implicitly": lambda x: torch.einsum("ntd,ntd", x, x),
     "addbmm over samples": lambda x: torch.addbmm(torch.zeros(N, N, dtype=x.dtype), x, x),
     "index_select samples": lambda x: x.index_select(0, torch.arange(N).flip(0)),
     "gather samples": lambda x: x.gather(0, torch.zeros(1, N, N, dtype=torch.long)),
@@ -195,6 +211,36 @@ def test_batch_followed_exactly(name):
         front = to_front(out, info, N)
         for n in range(N):
             assert bool((front[n] == n).all()), f"{name}: dimension {info} is not the batch"
+
+
+MOVED = {  # ops that change each sample's values, and where they leave the batch
+    "each sample's determinant": (lambda x: torch.linalg.det(x), BatchDim(0)),
+    "each sample's inverse": (lambda x: torch.inverse(x + 9 * torch.eye(N)), BatchDim(0)),
+    "each sample's singular values": (lambda x: torch.linalg.svd(x)[1], BatchDim(0)),
+    "each time step's matrix": (lambda x: torch.linalg.det(x.unsqueeze(-1) * x[..., None, :]),
+                                BatchDim(0)),
+    "the batch behind the matrices": (lambda x: torch.linalg.inv((x.movedim(0, 1)[..., None] + 1)
+                                      * torch.eye(N)), BatchDim(1)),
+    "each sample's matrix norm": (lambda x: torch.linalg.matrix_norm(x), BatchDim(0)),
+    "the matrix norm over other dimensions": (
+        lambda x: torch.linalg.matrix_norm(x, dim=(0, 2)), Lost),
+    "distances to a codebook": (lambda x: torch.cdist(x, TABLE[:, None]), BatchDim(0)),
+    "distances of a codebook to each sample": (lambda x: torch.cdist(TABLE, x[:, 0]),
+                                               BatchDim(1)),
+    "differences over time": (lambda x: x.diff(dim=1), BatchDim(0)),
+    "differences along the batch": (lambda x: x.diff(dim=0), Lost),
+}  # fmt: skip
+TABLE = torch.arange(N, dtype=torch.float64)[:, None].expand(N, N).clone()
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_batch_followed_through_ops_that_change_the_values(name):
+    op, expected = MOVED[name]
+    (_, info), *_ = follow(op)
+    if expected is Lost:
+        assert isinstance(info, Lost), f"{name}: {info}"
+    else:
+        assert info == expected, f"{name}: {info}"
 
 
 @pytest.mark.parametrize("name", sorted(LOSE))
@@ -316,6 +362,10 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     "a mean with learned weights (two summed values)": lambda x, y: (
         (x.square().sum((1, 2)) * x[:, 0, 0].sigmoid()).sum() / x[:, 0, 0].sigmoid().sum()
     ),
+    "several targets per sample": lambda x, y: F.cross_entropy(
+        x[:, :, 0].repeat_interleave(2, dim=0), y.repeat_interleave(2)
+    ),
+    "the median over the batch": lambda x, y: x.nanmedian(dim=0).values.square().sum(),
     "an expert-balance loss": lambda x, y: (
         x[:, 0].softmax(-1).mean(0) * torch.linspace(0, 1, N, dtype=x.dtype)
     ).sum(),
@@ -359,6 +409,19 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     "a Gram matrix by einsum": lambda x, y: torch.einsum("nij,nkj->ik", x, x).square().sum(),
     "samples added into groups, squared": lambda x, y: (
         torch.zeros(2, N, N, dtype=x.dtype).index_add(0, y % 2, x).square().sum()
+    ),
+    "a softmax over the batch by torch.special": lambda x, y: (
+        torch.special.softmax(x, 0) * x
+    ).sum(),
+    "a gumbel softmax over the batch": lambda x, y: (F.gumbel_softmax(x, dim=0) * x).sum(),
+    "a log-sum-exp over the batch by torch.special": lambda x, y: torch.special.logsumexp(
+        x, 0
+    ).sum(),
+    "an op leanprop does not know, along the batch": lambda x, y: (
+        torch.cumulative_trapezoid(x, dim=0).square().sum()
+    ),
+    "all pairs, by einsum with an ellipsis": lambda x, y: (
+        torch.einsum("n...,m...->nm", x, x).exp().sum()
     ),
     "batch dice": lambda x, y: (
         2 * (x.sigmoid() * (y[:, None, None] > 1)).sum((0, 2)) / (x.sigmoid().sum((0, 2)) + 1)
