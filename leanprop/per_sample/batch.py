@@ -61,6 +61,32 @@ class Combined(Lost):
     summed: bool = True
 
 
+@dataclass(frozen=True, eq=False)
+class Selected(Lost):
+    """Some of the samples, picked along the batch dimension (``o[:k]``, ``o.chunk(2)[1]``,
+    ``o[labels == 1]``): ``picks`` says which (positions along it, a ``range`` where they are
+    evenly spaced; equal for the same pick, however spelled), so that values of two different
+    picks meeting later (a pair's halves, ``o[:k] - o[k:]``) are told as different samples
+    meeting."""
+
+    picks: Any = None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Selected) and self.picks == other.picks
+
+    def __hash__(self) -> int:
+        return hash((Selected, self.picks))
+
+
+def _as_picks(positions: Sequence[int]) -> range | tuple[int, ...]:
+    """``positions`` as a ``range`` where they are evenly spaced and increasing."""
+    if len(positions) < 2:
+        return range(positions[0], positions[0] + 1) if positions else range(0)
+    step = positions[1] - positions[0]
+    spaced = range(positions[0], positions[-1] + 1, step) if step > 0 else range(0)
+    return spaced if list(spaced) == list(positions) else tuple(positions)
+
+
 @dataclass(frozen=True)
 class Reordered(Lost):
     """Dimension ``dim`` holds the samples in another order: position ``j`` holds sample
@@ -251,18 +277,21 @@ _DIM_OPS = {  # same shape, acts along one dimension: mixes samples if that is t
     "softmax", "log_softmax", "_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax",
     "cummin", "sort", "argsort", "normalize", "glu", "special_softmax", "special_log_softmax",
 }  # fmt: skip
+# the positions of the index ops' tensor arguments passed by keyword
+_INDEX_KEYWORDS = {"source": 3, "src": 3, "index": 2}
 # ops taking (x, ..., dim at position pos, ...): {name: (pos, default dim)}
 _INDEX_OPS = {
     "index_select": (1, None), "gather": (1, None), "scatter": (1, None),
     "scatter_add": (1, None), "scatter_reduce": (1, None), "index_add": (1, None),
     "index_copy": (1, None), "index_fill": (1, None), "take_along_dim": (2, None),
     "topk": (2, -1), "kthvalue": (2, -1), "renorm": (2, None), "softmin": (1, None),
-    "fft_fft": (3, -1), "fft_ifft": (3, -1), "fft_rfft": (3, -1), "fft_irfft": (3, -1),
+    "fft_fft": (2, -1), "fft_ifft": (2, -1), "fft_rfft": (2, -1), "fft_irfft": (2, -1),
 }  # fmt: skip
 _REDUCTIONS = {
     "sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "norm", "logsumexp",
     "all", "any", "argmax", "argmin", "nansum", "nanmean", "median", "var_mean", "std_mean",
-    "count_nonzero", "linalg_vector_norm", "special_logsumexp", "aminmax", "nanmedian", "mode",
+    "count_nonzero", "linalg_vector_norm", "linalg_norm", "special_logsumexp", "aminmax",
+    "nanmedian", "mode",
 }  # fmt: skip
 _SELECTIONS = {
     "amax", "amin", "max", "min", "aminmax", "median", "nanmedian", "mode", "argmax", "argmin"
@@ -340,12 +369,14 @@ def _index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTra
             if in_dim == bd.dim:
                 full = it.start in (None, 0) and it.stop is None and it.step in (None, 1)
                 if not full:
-                    return Lost("a slice over the batch dimension selects samples")
+                    picks = range(*it.indices(n * bd.inner))
+                    return Selected("a slice over the batch dimension selects samples", picks)
                 return BatchDim(out_dim, bd.inner)
             in_dim, out_dim = in_dim + 1, out_dim + 1
         else:  # an integer
             if in_dim == bd.dim:
-                return Lost("an index into the batch dimension selects one sample")
+                picks = range(n * bd.inner)[int(it) : int(it) + 1 or None]
+                return Selected("an index into the batch dimension selects one sample", picks)
             in_dim += 1
     return BatchDim(out_dim + bd.dim - in_dim, bd.inner)
 
@@ -387,7 +418,8 @@ def _masked_rows(items: list[Any], bd: BatchDim, n: int) -> Info:
     counts = mask.reshape(n, -1).sum(1)
     c = int(counts[0])
     if c == 0 or not bool((counts == c).all()):
-        return Lost("boolean-mask indexing (not as many elements of every sample)")
+        picks = _as_picks(mask.reshape(n, -1).nonzero()[:, 0].tolist())  # (each row's sample)
+        return Selected("boolean-mask indexing (not as many elements of every sample)", picks)
     return BatchDim(0, c)
 
 
@@ -458,7 +490,9 @@ _MATRIX_FUNCTIONS = frozenset({
     "linalg_solve", "linalg_svdvals", "linalg_svd", "svd", "linalg_cholesky", "cholesky",
     "linalg_qr", "linalg_eigh", "linalg_eigvalsh", "linalg_eig", "linalg_eigvals",
     "matrix_exp", "linalg_matrix_exp", "linalg_pinv", "linalg_matrix_power", "nuclear_norm",
-    "linalg_cond",
+    "linalg_cond", "linalg_inv_ex", "pinverse", "linalg_cholesky_ex", "linalg_lu_factor",
+    "linalg_lu_factor_ex", "linalg_lu", "lu", "linalg_ldl_factor",
+    "matrix_power", "linalg_matrix_rank", "linalg_solve_ex",
 })  # fmt: skip
 
 
@@ -471,14 +505,39 @@ def _pairs(
     where the batch of operand ``which`` goes, or why its samples are mixed."""
     if name == "diff":  # (x, n, dim)
         d = _dims_arg(args, kwargs, 2, "dim")
-        if _norm_dim(-1 if d is None else int(d), nd) == bd.dim or which != 0:
+        if _norm_dim(-1 if d is None else int(d), nd) == bd.dim:
             return Lost("diff along the batch dimension mixes samples")
-        return bd
+        return bd  # (prepend and append are laid out as the input)
     if name == "cdist" and bd.dim < nd - 2:
         return BatchDim(od - (nd - bd.dim), bd.inner)
     if name == "cdist" and bd.dim == nd - 2 and which in (0, 1):  # x1's rows, or x2's
         return BatchDim(od - 2 + which, bd.inner)
     return Lost(f"'{name}' over the batch dimension mixes samples")
+
+
+def _similarity(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], bd: BatchDim, nd: int
+) -> Info:
+    """``cosine_similarity(x1, x2, dim=1)``, ``pairwise_distance(x1, x2, p, eps, keepdim)``
+    (over the last dimension): where an operand's batch (at ``bd`` of its ``nd`` dimensions)
+    lands, its operands broadcast from the right; mixing where they reduce over it."""
+    full = max(t.dim() for t in args[:2] if isinstance(t, Tensor))
+    pos = full - (nd - bd.dim)  # (the batch's place among the broadcast dimensions)
+    if name == "cosine_similarity":
+        d, keep = _dims_arg(args, kwargs, 2, "dim"), False
+        d = 1 if d is None else d
+    else:
+        d, keep = -1, bool(_dims_arg(args, kwargs, 4, "keepdim"))
+    dd = _norm_dim(int(d), full)
+    if dd == pos:
+        return Lost(f"'{name}' over the batch dimension mixes samples")
+    return BatchDim(pos - (dd < pos and not keep), bd.inner)
+
+
+_FFTS = frozenset({
+    "fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2", "fft_fftn", "fft_ifftn", "fft_rfftn",
+    "fft_irfftn", "fft_hfft2", "fft_ihfft2", "fft_hfftn", "fft_ihfftn",
+})  # fmt: skip
 
 
 def _einsum(args: Sequence[Any], which: int, bd: BatchDim) -> Info:
@@ -545,12 +604,51 @@ _ELEMENTWISE = frozenset({
 })  # fmt: skip
 
 
-def _adds(name: str, args: Sequence[Any]) -> bool:
+def _adds(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """``index_add``, ``scatter_add``, ``scatter_reduce`` by sum or mean: the source's values
     added up into the places the index names."""
     if name == "scatter_reduce":
-        return len(args) > 4 and args[4] in ("sum", "mean")
+        return _dims_arg(args, kwargs, 4, "reduce") in ("sum", "mean")
     return name in ("index_add", "scatter_add")
+
+
+def _picked(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], size: int, length: int, k: int
+) -> Any:
+    """Which positions along the batch's dimension (of ``size``) output ``k`` of ``select``,
+    ``narrow``, ``split``, ``chunk``, ``unbind`` takes (``length`` of them: its size along
+    it), as a ``range``; the call itself where leanprop does not compute them."""
+    try:
+        if name in ("select", "narrow"):  # (x, dim, index), (x, dim, start, length)
+            start = int(_dims_arg(args, kwargs, 2, "index", "start"))
+            start = start + size if start < 0 else start
+            return range(start, start + length)
+        if name == "unbind":
+            return range(k, k + 1)
+        if name == "chunk":
+            step = -(-size // int(_dims_arg(args, kwargs, 1, "chunks")))
+            return range(k * step, k * step + length)
+        if name == "split":
+            sizes = _dims_arg(args, kwargs, 1, "split_size_or_sections", "split_size")
+            if isinstance(sizes, int):
+                return range(k * sizes, k * sizes + length)
+            start = sum(int(v) for v in sizes[:k])
+            return range(start, start + length)
+    except (TypeError, ValueError, IndexError):
+        pass
+    return (name, k, repr(args[1:]), repr(sorted(kwargs.items())))
+
+
+def _rows_at(index: Any, ids: Tensor) -> bool:
+    """Whether ``index`` picks the rows at integer ``ids`` alone (``t[ids]``, ``t[ids, :]``,
+    ``t[ids, ...]``), as ``ids.shape + t.shape[1:]``."""
+    if ids.is_floating_point() or ids.dtype in (torch.bool, torch.uint8):
+        return False
+    if isinstance(index, tuple) and index and index[0] is ids:
+        return all(
+            it is Ellipsis or (isinstance(it, slice) and it == slice(None)) for it in index[1:]
+        )
+    return index is ids
 
 
 def _is_tensor_unfold(name: str, args: Sequence[Any]) -> bool:
@@ -588,6 +686,10 @@ def result_dim(
         return BatchDim(first if k == 0 else 1)
     if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
         return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
+    if name in _INDEX_OPS and which in _INDEX_KEYWORDS:  # (x.index_add(0, g, source=o))
+        which = _INDEX_KEYWORDS[which]
+    if name == "diff" and which in ("prepend", "append"):  # (laid out as the input)
+        which = 3
     if isinstance(which, str) or name in _ELEMENTWISE:
         return _elementwise(name, args, kwargs, x, bd, out)
     # the layers' ops next (each layer's call passes here): no branch below takes their names
@@ -603,7 +705,9 @@ def result_dim(
         if bd.dim >= nd - 2:
             return Lost(f"'{name}' of a matrix made of samples mixes samples")
         return BatchDim(bd.dim, bd.inner)
-    if name == "linalg_matrix_norm":  # (A, ord="fro", dim=(-2, -1), keepdim=False)
+    d = _dims_arg(args, kwargs, 2, "dim") if name == "linalg_norm" else None
+    if name == "linalg_matrix_norm" or (isinstance(d, list | tuple) and len(d) == 2):
+        # (A, ord="fro", dim=(-2, -1), keepdim=False); linalg.norm with two dims alike
         d = _dims_arg(args, kwargs, 2, "dim")
         dims = [-2, -1] if d is None else [_norm_dim(int(k), nd) - nd for k in d]
         if bd.dim - nd not in dims:
@@ -613,6 +717,14 @@ def result_dim(
         return Lost(f"'{name}' of a matrix made of samples mixes samples")
     if name in ("cdist", "pdist", "cov", "corrcoef", "diff"):
         return _pairs(name, args, kwargs, which, bd, nd, od)
+    if name in ("cosine_similarity", "pairwise_distance") and which in (0, 1):
+        return _similarity(name, args, kwargs, bd, nd)
+    if name in _FFTS:  # (x, s, dim, norm): over the last two dimensions, or all
+        d = _dims_arg(args, kwargs, 2, "dim")
+        dims = range(nd) if d is None and name.endswith("n") else [-2, -1] if d is None else d
+        if bd.dim in [_norm_dim(int(k), nd) for k in dims]:
+            return Lost(f"{name} over the batch dimension mixes samples")
+        return bd
     if name in ("layer_norm", "rms_norm"):
         k = len(args[1]) if isinstance(args[1], Sequence) else 1
         return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
@@ -665,12 +777,20 @@ def result_dim(
         if name == "narrow" and x.shape[d] == out.shape[d] and d == bd.dim:
             return bd
         if d == bd.dim:
-            return Lost(f"{name} along the batch dimension")
+            picks = _picked(
+                name,
+                args,
+                kwargs,
+                x.shape[d],
+                out.shape[d] if name in ("narrow", "split", "chunk") else 1,
+                k,
+            )
+            return Selected(f"{name} along the batch dimension", picks)
         if name in ("select", "unbind"):
             return BatchDim(bd.dim - (d < bd.dim), bd.inner)
         return bd
     if name == "getitem":
-        if which == 1 and args[1] is x and not x.is_floating_point() and x.dtype != torch.bool:
+        if which == 1 and _rows_at(args[1], x):
             return bd  # (rows of a tensor at the samples' indices, codebook[ids]: [*ids, ...])
         return _index_result(args[1], nd, bd, n, tracker)
     if name in ("cat", "concat", "concatenate"):
@@ -692,8 +812,16 @@ def result_dim(
         pos, default = _INDEX_OPS[name]
         d = _dims_arg(args, kwargs, pos, "dim", "axis")
         d = default if d is None else d
-        if which == 3 and d is not None and _norm_dim(int(d), nd) == bd.dim and _adds(name, args):
+        along = d is not None and _norm_dim(int(d), nd) == bd.dim
+        if which == 3 and along and _adds(name, args, kwargs):
             return Combined(f"{name} adds samples together")  # (into groups: index_add)
+        if name == "index_select" and which == 2 and nd == 1 and d is not None:  # (rows at ids)
+            return BatchDim(_norm_dim(int(d), od), bd.inner)
+        picks_at = 1 if name == "take_along_dim" else 2  # (input, indices, dim), (x, dim, index)
+        if name in ("gather", "take_along_dim") and which == picks_at and d is not None:
+            if along:
+                return Lost(f"{name} along the batch dimension (or with a batched index)")
+            return bd  # (the output is laid out as the index: each sample's picks its own)
         if which != 0 or d is None or _norm_dim(int(d), nd) == bd.dim:
             return Lost(f"{name} along the batch dimension (or with a batched index)")
         return BatchDim(bd.dim, bd.inner) if name != "unfold" else bd
@@ -713,8 +841,8 @@ def result_dim(
     if name in ("quantile", "nanquantile"):  # (x, q, dim): between two values along dim
         d = _dims_arg(args, kwargs, 2, "dim")
         if d is None or _norm_dim(int(d), nd) == bd.dim:
-            return Combined(f"{name} over the batch dimension")
-        dims = 0 if kwargs.get("keepdim") else 1
+            return Combined(f"{name} over the batch dimension", summed=False)
+        dims = 0 if _dims_arg(args, kwargs, 3, "keepdim") else 1
         q = _dims_arg(args, kwargs, 1, "q")
         front = 1 if isinstance(q, Tensor) and q.dim() == 1 else 0  # (a quantile per q first)
         return BatchDim(front + bd.dim - dims * (_norm_dim(int(d), nd) < bd.dim), bd.inner)
@@ -1218,7 +1346,7 @@ class BatchTracker:
         went in each of the op's tensor outputs ``outs``: recorded."""
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
-            results = set()
+            results, constants = set(), set()  # (constants: batch statistics without grad)
             held = set()  # (what became of the operands that require grad: held differently,
             # their samples meet; and why the output mixes them: an operand's history first)
             mixing = self._mixed_before(batched) if self._mixed else None
@@ -1233,6 +1361,8 @@ class BatchTracker:
                 elif isinstance(info, Lost):
                     combined = _combines(name, args, kwargs) and not isinstance(info, Combined)
                     r = Combined(f"'{name}' over {info.reason}") if combined else info
+                    if type(r) is Combined and r.summed and t.numel() == 1:
+                        r = Combined(r.reason, summed=False)  # (made of totals: stack([l1, l2]))
                     if type(info) is Combined and info.summed and t.requires_grad and t.numel() > 1:
                         mixing = mixing or _reads_summed(name, i, info, batched)
                 else:
@@ -1242,10 +1372,14 @@ class BatchTracker:
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
                     if t.requires_grad and type(r) is not BatchDim:
                         mixing = mixing or _mixes_itself(name, i, info, r, o)
-                results.add(r)
+                if isinstance(r, Combined) and not t.requires_grad and o.requires_grad:
+                    constants.add(r)  # (o - o.mean(0).detach(): still each sample's values)
+                else:
+                    results.add(r)
                 at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
                 if t.requires_grad and _holds_samples(at):
                     held.add(at)
+            results = results or constants
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
             if o.requires_grad:
@@ -1326,7 +1460,8 @@ def _combines(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 def _reduced_dims(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """The dimensions a reduction's call names; None where it reduces every element."""
     # (torch.linalg.vector_norm(x, ord, dim, keepdim): the order first)
-    d = _dims_arg(args, kwargs, 2 if name == "linalg_vector_norm" else 1, "dim", "axis")
+    at = 2 if name in ("linalg_vector_norm", "linalg_norm") else 1
+    d = _dims_arg(args, kwargs, at, "dim", "axis")
     d = None if isinstance(d, bool) or d == [] or d == () else d  # std(x, True): unbiased
     if name in ("norm", "std", "var") and not isinstance(d, int | list | tuple):
         return None  # (norm(x, 2): the order, not a dimension)
@@ -1368,23 +1503,37 @@ _MIXES = frozenset(
 # (where they act along the batch: ops whose results are Lost only then)
 _MIXES_WHERE_LOST = frozenset({
     "layer_norm", "rms_norm", "cdist", "pdist", "cov", "corrcoef", "diff", "linalg_matrix_norm",
+    "linalg_norm", "cosine_similarity", "pairwise_distance", *_FFTS,
     "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", *_MATRIX_FUNCTIONS,
 })  # fmt: skip
-# ops taking the batch first whose results mix the samples where it is elsewhere (a
-# convolution sums over channels and neighbours, a pool averages neighbours)
-_MIXES_OFF_FRONT = frozenset({
+# ops taking the batch first whose results mix the samples where it is elsewhere: with the
+# samples as channels (a convolution sums over channels, a group norm normalises groups of
+# them), or as positions (a pool averages neighbours, an interpolation weighs them)
+_MIXES_AS_CHANNELS = frozenset({
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "local_response_norm", "group_norm",
+})  # fmt: skip
+_MIXES_AS_POSITIONS = frozenset({
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-    "adaptive_avg_pool3d", "interpolate", "upsample", "lp_pool2d", "local_response_norm",
-    "group_norm",
+    "adaptive_avg_pool3d", "interpolate", "upsample", "lp_pool2d", *_MIXES_AS_CHANNELS,
 })  # fmt: skip
 # reductions that centre the values they reduce; reductions not linear in them
 _CENTRING = frozenset({"std", "var", "std_mean", "var_mean"})
 _CURVED_REDUCTIONS = frozenset(
-    {"norm", "linalg_vector_norm", "linalg_matrix_norm", "logsumexp", "special_logsumexp", "prod"}
+    {
+        "norm",
+        "linalg_vector_norm",
+        "linalg_norm",
+        "linalg_matrix_norm",
+        "logsumexp",
+        "special_logsumexp",
+        "prod",
+    }
 )
-# ops linear in each tensor operand (or choosing among its values); ops linear in each
-# operand where the others are fixed (an operand of a division: the dividend)
+# ops linear in each tensor operand, or choosing among its values, or piecewise linear (a
+# clamp's gradient is 0 or 1 at each element, a selection: each sample's term kept or not, as
+# in hard-example mining); ops linear in each operand where the others are fixed (an operand
+# of a division: the dividend)
 _LINEAR = frozenset({
     "add", "sub", "rsub", "neg", "sum", "mean", "nansum", "nanmean", "clone", "contiguous",
     "to", "float", "double", "half", "bfloat16", "type_as", "where", "masked_fill",
@@ -1394,7 +1543,8 @@ _LINEAR = frozenset({
     "unbind", "tensor_split", "getitem", "flip", "roll", "index_select", "gather",
     "take_along_dim", "diagonal", "diag", "diag_embed", "trace", "cumsum", "tril", "triu",
     "max", "min", "amax", "amin", "sort", "topk", "kthvalue", "median", "nanmedian", "cummax",
-    "cummin", "pad", "sum_to_size", *_VIEWS,
+    "cummin", "pad", "sum_to_size", "relu", "relu6", "leaky_relu", "hardtanh", "clamp", "clip",
+    "abs", "maximum", "minimum", "fmax", "fmin", *_VIEWS,
 })  # fmt: skip
 _MULTILINEAR = frozenset({
     "mul", "matmul", "mm", "bmm", "mv", "dot", "vdot", "inner", "outer", "ger", "einsum",
@@ -1408,8 +1558,14 @@ def _mixes_itself(name: str, which: int | str, bd: BatchDim, r: Info, out: Tenso
     normalisation over the samples, a convolution taking them for channels, a variance over
     them, a norm over them that is not one value for the batch (the norm of everything is a
     function of the summed squares, as any function of the summed loss)."""
-    where_lost = name in _MIXES_WHERE_LOST and (which == 0 or name not in _MATRIX_FUNCTIONS)
-    off_front = name in _MIXES_OFF_FRONT and bd.dim != 0
+    where_lost = (  # (an operand by keyword: the shape-only rule's Lost, no mixing told)
+        name in _MIXES_WHERE_LOST
+        and isinstance(which, int)
+        and (which == 0 or name not in _MATRIX_FUNCTIONS)
+    )
+    off_front = (name in _MIXES_AS_CHANNELS and bd.dim != 0) or (
+        name in _MIXES_AS_POSITIONS and bd.dim >= 2
+    )
     if type(r) is Lost and (
         name in _MIXES or where_lost or off_front or r.reason.endswith(_UNKNOWN_ALONG)
     ):
@@ -1472,7 +1628,14 @@ def _mixing(
             f"'{name}' joins each sample's values with a value over all samples "
             f"({over_all[0].reason})"
         )
-    if name in _SIDE_BY_SIDE or type(res) not in (Lost, Combined):
+    if name in _SIDE_BY_SIDE:  # (each sample's values stay its own: mixing where a sample's
+        # values are put beside another's, stack([s, s.flip(0)], 1), not where parts of the
+        # batch are put back together, cat([o[:k], o[k:]]))
+        moved = [h for h in held if not isinstance(h, BatchDim | Selected)]
+        if moved and any(isinstance(h, BatchDim) for h in held):
+            return f"'{name}' puts each sample's values beside another's ({moved[0].reason})"
+        return None
+    if type(res) not in (Lost, Combined):
         return None
     given = {i for _, t, i in batched if _holds_samples(i) and t.requires_grad}
     if len(held) > 1 or (len(given) > 1 and type(res) is Lost):  # (an op it cannot follow)
@@ -1487,7 +1650,7 @@ def _merge(results: set[Info]) -> Info:
     # part; in a fixed order, so that the outcome never depends on the set's)
     plain = sorted(
         (r for r in results if type(r) in (Lost, Combined)),
-        key=lambda r: (not isinstance(r, Combined), r.reason),
+        key=lambda r: (not isinstance(r, Combined), not getattr(r, "summed", False), r.reason),
     )
     if plain:
         return plain[0]

@@ -1389,8 +1389,11 @@ class PerSample:
                 f"per_sample: this backward's loss mixes the samples ({reason}), so it is not a "
                 "sum of per-sample terms and sample n's gradient is not defined: a "
                 "contrastive loss over the batch, outputs centred or normalised over the "
-                "batch, a softmax over it. Per-sample quantities need a loss whose terms each "
-                "depend on one sample. per_sample(..., check=False) gives each sample's "
+                "batch, a softmax over it, rows of the batch paired with other rows (a "
+                "preference pair's halves, two views: put a pair's parts in a dimension of "
+                "their own, e.g. [N, 2, ...], to make the pair the sample). Per-sample "
+                "quantities need a loss whose terms each depend on one sample. "
+                "per_sample(..., check=False) gives each sample's "
                 "contribution through the output gradient instead (it adds up to p.grad, but "
                 "is no sample's own gradient)."
             )

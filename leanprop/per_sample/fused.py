@@ -25,7 +25,14 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
-from .._torch_compat import engine_backward, engine_grad, function_modes, not_a_view, saveable
+from .._torch_compat import (
+    engine_backward,
+    engine_grad,
+    function_modes,
+    not_a_view,
+    saveable,
+    saved_tensor_hooks_in_effect,
+)
 from .registry import INPUT
 
 if TYPE_CHECKING:
@@ -74,6 +81,9 @@ class FusedOp(torch.autograd.Function):
     def forward(ctx: Any, capture: PerSample, call: Call, op: Any, x: Tensor, weight: Tensor,
                 bias: Tensor | None, *extra: Any) -> Tensor:  # fmt: skip
         ctx.capture, ctx.call, ctx.module, ctx.n_extra = capture, call, call.site.module, len(extra)
+        # (what it saves goes through hooks, a checkpoint's or offloading's: read by autograd
+        # alone, in a backward, never directly: the curvature's columns, batched_columns.py)
+        ctx.hooked = saved_tensor_hooks_in_effect() is not None
         # the weight is read from the module in backward, for the input's gradient: saving it
         # then too (no copy) has autograd refuse a weight changed in place since the forward,
         # as it does for the op replaced

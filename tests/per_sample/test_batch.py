@@ -114,6 +114,16 @@ KEEP = {
         "ntd,de", x, torch.eye(N, dtype=x.dtype)
     ),
     "rows of a table at the samples' indices": lambda x: TABLE[x[:, :, 0].long()],
+    "quantile with the batch last, keepdim by position": lambda x: torch.quantile(
+        x.movedim(0, 2), 0.5, 0, True
+    ),
+    "rows of a table at the samples' indices, spelled [ids, :]": lambda x: TABLE[
+        x[:, :, 0].long(), :
+    ],
+    "a table's rows selected at the samples' indices": lambda x: TABLE.index_select(
+        0, x[:, 0, 0].long()
+    ),
+    "gathered at each sample's own index": lambda x: x.gather(2, x.long()[:, :, :1] * 0),
     "repeat_interleave samples": lambda x: x.repeat_interleave(2, dim=0),
     "repeat_interleave other": lambda x: x.repeat_interleave(2, dim=1),
     "quantile other": lambda x: torch.quantile(x, 0.5, dim=2),
@@ -222,6 +232,18 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
     "the batch behind the matrices": (lambda x: torch.linalg.inv((x.movedim(0, 1)[..., None] + 1)
                                       * torch.eye(N)), BatchDim(1)),
     "each sample's matrix norm": (lambda x: torch.linalg.matrix_norm(x), BatchDim(0)),
+    "each sample's matrix norm by linalg.norm": (
+        lambda x: torch.linalg.norm(x, "nuc", (1, 2)), BatchDim(0)),
+    "a norm over features": (lambda x: torch.linalg.norm(x, dim=-1), BatchDim(0)),
+    "cosine similarities within each sample": (
+        lambda x: F.cosine_similarity(x, x + 1, dim=2), BatchDim(0)),
+    "cosine similarities, broadcast": (
+        lambda x: F.cosine_similarity(x.transpose(0, 1), torch.ones(N), dim=-1), BatchDim(1)),
+    "pairwise distances, keepdim": (
+        lambda x: F.pairwise_distance(x, x + 1, keepdim=True), BatchDim(0)),
+    "a 2-d spectrum of each sample": (lambda x: torch.fft.fft2(x).abs(), BatchDim(0)),
+    "an n-d spectrum over other dimensions": (
+        lambda x: torch.fft.rfftn(x, dim=(1, 2)).abs(), BatchDim(0)),
     "the matrix norm over other dimensions": (
         lambda x: torch.linalg.matrix_norm(x, dim=(0, 2)), Lost),
     "distances to a codebook": (lambda x: torch.cdist(x, TABLE[:, None]), BatchDim(0)),
@@ -302,6 +324,12 @@ def test_elementwise_names_are_taken_by_no_branch():
 
 
 CODEBOOK = torch.randn(5, N, dtype=torch.float64, requires_grad=True)
+
+
+def mask_of(x):  # (a mask of the samples from their values, without grad)
+    return (x[:, 0, 0].detach() > 0).double()
+
+
 WEIGHTS = torch.randn(N, dtype=torch.float64, requires_grad=True)
 KERNEL = torch.ones(1, N, 2, dtype=torch.float64)
 
@@ -366,6 +394,45 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
         x[:, :, 0].repeat_interleave(2, dim=0), y.repeat_interleave(2)
     ),
     "the median over the batch": lambda x, y: x.nanmedian(dim=0).values.square().sum(),
+    "a quantile over the batch squared": lambda x, y: torch.quantile(x, 0.75, 0).square().sum(),
+    "centred by a detached mean": lambda x, y: (x - x.mean(0).detach()).square().sum(),
+    "scaled by a detached batch statistic": lambda x, y: (
+        (x / x.detach().abs().mean(0)).square().sum()
+    ),
+    "weights over a token count, clamped": lambda x, y: (
+        (x.square().sum((1, 2)) * mask_of(x) / mask_of(x).sum()).clamp(max=10).sum()
+    ),
+    "stacked scalar losses": lambda x, y: (
+        torch.stack([x.square().mean(), x.abs().mean()]).log().sum()
+    ),
+    "an expanded total squared": lambda x, y: x.square().mean().expand(2).square().sum(),
+    "interpolated with the samples as channels": lambda x, y: (
+        F.interpolate(x.transpose(0, 1), scale_factor=2).square().sum()
+    ),
+    "differences with a batched prepend": lambda x, y: (
+        torch.diff(x, 1, 2, x[..., :1]).square().sum() + torch.diff(x, 1, 2, prepend=x).sum()
+    ),
+    "a hinge on each class's mean loss": lambda x, y: (
+        F.relu(x.square().mean((0, 2)) - 1).sum() + x.mean(0).clamp(-1, 1).abs().sum()
+    ),
+    "a view against its detached partner": lambda x, y: (
+        -F.cosine_similarity(x[: N // 2, 0], x[N // 2 :, 0].detach()).sum()
+    ),
+    "the same samples, picked twice": lambda x, y: (
+        x[1:3]
+        * x.narrow(0, 1, 2)
+        * x.split([1, 2, 1])[1]
+        * x[torch.tensor([False, True, True, False])]
+    ).sum(),
+    "the same mask twice": lambda x, y: (x[y > 1] * x[y > 1]).sum(),
+    "one sample, indexed and selected": lambda x, y: (x[-1] * x.select(0, N - 1)).sum(),
+    "a loss for each part": lambda x, y: (
+        F.cross_entropy(x[: N // 2, :, 0], y[: N // 2]) + x[N // 2 :].square().sum()
+    ),
+    "the batch's parts put back together": lambda x, y: (
+        torch.cat([x[:2], x[2:] * 2]).square().sum()
+    ),
+    "each sample beside itself": lambda x, y: torch.stack([x, x.exp()], 1).logsumexp(1).sum(),
     "an expert-balance loss": lambda x, y: (
         x[:, 0].softmax(-1).mean(0) * torch.linspace(0, 1, N, dtype=x.dtype)
     ).sum(),
@@ -422,6 +489,52 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     ),
     "all pairs, by einsum with an ellipsis": lambda x, y: (
         torch.einsum("n...,m...->nm", x, x).exp().sum()
+    ),
+    "a pair's halves (preference losses)": lambda x, y: F.logsigmoid(
+        x.sum((1, 2))[: N // 2] - x.sum((1, 2))[N // 2 :]
+    ).mean(),
+    "two views chunked and compared": lambda x, y: F.cosine_similarity(*x[:, 0].chunk(2)).sum(),
+    "positives ranked against negatives": lambda x, y: (
+        (x[y > 1][:, None, 0, 0] - x[y <= 1][None, :, 0, 0]).relu().mean()
+    ),
+    "neighbours along the batch": lambda x, y: (x[1:] - x[:-1]).square().sum(),
+    "one sample against another": lambda x, y: (x.select(0, 1) * x.unbind(0)[2]).sum(),
+    "a softmax over the batch with a detached max": lambda x, y: (
+        (x - x.amax(0).detach()).exp() / (x - x.amax(0).detach()).exp().sum(0)
+    ).sum(),
+    "a batch sum less a detached max, squared": lambda x, y: (
+        (x.sum(0) - x.amax(0).detach()).square().sum()
+    ),
+    "samples added into groups by scatter_reduce": lambda x, y: (
+        torch.zeros(2, N, N)
+        .double()
+        .scatter_reduce(0, (y % 2)[:, None, None].expand(N, N, N), x, reduce="sum")
+        .square()
+        .sum()
+    ),
+    "samples added into groups, source by keyword": lambda x, y: (
+        torch.zeros(2, N, N).double().index_add(0, y % 2, source=x).square().sum()
+    ),
+    "a spectrum over the batch, dim by position": lambda x, y: (
+        torch.fft.rfft(x, None, 0).abs().sum()
+    ),
+    "a 2-d spectrum over the batch": lambda x, y: torch.fft.fft2(x.transpose(0, 2)).abs().sum(),
+    "contrastive, normalised by linalg.norm": lambda x, y: F.cross_entropy(
+        (x[:, 0] / torch.linalg.norm(x[:, 0], dim=-1, keepdim=True))
+        @ (x[:, 0] / torch.linalg.norm(x[:, 0], dim=-1, keepdim=True)).T,
+        y,
+    ),
+    "cosine similarities softmaxed over the batch": lambda x, y: (
+        F.cosine_similarity(x[:, 0], x[:, 1]).softmax(0) * x[:, 0, 0]
+    ).sum(),
+    "an inverse of samples, with its info": lambda x, y: torch.linalg.inv_ex(
+        x[:, 0] + 9 * torch.eye(N)
+    )[0].sum(),
+    "each sample beside another, then a loss over them": lambda x, y: F.cross_entropy(
+        torch.stack([x[:, 0, 0], x[:, 0, 0].flip(0)], 1), torch.zeros(N, dtype=torch.long)
+    ),
+    "in-batch negatives beside the positives": lambda x, y: F.cross_entropy(
+        torch.cat([x[:, 0, :1], x[:, 1, :1].roll(1, 0)], 1), torch.zeros(N, dtype=torch.long)
     ),
     "batch dice": lambda x, y: (
         2 * (x.sigmoid() * (y[:, None, None] > 1)).sum((0, 2)) / (x.sigmoid().sum((0, 2)) + 1)

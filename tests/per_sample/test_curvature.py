@@ -1078,6 +1078,7 @@ def test_batched_columns_fall_back_to_passes_where_vmap_cannot_run(monkeypatch):
                     raise RuntimeError("Batching rule not implemented (simulated)")
 
                 m.setattr(columns.torch.func, "vmap", no_vmap)
+                m.setattr(columns, "_along_chain", lambda *args: None)  # (autograd's way)
             with leanprop.per_sample(model) as ctx:
                 leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.DiagHessian(),
                              leanprop.DiagGGNExact())  # fmt: skip
@@ -1088,6 +1089,38 @@ def test_batched_columns_fall_back_to_passes_where_vmap_cannot_run(monkeypatch):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(results[0][k][0].flatten(), hessian[k].diagonal(),
                                    rtol=1e-10, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Sigmoid, nn.Tanh, nn.GELU])
+def test_columns_along_a_chain_of_layers_equal_autograds(act, monkeypatch):
+    """An MLP's columns go through its layers and activations by their Jacobians (no
+    autograd, no vmap): the same diagonals, Kronecker factors and Hessian terms as
+    autograd's vmapped passes (GELU: not a known activation, autograd's way both times)."""
+    columns = importlib.import_module("leanprop.per_sample.curvature.batched_columns")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), act(), nn.Linear(5, 4), act(),
+                          nn.Linear(4, 3)).double()  # fmt: skip
+    x, y = torch.randn(7, 2, 3, dtype=torch.float64), torch.randint(0, 3, (7,))
+    quantities = (leanprop.DiagGGNExact(), leanprop.BatchDiagGGNExact(), leanprop.KFLR(),
+                  leanprop.DiagHessian())  # fmt: skip
+    chained, results = [], []
+    real = columns._along_chain
+    for way in ("chain", "autograd"):
+        with monkeypatch.context() as m:
+            if way == "chain":
+                m.setattr(columns, "_along_chain", lambda *a: chained.append(real(*a)) or
+                          chained[-1])  # fmt: skip
+            else:
+                m.setattr(columns, "_along_chain", lambda *args: None)
+            with leanprop.per_sample(model) as ctx:
+                leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, *quantities)
+        results.append({k: [getattr(p, q.attr) for q in quantities]
+                        for k, p in model.named_parameters()})  # fmt: skip
+    assert chained and all((c is None) == (act is nn.GELU) for c in chained), chained
+    for k, values in results[0].items():
+        for a, b in zip(values, results[1][k], strict=True):
+            for u, v in zip(*(t if isinstance(t, list) else [t] for t in (a, b)), strict=True):
+                torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-14, msg=k)
 
 
 class _Rows(nn.Module):

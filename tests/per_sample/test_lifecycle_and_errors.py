@@ -2041,9 +2041,10 @@ def test_the_sum_check_takes_a_module_scale_for_rounding_not_for_errors():
      lambda o: (o.softmax(0) * o).sum(),
      lambda o: 1 - (2 * (o.sigmoid() * 0.5).sum(0) / (o.sigmoid().sum(0) + 1)).mean(),
      lambda o: F.relu(1 - o.std(0)).mean() + torch.cov(o.T).square().sum(),
-     lambda o: torch.cdist(o, o).exp().sum()],
+     lambda o: torch.cdist(o, o).exp().sum(),
+     lambda o: -F.logsigmoid(o[:2].sum(1) - o[2:].sum(1)).mean()],
     ids=["centred", "contrastive", "softmax-over-the-batch", "batch-dice", "variance-covariance",
-         "distances-between-samples"],
+         "distances-between-samples", "a-preference-pair's-halves"],
 )  # fmt: skip
 def test_a_loss_that_mixes_the_samples_after_the_last_layer_is_refused(loss):
     """It ran: each sample's values through the others' leave no sample its own gradient,

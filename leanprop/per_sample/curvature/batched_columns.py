@@ -107,7 +107,12 @@ def layer_columns(
 ) -> list[Tensor | None]:
     """``S`` ``[M, N, O]`` at each of ``layers``' outputs: the ``columns``
     ``[M, *start.shape]`` backpropagated from ``start`` all at once (None where a layer is not
-    reached); the layer whose output ``start`` is (an activation's input) gets the columns."""
+    reached); the layer whose output ``start`` is (an activation's input) gets the columns.
+    Along a chain of linear layers and the activations :data:`_CHAIN_RULES` knows (an MLP):
+    by their Jacobians directly; anywhere else, by autograd (vmapped over the columns)."""
+    chained = _along_chain(start, columns, layers)
+    if chained is not None:
+        return chained
     direct = start.node if isinstance(start, GradientEdge) else None
     upstream = [node for node in layers if node is not direct]
     found = dict.fromkeys(layers)
@@ -132,6 +137,46 @@ def layer_columns(
         if direct in found:
             found[direct] = columns
     return [None if s is None else s.detach() for s in found.values()]
+
+
+# the backward of an elementwise activation on the columns [M, N, ...], from its result r
+_CHAIN_RULES = {
+    "ReluBackward0": lambda r, s: s * (r > 0),
+    "SigmoidBackward0": lambda r, s: s * (r * (1 - r)),
+    "TanhBackward0": lambda r, s: s * (1 - r * r),
+}
+
+
+def _along_chain(start: Tensor | GradientEdge, columns: Tensor, layers: list[Any]) -> (
+    list[Tensor | None] | None
+):  # fmt: skip
+    """:func:`layer_columns` where the graph from ``start`` to the last of ``layers`` is one
+    chain of them and of activations in :data:`_CHAIN_RULES`, each activation's result the
+    input of the layer after it: the columns times each Jacobian in turn (``S @ W`` through a
+    layer), from what the layers saved. None anywhere else, and where a layer's saved tensors
+    go through hooks (a checkpoint would recompute its block outside any backward)."""
+    node = start.node if isinstance(start, GradientEdge) else start.grad_fn
+    if isinstance(start, GradientEdge) and start.output_nr != 0:
+        return None
+    found: dict[Any, Tensor] = {}
+    left, s, result = set(layers), columns.detach(), None
+    while left:
+        if node in left and not node.hooked:
+            found[node] = s
+            left.discard(node)
+            if not left:
+                break
+            x, weight = node.saved_tensors  # (the weight: saved where x needs its gradient)
+            if weight is None or weight.dtype != s.dtype:  # (autocast: autograd's way)
+                return None
+            s, result = s @ weight.detach(), x.detach()  # (x W^T + b: x's gradient is S W)
+            node = node.next_functions[0][0]  # (x: the first tensor FusedOp.apply takes)
+        elif type(node).__name__ in _CHAIN_RULES and result is not None:
+            s, result = _CHAIN_RULES[type(node).__name__](result, s), None
+            node = node.next_functions[0][0]
+        else:
+            return None
+    return [found.get(node) for node in layers]
 
 
 def add_kronecker_factors(
