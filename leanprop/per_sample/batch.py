@@ -515,6 +515,42 @@ def _pairs(
     return Lost(f"'{name}' over the batch dimension mixes samples")
 
 
+def _rare_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, bd: BatchDim,
+    nd: int, od: int,
+) -> Info | None:  # fmt: skip
+    """:func:`result_dim` for the ops of :data:`_RARE` (operand ``which``, its batch at ``bd``
+    of its ``nd`` dimensions; the output has ``od``); None for ``linalg.norm`` of vectors (a
+    reduction)."""
+    if name in _MATRIX_FUNCTIONS:  # of each matrix [*, m, n] (a solve's A)
+        if which != 0 and bd.dim >= nd - 2:  # (a solve's B, whose columns may be samples)
+            return Lost(f"'{name}' with its argument {which} batched")
+        if bd.dim >= nd - 2:
+            return Lost(f"'{name}' of a matrix made of samples mixes samples")
+        return BatchDim(bd.dim, bd.inner)
+    d = _dims_arg(args, kwargs, 2, "dim") if name == "linalg_norm" else None
+    if name == "linalg_matrix_norm" or (isinstance(d, list | tuple) and len(d) == 2):
+        # (A, ord="fro", dim=(-2, -1), keepdim=False); linalg.norm with two dims alike
+        d = _dims_arg(args, kwargs, 2, "dim")
+        dims = [-2, -1] if d is None else [_norm_dim(int(k), nd) - nd for k in d]
+        if bd.dim - nd not in dims:
+            return BatchDim(bd.dim - sum(nd + k < bd.dim for k in dims if od < nd), bd.inner)
+        if _dims_arg(args, kwargs, 1, "ord") in (None, "fro"):  # (a vector norm of the matrix)
+            return Combined("a matrix norm over the batch dimension sums samples")
+        return Lost(f"'{name}' of a matrix made of samples mixes samples")
+    if name == "linalg_norm":
+        return None
+    if name in ("cosine_similarity", "pairwise_distance"):
+        return _similarity(name, args, kwargs, bd, nd)
+    if name in _FFTS:  # (x, s, dim, norm): over the last two dimensions, or all
+        d = _dims_arg(args, kwargs, 2, "dim")
+        dims = range(nd) if d is None and name.endswith("n") else [-2, -1] if d is None else d
+        if bd.dim in [_norm_dim(int(k), nd) for k in dims]:
+            return Lost(f"{name} over the batch dimension mixes samples")
+        return bd
+    return _pairs(name, args, kwargs, which, bd, nd, od)
+
+
 def _similarity(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], bd: BatchDim, nd: int
 ) -> Info:
@@ -537,6 +573,13 @@ def _similarity(
 _FFTS = frozenset({
     "fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2", "fft_fftn", "fft_ifftn", "fft_rfftn",
     "fft_irfftn", "fft_hfft2", "fft_ihfft2", "fft_hfftn", "fft_ihfftn",
+})  # fmt: skip
+
+
+# the ops :func:`_rare_result` reads (one test on the hot path for all of them)
+_RARE = frozenset({
+    *_MATRIX_FUNCTIONS, *_FFTS, "linalg_norm", "linalg_matrix_norm", "cdist", "pdist", "cov",
+    "corrcoef", "diff", "cosine_similarity", "pairwise_distance",
 })  # fmt: skip
 
 
@@ -686,10 +729,9 @@ def result_dim(
         return BatchDim(first if k == 0 else 1)
     if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
         return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
-    if name in _INDEX_OPS and which in _INDEX_KEYWORDS:  # (x.index_add(0, g, source=o))
-        which = _INDEX_KEYWORDS[which]
-    if name == "diff" and which in ("prepend", "append"):  # (laid out as the input)
-        which = 3
+    if isinstance(which, str) and (name in _INDEX_OPS or name == "diff"):
+        # (x.index_add(0, g, source=o); diff's prepend and append, laid out as the input)
+        which = _INDEX_KEYWORDS.get(which, 3 if which in ("prepend", "append") else which)
     if isinstance(which, str) or name in _ELEMENTWISE:
         return _elementwise(name, args, kwargs, x, bd, out)
     # the layers' ops next (each layer's call passes here): no branch below takes their names
@@ -699,32 +741,9 @@ def result_dim(
         if name == "embedding_bag" and nd == 1:
             return Lost("embedding_bag with offsets")
         return bd
-    if name in _MATRIX_FUNCTIONS:  # of each matrix [*, m, n] (a solve's A)
-        if which != 0 and bd.dim >= nd - 2:  # (a solve's B, whose columns may be samples)
-            return Lost(f"'{name}' with its argument {which} batched")
-        if bd.dim >= nd - 2:
-            return Lost(f"'{name}' of a matrix made of samples mixes samples")
-        return BatchDim(bd.dim, bd.inner)
-    d = _dims_arg(args, kwargs, 2, "dim") if name == "linalg_norm" else None
-    if name == "linalg_matrix_norm" or (isinstance(d, list | tuple) and len(d) == 2):
-        # (A, ord="fro", dim=(-2, -1), keepdim=False); linalg.norm with two dims alike
-        d = _dims_arg(args, kwargs, 2, "dim")
-        dims = [-2, -1] if d is None else [_norm_dim(int(k), nd) - nd for k in d]
-        if bd.dim - nd not in dims:
-            return BatchDim(bd.dim - sum(nd + k < bd.dim for k in dims if od < nd), bd.inner)
-        if _dims_arg(args, kwargs, 1, "ord") in (None, "fro"):  # (a vector norm of the matrix)
-            return Combined("a matrix norm over the batch dimension sums samples")
-        return Lost(f"'{name}' of a matrix made of samples mixes samples")
-    if name in ("cdist", "pdist", "cov", "corrcoef", "diff"):
-        return _pairs(name, args, kwargs, which, bd, nd, od)
-    if name in ("cosine_similarity", "pairwise_distance") and which in (0, 1):
-        return _similarity(name, args, kwargs, bd, nd)
-    if name in _FFTS:  # (x, s, dim, norm): over the last two dimensions, or all
-        d = _dims_arg(args, kwargs, 2, "dim")
-        dims = range(nd) if d is None and name.endswith("n") else [-2, -1] if d is None else d
-        if bd.dim in [_norm_dim(int(k), nd) for k in dims]:
-            return Lost(f"{name} over the batch dimension mixes samples")
-        return bd
+    rare = _rare_result(name, args, kwargs, which, bd, nd, od) if name in _RARE else None
+    if rare is not None:  # (functions of matrices, distances, spectra, norms of matrices)
+        return rare
     if name in ("layer_norm", "rms_norm"):
         k = len(args[1]) if isinstance(args[1], Sequence) else 1
         return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
@@ -898,9 +917,9 @@ def result_dim(
         if bd.dim == 1:  # (the classes' dimension: [N, C, ...] -> [N, ...])
             return Lost(f"{name} over the batch dimension (taken as the classes')")
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
-    d = kwargs.get("dim", kwargs.get("axis"))
+    d = kwargs.get("dim", kwargs.get("axis")) if kwargs else None
     dims = d if isinstance(d, list | tuple) else [d]
-    if any(isinstance(k, int) and _norm_dim(k, nd) == bd.dim for k in dims):
+    if d is not None and any(isinstance(k, int) and _norm_dim(k, nd) == bd.dim for k in dims):
         return Lost(f"'{name}' {_UNKNOWN_ALONG}")  # (torch.cumulative_trapezoid(x, dim=0))
     return _elementwise(name, args, kwargs, x, bd, out)
 
@@ -1346,7 +1365,7 @@ class BatchTracker:
         went in each of the op's tensor outputs ``outs``: recorded."""
         n = self.n if self.n is not None else 0
         for k, o in enumerate(outs):
-            results, constants = set(), set()  # (constants: batch statistics without grad)
+            results, constants = set(), None  # (constants: batch statistics without grad)
             held = set()  # (what became of the operands that require grad: held differently,
             # their samples meet; and why the output mixes them: an operand's history first)
             mixing = self._mixed_before(batched) if self._mixed else None
@@ -1372,8 +1391,8 @@ class BatchTracker:
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
                     if t.requires_grad and type(r) is not BatchDim:
                         mixing = mixing or _mixes_itself(name, i, info, r, o)
-                if isinstance(r, Combined) and not t.requires_grad and o.requires_grad:
-                    constants.add(r)  # (o - o.mean(0).detach(): still each sample's values)
+                if type(r) is Combined and not t.requires_grad and o.requires_grad:
+                    constants = {r}  # (o - o.mean(0).detach(): still each sample's values)
                 else:
                     results.add(r)
                 at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
