@@ -59,6 +59,7 @@ class Combined(Lost):
     reaches the loss in no sample's part."""
 
     summed: bool = True
+    of_pick: bool = False  # (summed over some samples only: x[i].sum(), a part's loss)
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,9 +151,11 @@ def _ordered_result(
         return Lost(rows.reason if isinstance(rows, Lost) else _PACKED)
     index = _reorder_index(name, args, kwargs, which, x, info.dim)
     if index is not None:  # x.index_select(batch dim, index), x[index]
-        perm = _permutation(index, x.shape[info.dim])
-        if perm is None:
-            return Lost(f"{name} along the batch dimension selects samples")
+        size = x.shape[info.dim]
+        perm = _permutation(index, size)
+        if perm is None:  # (some samples: which ones, so that pairs of picks are told)
+            picks = _as_picks([info.order[j % size] for j in index.tolist()])
+            return Selected(f"{name} along the batch dimension selects samples", picks)
         return _in_order(info.dim, tuple(info.order[j] for j in perm))
     if name == "_pack_padded_sequence" and which == 0:  # (input, lengths, batch_first)
         if info.dim != (0 if args[2] else 1):
@@ -814,7 +817,7 @@ def result_dim(
         return _index_result(args[1], nd, bd, n, tracker)
     if name in ("cat", "concat", "concatenate"):
         d = _norm_dim(int(_dims_arg(args, kwargs, 1, "dim", "axis") or 0), nd)
-        return Lost("concatenation along the batch dimension") if d == bd.dim else bd
+        return Lost(_CONCATENATED) if d == bd.dim else bd
     if name == "stack":
         d = _norm_dim(int(_dims_arg(args, kwargs, 1, "dim") or 0), od)
         return BatchDim(bd.dim + (d <= bd.dim), bd.inner)
@@ -925,6 +928,8 @@ def result_dim(
 
 
 _UNKNOWN_ALONG = "(an op leanprop does not know) along the batch dimension may mix samples"
+_CONCATENATED = "concatenation along the batch dimension"
+_REJOINED = "parts of the batch put together"
 
 
 def _elementwise(
@@ -1369,6 +1374,9 @@ class BatchTracker:
             held = set()  # (what became of the operands that require grad: held differently,
             # their samples meet; and why the output mixes them: an operand's history first)
             mixing = self._mixed_before(batched) if self._mixed else None
+            joined = (
+                False  # (an operand that requires grad concatenated with others along the batch)
+            )
             for i, t, info in batched:
                 if name in _ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
                     info = Reordered(_REORDERED, info.dim, tuple(range(t.shape[info.dim])))
@@ -1379,8 +1387,13 @@ class BatchTracker:
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
                 elif isinstance(info, Lost):
                     combined = _combines(name, args, kwargs) and not isinstance(info, Combined)
-                    r = Combined(f"'{name}' over {info.reason}") if combined else info
-                    if type(r) is Combined and r.summed and t.numel() == 1:
+                    picked = isinstance(info, Selected) or getattr(info, "of_pick", False)
+                    r = (
+                        Combined(f"'{name}' over {info.reason}", of_pick=picked)
+                        if combined
+                        else info
+                    )
+                    if type(r) is Combined and r.summed and not r.of_pick and t.numel() == 1:
                         r = Combined(r.reason, summed=False)  # (made of totals: stack([l1, l2]))
                     if type(info) is Combined and info.summed and t.requires_grad and t.numel() > 1:
                         mixing = mixing or _reads_summed(name, i, info, batched)
@@ -1391,6 +1404,7 @@ class BatchTracker:
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
                     if t.requires_grad and type(r) is not BatchDim:
                         mixing = mixing or _mixes_itself(name, i, info, r, o)
+                        joined = joined or (type(r) is Lost and r.reason == _CONCATENATED)
                 if type(r) is Combined and not t.requires_grad and o.requires_grad:
                     constants = {r}  # (o - o.mean(0).detach(): still each sample's values)
                 else:
@@ -1399,12 +1413,23 @@ class BatchTracker:
                 if t.requires_grad and _holds_samples(at):
                     held.add(at)
             results = results or constants
+            if (
+                name in _SIDE_BY_SIDE
+                and len(results) > 1
+                and all(type(r) is Selected for r in results)
+            ):  # (cat([o[:k], o[k:]]): each value still one sample's, in no known place)
+                results = {Lost(_REJOINED)}
             res = results.pop() if len(results) == 1 else _merge(results)
             self._info[o] = res
             if o.requires_grad:
                 # (one operand mixes nothing by meeting: only an op of its own or its history)
                 if mixing is None and len(batched) > 1:
                     mixing = _mixing(name, batched, res, held)
+                if mixing is None and joined:  # (SimCLR's cat([z1, z2]), then z @ z.T)
+                    mixing = (
+                        "rows of the batch concatenated with other rows along it: what "
+                        "follows would take them for samples of one batch"
+                    )
                 if mixing is not None:
                     self._mixed[o] = mixing
             if by_edge:
@@ -1538,17 +1563,10 @@ _MIXES_AS_POSITIONS = frozenset({
 })  # fmt: skip
 # reductions that centre the values they reduce; reductions not linear in them
 _CENTRING = frozenset({"std", "var", "std_mean", "var_mean"})
-_CURVED_REDUCTIONS = frozenset(
-    {
-        "norm",
-        "linalg_vector_norm",
-        "linalg_norm",
-        "linalg_matrix_norm",
-        "logsumexp",
-        "special_logsumexp",
-        "prod",
-    }
-)
+_CURVED_REDUCTIONS = frozenset({
+    "norm", "linalg_vector_norm", "linalg_norm", "linalg_matrix_norm", "logsumexp",
+    "special_logsumexp", "prod",
+})  # fmt: skip
 # ops linear in each tensor operand, or choosing among its values, or piecewise linear (a
 # clamp's gradient is 0 or 1 at each element, a selection: each sample's term kept or not, as
 # in hard-example mining); ops linear in each operand where the others are fixed (an operand

@@ -432,6 +432,15 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     "the batch's parts put back together": lambda x, y: (
         torch.cat([x[:2], x[2:] * 2]).square().sum()
     ),
+    "the batch's parts put back together, then met with it": lambda x, y: (
+        torch.cat([x[:2], x[2:]]) * x
+    ).sum(),
+    "the same samples by index tensor and by slice": lambda x, y: (
+        x[torch.tensor([1, 2])] * x[1:3] * x[torch.tensor([-3, 2])]
+    ).sum(),
+    "per-sample losses stacked and averaged": lambda x, y: torch.stack(
+        [x[i].square().sum() for i in range(N)]
+    ).mean(),
     "each sample beside itself": lambda x, y: torch.stack([x, x.exp()], 1).logsumexp(1).sum(),
     "an expert-balance loss": lambda x, y: (
         x[:, 0].softmax(-1).mean(0) * torch.linspace(0, 1, N, dtype=x.dtype)
@@ -536,6 +545,18 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     "in-batch negatives beside the positives": lambda x, y: F.cross_entropy(
         torch.cat([x[:, 0, :1], x[:, 1, :1].roll(1, 0)], 1), torch.zeros(N, dtype=torch.long)
     ),
+    "per-sample losses stacked, then a log-sum-exp": lambda x, y: torch.stack(
+        [x[i].square().sum() for i in range(N)]
+    ).logsumexp(0),
+    "views concatenated along the batch, then contrasted": lambda x, y: F.cross_entropy(
+        torch.cat([x[:, 0], x[:, 1]]) @ torch.cat([x[:, 0], x[:, 1]]).T, torch.arange(2 * N)
+    ),
+    "a detached statistic concatenated along the batch, softmaxed": lambda x, y: (
+        torch.cat([x.mean(0, keepdim=True).detach(), x]).softmax(0)[1:] * x
+    ).sum(),
+    "a pair's halves picked by index tensors": lambda x, y: F.logsigmoid(
+        x.sum((1, 2))[torch.tensor([0, 2])] - x.sum((1, 2)).index_select(0, torch.tensor([1, 3]))
+    ).mean(),
     "batch dice": lambda x, y: (
         2 * (x.sigmoid() * (y[:, None, None] > 1)).sum((0, 2)) / (x.sigmoid().sum((0, 2)) + 1)
     ).mean(),
