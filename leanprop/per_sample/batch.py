@@ -1374,9 +1374,8 @@ class BatchTracker:
             held = set()  # (what became of the operands that require grad: held differently,
             # their samples meet; and why the output mixes them: an operand's history first)
             mixing = self._mixed_before(batched) if self._mixed else None
-            joined = (
-                False  # (an operand that requires grad concatenated with others along the batch)
-            )
+            # (joined: an operand that requires grad concatenated with others along the batch)
+            joined = False
             for i, t, info in batched:
                 if name in _ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
                     info = Reordered(_REORDERED, info.dim, tuple(range(t.shape[info.dim])))
