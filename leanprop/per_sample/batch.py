@@ -531,10 +531,9 @@ def _rare_result(
         if bd.dim >= nd - 2:
             return Lost(f"'{name}' of a matrix made of samples mixes samples")
         return BatchDim(bd.dim, bd.inner)
-    d = _dims_arg(args, kwargs, 2, "dim") if name == "linalg_norm" else None
+    # (A, ord="fro", dim=(-2, -1), keepdim=False); linalg.norm with two dims alike
+    d = _dims_arg(args, kwargs, 2, "dim") if name in ("linalg_norm", "linalg_matrix_norm") else None
     if name == "linalg_matrix_norm" or (isinstance(d, list | tuple) and len(d) == 2):
-        # (A, ord="fro", dim=(-2, -1), keepdim=False); linalg.norm with two dims alike
-        d = _dims_arg(args, kwargs, 2, "dim")
         dims = [-2, -1] if d is None else [_norm_dim(int(k), nd) - nd for k in d]
         if bd.dim - nd not in dims:
             return BatchDim(bd.dim - sum(nd + k < bd.dim for k in dims if od < nd), bd.inner)
