@@ -11,8 +11,9 @@ One backward, followed through this folder:
 * ``fused.py``: the op interception (one ``TorchFunctionMode``, also kept on during backward so
   checkpoints recompute through it); swaps Linear/Conv/LayerNorm/GroupNorm ops so autograd
   does not compute their parameter gradients twice.
-* ``batch.py``: which tensors carry the batch, and in which dimension (model inputs at
-  ``batch_dim``, followed op by op).
+* ``batch/``: which tensors carry the batch, and in which dimension (model inputs at
+  ``batch_dim``, followed op by op: ``rules.py`` says where each op puts it, ``mixing.py``
+  which ops mix the samples, ``tracker.py`` holds one forward's state).
 * ``broadcast.py``: parameters whose output is broadcast over the batch (position embeddings,
   class tokens, learned scales): their per-sample contributions where they meet it.
 * ``ops.py`` and ``op_rules.py``: any other op that uses a parameter (a layer rule's own op,

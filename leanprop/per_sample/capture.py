@@ -8,7 +8,7 @@ One forward and backward through it (all state lives on the context and its
    (``rules/fallback.py``, ``rules/packed_rnn.py``); the parameters of any other module are
    captured at each op that uses them (``ops.py``). The op interception (``fused.py``) starts.
 2. **Forward.** The model's inputs are marked as carrying the batch and every op is followed
-   (``batch.py``). A Linear/Conv's own op becomes a ``FusedOp``; the ops of other rule modules
+   (``batch/``). A Linear/Conv's own op becomes a ``FusedOp``; the ops of other rule modules
    and op-level parameter uses run through ``ops.OpCapture``; a parameter-derived tensor that
    meets the batch goes through ``broadcast.py``; fallback roots are recorded as calls.
 3. **Backward.** Each captured op or call, given its output gradient, opens the cycle and

@@ -1,4 +1,4 @@
-"""Batch tracking op by op (``leanprop/per_sample/batch.py``), with T == N == D so that no
+"""Batch tracking op by op (``leanprop/per_sample/batch/``), with T == N == D so that no
 dimension can be told from the batch by its size: a probe tensor holds its sample index n in
 every entry of sample n, and each op's tracked batch dimension must gather exactly sample n."""
 
@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from leanprop.per_sample.batch import BatchDim, BatchTracker, Lost, to_front
+from leanprop.per_sample.batch.infos import Combined
+from leanprop.per_sample.batch.mixing import merge_infos
 
 N = 4
 PERM = torch.tensor([2, 0, 3, 1])
@@ -304,23 +306,22 @@ def test_ops_on_parameters_are_not_taken_the_quick_way():
 def test_merged_infos_prefer_sums_of_samples_in_a_fixed_order():
     """Joining a sum over samples with another lost batch gave whichever a set listed first
     (PYTHONHASHSEED decided whether a later penalty was watched)."""
-    batch = importlib.import_module("leanprop.per_sample.batch")
-    infos = [batch.Lost("z"), batch.Combined("b"), batch.Lost("a"), batch.Combined("a")]
+    infos = [Lost("z"), Combined("b"), Lost("a"), Combined("a")]
     for k in range(len(infos)):
-        merged = batch._merge(set(infos[k:] + infos[:k]))
-        assert merged == batch.Combined("a")
+        merged = merge_infos(set(infos[k:] + infos[:k]))
+        assert merged == Combined("a")
 
 
 def test_elementwise_names_are_taken_by_no_branch():
     """``result_dim`` sends the names in ``_ELEMENTWISE`` to ``_elementwise`` before its other
     branches (the hot path): none of them may be a name some branch handles otherwise."""
-    batch = importlib.import_module("leanprop.per_sample.batch")
-    source = inspect.getsource(batch.result_dim).split("_ELEMENTWISE:", 1)[1]
+    rules = importlib.import_module("leanprop.per_sample.batch.rules")
+    source = inspect.getsource(rules.result_dim).split("_ELEMENTWISE:", 1)[1]
     literals = set(re.findall(r'"([a-z_0-9]+)"', source))
-    sets = [v for k, v in vars(batch).items() if k.startswith("_") and k.isupper() and k in source]
+    sets = [v for k, v in vars(rules).items() if k.isupper() and k in source]
     named = literals.union(*(s for s in sets if isinstance(s, set | frozenset | dict | tuple)))
     assert sets and "linear" in named and "view" in named  # (the search reads the branches)
-    assert not (batch._ELEMENTWISE & named)
+    assert not (rules._ELEMENTWISE & named)
 
 
 CODEBOOK = torch.randn(5, N, dtype=torch.float64, requires_grad=True)

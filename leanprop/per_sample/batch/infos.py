@@ -1,0 +1,125 @@
+"""What a tracker says of a tensor: where its batch is (:class:`BatchDim`), or why no single
+dimension holds the samples (:class:`Lost` and its kinds: summed together, some samples picked,
+samples in another order, packed into a ``PackedSequence``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BatchDim:
+    """The batch is dimension ``dim``, of size ``N * inner`` with the sample as outer factor."""
+
+    dim: int
+    inner: int = 1
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The tensor depends on the batch, but no single dimension holds the samples."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Combined(Lost):
+    """The samples were summed or averaged together (a reduction over the batch, a loss, a
+    product contracting the batch), or one sample's value was chosen for each element
+    (``x.amax(0)``; ``summed`` False): a batch-free value joined with this one afterwards
+    reaches the loss in no sample's part."""
+
+    summed: bool = True
+    of_pick: bool = False  # (summed over some samples only: x[i].sum(), a part's loss)
+
+
+@dataclass(frozen=True, eq=False)
+class Selected(Lost):
+    """Some of the samples, picked along the batch dimension (``o[:k]``, ``o.chunk(2)[1]``,
+    ``o[labels == 1]``): ``picks`` says which (positions along it, a ``range`` where they are
+    evenly spaced; equal for the same pick, however spelled), so that values of two different
+    picks meeting later (a pair's halves, ``o[:k] - o[k:]``) are told as different samples
+    meeting."""
+
+    picks: Any = None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Selected) and self.picks == other.picks
+
+    def __hash__(self) -> int:
+        return hash((Selected, self.picks))
+
+
+def as_picks(positions: Sequence[int]) -> range | tuple[int, ...]:
+    """``positions`` as a ``range`` where they are evenly spaced and increasing."""
+    if len(positions) < 2:
+        return range(positions[0], positions[0] + 1) if positions else range(0)
+    step = positions[1] - positions[0]
+    spaced = range(positions[0], positions[-1] + 1, step) if step > 0 else range(0)
+    return spaced if list(spaced) == list(positions) else tuple(positions)
+
+
+@dataclass(frozen=True)
+class Reordered(Lost):
+    """Dimension ``dim`` holds the samples in another order: position ``j`` holds sample
+    ``order[j]`` (a packed sequence sorts its samples by length). A :class:`Lost` to every
+    consumer but the ops that restore the order or pack the samples."""
+
+    dim: int
+    order: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Packed(Lost):
+    """The data of a ``PackedSequence``: rows are time steps of samples, sorted by length as
+    ``order`` says (its ``sorted_indices``). A :class:`Lost` to every consumer but the RNN
+    that takes it, elementwise ops, and ``pad_packed_sequence``."""
+
+    order: tuple[int, ...]
+
+
+Info = BatchDim | Lost
+
+
+REORDERED = "samples in another order (an index_select, or sorted by length for a packed sequence)"
+
+
+PACKED = (
+    "the samples packed into a PackedSequence's data (run the RNN on it, or "
+    "pad_packed_sequence it first)"
+)
+
+
+def packed_data(order: tuple[int, ...]) -> Packed:
+    """Where the batch is in a PackedSequence's data whose ``sorted_indices`` are ``order``."""
+    return Packed(PACKED, order)
+
+
+def in_order(dim: int, order: tuple[int, ...]) -> Info:
+    if order == tuple(range(len(order))):
+        return BatchDim(dim)
+    return Reordered(REORDERED, dim, order)
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def dims_arg(args: Sequence[Any], kwargs: dict[str, Any], pos: int, *names: str) -> Any:
+    for k in names:
+        if k in kwargs:
+            return kwargs[k]
+    return args[pos] if len(args) > pos else None
+
+
+def to_front(t: Tensor, info: BatchDim, n: int) -> Tensor:
+    """``t`` with its batch moved to dimension 0 as ``[N, ...]`` (``inner`` split off)."""
+    if info.dim != 0:
+        t = t.movedim(info.dim, 0)
+    if info.inner != 1:
+        t = t.reshape(n, info.inner, *t.shape[1:])
+    return t

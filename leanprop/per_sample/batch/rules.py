@@ -1,0 +1,464 @@
+"""Where the batch of an op's input lands in its output, op by op (:func:`result_dim`): one
+branch per family of ops (layers, views and transposes, picks along the batch, reductions,
+products, losses), elementwise ops first (the hot path). Indexing lives in ``indexing.py``,
+matrix products and functions of matrices in ``matrices.py``, reordered samples in
+``order.py``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .indexing import index_result, picks_of, rows_at
+from .infos import BatchDim, Combined, Info, Lost, Selected, dims_arg, norm_dim
+from .matrices import (
+    MATMUL_ARGS,
+    RARE,
+    einsum_result,
+    matmul_positional,
+    matmul_result,
+    rare_result,
+)
+
+if TYPE_CHECKING:
+    from .tracker import BatchTracker
+
+
+RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+
+def is_packed_rnn_op(name: str, args: Sequence[Any]) -> bool:
+    """``lstm(data, batch_sizes, hx, ...)``: the PackedSequence variant of an RNN op."""
+    return (
+        name in RNN_OPS
+        and len(args) > 1
+        and isinstance(args[1], Tensor)
+        and not args[1].is_floating_point()  # batch sizes, not a GRU's hidden state
+    )
+
+
+def op_name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property (x.mT, x.T): name of the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name == "rtruediv":  # (2 / x: not linear in x, as x / 2 is)
+            return name
+        if name[:1] in "ri" and name[1:] in _ARITH:  # __radd__, __iadd__
+            name = name[1:]
+    elif name.endswith("_") and not name.startswith("_"):
+        name = name[:-1]  # in-place variant
+    return name
+
+
+_ARITH = {"add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "and", "or", "xor", "mod"}
+
+
+VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view"}
+
+
+_DIM_OPS = {  # same shape, acts along one dimension: mixes samples if that is the batch
+    "softmax", "log_softmax", "_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax",
+    "cummin", "sort", "argsort", "normalize", "glu", "special_softmax", "special_log_softmax",
+}  # fmt: skip
+
+
+# the positions of the index ops' tensor arguments passed by keyword
+_INDEX_KEYWORDS = {"source": 3, "src": 3, "index": 2}
+
+
+# ops taking (x, ..., dim at position pos, ...): {name: (pos, default dim)}
+_INDEX_OPS = {
+    "index_select": (1, None), "gather": (1, None), "scatter": (1, None),
+    "scatter_add": (1, None), "scatter_reduce": (1, None), "index_add": (1, None),
+    "index_copy": (1, None), "index_fill": (1, None), "take_along_dim": (2, None),
+    "topk": (2, -1), "kthvalue": (2, -1), "renorm": (2, None), "softmin": (1, None),
+    "fft_fft": (2, -1), "fft_ifft": (2, -1), "fft_rfft": (2, -1), "fft_irfft": (2, -1),
+}  # fmt: skip
+
+
+_REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "norm", "logsumexp",
+    "all", "any", "argmax", "argmin", "nansum", "nanmean", "median", "var_mean", "std_mean",
+    "count_nonzero", "linalg_vector_norm", "linalg_norm", "special_logsumexp", "aminmax",
+    "nanmedian", "mode",
+}  # fmt: skip
+
+
+_SELECTIONS = {
+    "amax", "amin", "max", "min", "aminmax", "median", "nanmedian", "mode", "argmax", "argmin"
+}  # fmt: skip
+
+
+_BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it there
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "group_norm", "batch_norm", "instance_norm", "max_pool1d", "max_pool2d", "max_pool3d",
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+    "interpolate", "upsample", "unfold", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d",
+    "max_pool2d_with_indices", "local_response_norm",
+}  # fmt: skip
+
+
+_LOSSES = {  # (each takes the samples first; with reduction="none" a value per sample)
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
+    "gaussian_nll_loss", "soft_margin_loss", "multilabel_soft_margin_loss",
+    "hinge_embedding_loss", "cosine_embedding_loss", "margin_ranking_loss",
+    "triplet_margin_loss", "triplet_margin_with_distance_loss", "multi_margin_loss",
+    "multilabel_margin_loss",
+}  # fmt: skip
+
+
+_CLASS_LOSSES = {"cross_entropy", "nll_loss"}  # [N, C, ...] scores: the classes' dim goes
+
+
+_SAMPLE_LOSSES = {  # one value per sample [N] (reduction="none")
+    "cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss",
+    "triplet_margin_with_distance_loss", "multi_margin_loss", "multilabel_margin_loss",
+    "multilabel_soft_margin_loss",
+}  # fmt: skip
+
+
+NON_TENSOR = {"size", "dim", "numel", "item", "tolist", "len", "stride", "data_ptr"}
+
+
+# new tensors whose values do not depend on the input's (only its shape, dtype or device)
+FACTORIES = {
+    "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "empty_like", "zeros_like",
+    "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    # sized by a 0-dim tensor read as an int (an RNN's initial state from its batch sizes)
+    "zeros", "ones", "empty", "rand", "randn", "eye",
+}  # fmt: skip
+
+
+def _reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[int]) -> Info:
+    """Where the batch lands when ``in_shape`` is viewed as ``out_shape`` (row-major)."""
+    prefix = math.prod(in_shape[: bd.dim])
+    acc = 1
+    for e, size in enumerate(out_shape):
+        if acc == prefix and (size == 0 if n == 0 else size > 0 and size % n == 0):
+            return BatchDim(e, size // n if n else 1)  # (no samples: an empty dimension)
+        acc *= size
+        if acc > prefix:
+            break
+    return Lost("a reshape split the batch dimension")
+
+
+# elementwise ops with a second derivative (the Hessian's residual terms), by op name
+CURVED_ELEMENTWISE = frozenset({
+    "tanh", "sigmoid", "exp", "gelu", "silu", "softplus", "elu", "selu", "celu",
+    "log_sigmoid", "mish", "sin", "cos", "log", "sqrt", "pow", "square", "hardswish", "expit",
+    "special_expit",
+})  # fmt: skip
+
+
+# ops that act on each element alone (or broadcast), by name: no branch of result_dim takes
+# them, so they go to _elementwise first (most ops of a forward are such; the test
+# test_elementwise_names_are_taken_by_no_branch keeps this true)
+_ELEMENTWISE = frozenset({
+    "relu", "gelu", "silu", "tanh", "sigmoid", "dropout", "add", "sub", "rsub", "mul",
+    "truediv", "rtruediv", "div", "neg", "exp", "log", "sqrt", "rsqrt", "pow", "square", "abs",
+    "clamp", "clip", "where", "masked_fill", "contiguous", "to", "float", "half", "bfloat16",
+    "double", "type_as", "erf", "softplus", "elu", "leaky_relu", "hardtanh", "relu6", "hardswish",
+    "mish", "log_sigmoid", "cos", "sin", "minimum", "maximum", "clone", "sign", "reciprocal",
+})  # fmt: skip
+
+
+def _adds(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """``index_add``, ``scatter_add``, ``scatter_reduce`` by sum or mean: the source's values
+    added up into the places the index names."""
+    if name == "scatter_reduce":
+        return dims_arg(args, kwargs, 4, "reduce") in ("sum", "mean")
+    return name in ("index_add", "scatter_add")
+
+
+def _is_tensor_unfold(name: str, args: Sequence[Any]) -> bool:
+    """``Tensor.unfold(dim, size, step)`` (``F.unfold``, im2col, takes the batch first)."""
+    return name == "unfold" and len(args) == 4
+
+
+def result_dim(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
+    bd: BatchDim, out: Tensor, k: int, n: int, tracker: BatchTracker,
+) -> Info:  # fmt: skip
+    """Where the batch of input ``x`` lands in output ``k``, ``out``.
+
+    ``which`` is the position of ``x`` in ``args`` (also for an element of a list argument), or
+    its keyword."""
+    nd, od = x.dim(), out.dim()
+    if name in MATMUL_ARGS and kwargs:  # (HF Bloom: alibi.baddbmm(batch1=q, batch2=k, ...))
+        args, which = matmul_positional(name, args, kwargs, which)
+    if name == "scaled_dot_product_attention":  # q, k, v, attn_mask [N, ..., L, S]
+        if bd.dim >= nd - 2:
+            return Lost("attention over the batch dimension")
+        return BatchDim(od - (nd - bd.dim), bd.inner)
+    if name == "multi_head_attention_forward":
+        # query [L, N, E] (dim 1), key_padding_mask [N, S] (dim 0) -> ([L, N, E], [N, L, S])
+        expected = 0 if which == "key_padding_mask" or x.dim() == 2 else 1
+        if bd.dim != expected or bd.inner != 1 or out.dim() < 2:
+            return Lost("nn.MultiheadAttention with its batch elsewhere than documented")
+        return BatchDim(1 if k == 0 else 0)
+    if name in RNN_OPS and isinstance(args[-1], bool) and not is_packed_rnn_op(name, args):
+        # (input, hx, params, ..., batch_first) -> (output, h_n[, c_n]); hidden states [L, N, H]
+        first = 0 if args[-1] else 1
+        expected = first if which == 0 else 1
+        if bd != BatchDim(expected):
+            return Lost(f"{name} with its batch elsewhere than documented")
+        return BatchDim(first if k == 0 else 1)
+    if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
+        return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
+    if isinstance(which, str) and (name in _INDEX_OPS or name == "diff"):
+        # (x.index_add(0, g, source=o); diff's prepend and append, laid out as the input)
+        which = _INDEX_KEYWORDS.get(which, 3 if which in ("prepend", "append") else which)
+    if isinstance(which, str) or name in _ELEMENTWISE:
+        return _elementwise(name, args, kwargs, x, bd, out)
+    # the layers' ops next (each layer's call passes here): no branch below takes their names
+    if name in ("linear", "embedding", "embedding_bag"):
+        if name == "linear" and bd.dim == nd - 1:
+            return Lost("a linear layer sums over the batch dimension")
+        if name == "embedding_bag" and nd == 1:
+            return Lost("embedding_bag with offsets")
+        return bd
+    rare = rare_result(name, args, kwargs, which, bd, nd, od) if name in RARE else None
+    if rare is not None:  # (functions of matrices, distances, spectra, norms of matrices)
+        return rare
+    if name in ("layer_norm", "rms_norm"):
+        k = len(args[1]) if isinstance(args[1], Sequence) else 1
+        return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
+    if (name in _BATCH_FIRST_OPS and not _is_tensor_unfold(name, args)) or name == "pad":
+        if name == "pad":
+            k = len(args[1]) // 2
+            return Lost("padding the batch dimension") if bd.dim >= nd - k else bd
+        if bd.dim != 0:
+            return Lost(f"{name} needs the batch first")
+        if bd.inner != 1:
+            return Lost(f"{name} on samples flattened with another dimension")
+        return bd
+    if name in VIEWS:
+        return _reshaped(x.shape, bd, n, out.shape)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d0, d1 = (norm_dim(int(d), nd) for d in (args[1], args[2]))
+        return BatchDim({d0: d1, d1: d0}.get(bd.dim, bd.dim), bd.inner)
+    if name == "T" and nd != 2:  # reverses every dimension
+        return BatchDim(nd - 1 - bd.dim, bd.inner)
+    if name in ("t", "mT", "mH", "adjoint") or name == "T":
+        swap = {nd - 1: nd - 2, nd - 2: nd - 1}
+        return BatchDim(swap.get(bd.dim, bd.dim), bd.inner)
+    if name == "permute":
+        dims = args[1:] if len(args) > 2 or isinstance(args[1], int) else args[1]
+        dims = [norm_dim(int(d), nd) for d in dims]
+        return BatchDim(dims.index(bd.dim), bd.inner)
+    if name in ("movedim", "moveaxis"):
+        src, dst = args[1], args[2]
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        order = [None] * nd
+        for s, t in zip(src, dst, strict=True):
+            order[norm_dim(t, nd)] = norm_dim(s, nd)
+        rest = iter(d for d in range(nd) if d not in order)
+        order = [next(rest) if o is None else o for o in order]
+        return BatchDim(order.index(bd.dim), bd.inner)
+    if name == "unsqueeze":
+        d = norm_dim(int(dims_arg(args, kwargs, 1, "dim")), od)
+        return BatchDim(bd.dim + (d <= bd.dim), bd.inner)
+    if name == "squeeze":
+        d = dims_arg(args, kwargs, 1, "dim")
+        dims = range(nd) if d is None else [d] if isinstance(d, int) else d
+        gone = [norm_dim(k, nd) for k in dims if x.shape[k] == 1]
+        if bd.dim in gone:
+            return Lost("squeeze removed the batch dimension (a batch of one sample)")
+        return BatchDim(bd.dim - sum(k < bd.dim for k in gone), bd.inner)
+    if name in ("select", "narrow", "split", "chunk", "unbind", "tensor_split"):
+        pos = 2 if name in ("split", "chunk", "tensor_split") else 1  # (x, size, dim), (x, dim)
+        d = norm_dim(int(dims_arg(args, kwargs, pos, "dim") or 0), nd)
+        if name == "narrow" and x.shape[d] == out.shape[d] and d == bd.dim:
+            return bd
+        if d == bd.dim:
+            picks = picks_of(
+                name,
+                args,
+                kwargs,
+                x.shape[d],
+                out.shape[d] if name in ("narrow", "split", "chunk") else 1,
+                k,
+            )
+            return Selected(f"{name} along the batch dimension", picks)
+        if name in ("select", "unbind"):
+            return BatchDim(bd.dim - (d < bd.dim), bd.inner)
+        return bd
+    if name == "getitem":
+        if which == 1 and rows_at(args[1], x):
+            return bd  # (rows of a tensor at the samples' indices, codebook[ids]: [*ids, ...])
+        return index_result(args[1], nd, bd, n, tracker)
+    if name in ("cat", "concat", "concatenate"):
+        d = norm_dim(int(dims_arg(args, kwargs, 1, "dim", "axis") or 0), nd)
+        return Lost(CONCATENATED) if d == bd.dim else bd
+    if name == "stack":
+        d = norm_dim(int(dims_arg(args, kwargs, 1, "dim") or 0), od)
+        return BatchDim(bd.dim + (d <= bd.dim), bd.inner)
+    if name in ("expand", "expand_as", "broadcast_to"):  # new dimensions go in front
+        if out.shape[od - (nd - bd.dim)] != x.shape[bd.dim]:
+            return Lost("expand along the batch dimension")
+        return BatchDim(od - (nd - bd.dim), bd.inner)
+    if name in ("repeat", "tile"):
+        reps = list(args[1:]) if len(args) > 2 or isinstance(args[1], int) else list(args[1])
+        if reps[len(reps) - (nd - bd.dim)] != 1:
+            return Lost("repeat along the batch dimension")
+        return BatchDim(od - (nd - bd.dim), bd.inner)
+    if name in _INDEX_OPS:  # (x, dim, index, ...): picks or places entries along dim
+        pos, default = _INDEX_OPS[name]
+        d = dims_arg(args, kwargs, pos, "dim", "axis")
+        d = default if d is None else d
+        along = d is not None and norm_dim(int(d), nd) == bd.dim
+        if which == 3 and along and _adds(name, args, kwargs):
+            return Combined(f"{name} adds samples together")  # (into groups: index_add)
+        if name == "index_select" and which == 2 and nd == 1 and d is not None:  # (rows at ids)
+            return BatchDim(norm_dim(int(d), od), bd.inner)
+        picks_at = 1 if name == "take_along_dim" else 2  # (input, indices, dim), (x, dim, index)
+        if name in ("gather", "take_along_dim") and which == picks_at and d is not None:
+            if along:
+                return Lost(f"{name} along the batch dimension (or with a batched index)")
+            return bd  # (the output is laid out as the index: each sample's picks its own)
+        if which != 0 or d is None or norm_dim(int(d), nd) == bd.dim:
+            return Lost(f"{name} along the batch dimension (or with a batched index)")
+        return BatchDim(bd.dim, bd.inner) if name != "unfold" else bd
+    if _is_tensor_unfold(name, args):
+        return Lost("unfold along the batch dimension") if norm_dim(args[1], nd) == bd.dim else bd
+    if name in ("outer", "ger"):
+        return BatchDim(which, bd.inner)
+    if name == "diag_embed":
+        return bd if bd.dim < nd - 1 else Lost("diag_embed of the batch dimension")
+    if name == "repeat_interleave" and which == 0:  # (x, repeats, dim): each sample's rows
+        d, reps = dims_arg(args, kwargs, 2, "dim"), dims_arg(args, kwargs, 1, "repeats")
+        if d is None or norm_dim(int(d), nd) != bd.dim:
+            return bd if d is not None else Lost("repeat_interleave of every element")
+        if isinstance(reps, int) and not isinstance(reps, bool):
+            return BatchDim(bd.dim, bd.inner * reps)
+        return Lost("repeat_interleave along the batch dimension by counts")
+    if name in ("quantile", "nanquantile"):  # (x, q, dim): between two values along dim
+        d = dims_arg(args, kwargs, 2, "dim")
+        if d is None or norm_dim(int(d), nd) == bd.dim:
+            return Combined(f"{name} over the batch dimension", summed=False)
+        dims = 0 if dims_arg(args, kwargs, 3, "keepdim") else 1
+        q = dims_arg(args, kwargs, 1, "q")
+        front = 1 if isinstance(q, Tensor) and q.dim() == 1 else 0  # (a quantile per q first)
+        return BatchDim(front + bd.dim - dims * (norm_dim(int(d), nd) < bd.dim), bd.inner)
+    if name == "gumbel_softmax":  # (logits, tau, hard, eps, dim=-1)
+        d = dims_arg(args, kwargs, 4, "dim")
+        if norm_dim(-1 if d is None else int(d), nd) == bd.dim:
+            return Lost("gumbel_softmax along the batch dimension mixes samples")
+        return bd
+    if name in _DIM_OPS:
+        d = dims_arg(args, kwargs, 1, "dim")
+        d = 1 if name == "normalize" and d is None else d
+        if d is None or norm_dim(int(d), nd) == bd.dim:
+            return Lost(f"{name} along the batch dimension mixes samples")
+        return bd
+    if name in ("flip", "roll"):
+        d = dims_arg(args, kwargs, 1 if name == "flip" else 2, "dims")
+        dims = [] if d is None else [d] if isinstance(d, int) else list(d)
+        if not dims or any(norm_dim(k, nd) == bd.dim for k in dims):
+            return Lost(f"{name} along the batch dimension mixes samples")
+        return bd
+    if name in ("max", "min") and len(args) > 1 and isinstance(args[1], Tensor):
+        return _elementwise(name, args, kwargs, x, bd, out)  # torch.max(a, b): elementwise
+    if name in _REDUCTIONS:
+        d = _reduced_dims(name, args, kwargs)
+        summed = name not in _SELECTIONS
+        if d is None:
+            return Combined(f"{name} over all elements sums samples", summed)
+        dims = [norm_dim(k, nd) for k in ([d] if isinstance(d, int) else d)]
+        if bd.dim in dims:
+            return Combined(f"{name} over the batch dimension sums samples", summed)
+        if od == nd:  # keepdim
+            return bd
+        return BatchDim(bd.dim - sum(k < bd.dim for k in dims), bd.inner)
+    if name in ("matmul", "mm", "bmm", "dot", "vdot"):
+        return matmul_result(args[0], args[1], which, bd, od)
+    if name == "addbmm" and which in (1, 2) and bd.dim == 0:
+        return Lost("addbmm sums over the batch dimension")
+    if name in ("addmm", "baddbmm", "addbmm"):
+        if which == 0:
+            return BatchDim(od - (nd - bd.dim), bd.inner)
+        return matmul_result(args[1], args[2], which - 1, bd, od)
+    if name == "einsum":
+        return einsum_result(args, which - 1, bd)
+    if name in _LOSSES:
+        if kwargs.get("reduction", "mean") != "none":
+            return Combined("a loss reduces over samples")
+        if name in _SAMPLE_LOSSES:  # [N, ...] -> [N]
+            return bd if bd.dim == 0 else Lost(f"{name} with the batch not first")
+        if name not in _CLASS_LOSSES or which == 1:  # elementwise, or the targets [N, ...]
+            return bd
+        if which != 0:
+            return Lost(f"{name}'s argument {which}")
+        if bd.dim == 1:  # (the classes' dimension: [N, C, ...] -> [N, ...])
+            return Lost(f"{name} over the batch dimension (taken as the classes')")
+        return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
+    d = kwargs.get("dim", kwargs.get("axis")) if kwargs else None
+    dims = d if isinstance(d, list | tuple) else [d]
+    if d is not None and any(isinstance(k, int) and norm_dim(k, nd) == bd.dim for k in dims):
+        return Lost(f"'{name}' {UNKNOWN_ALONG}")  # (torch.cumulative_trapezoid(x, dim=0))
+    return _elementwise(name, args, kwargs, x, bd, out)
+
+
+UNKNOWN_ALONG = "(an op leanprop does not know) along the batch dimension may mix samples"
+
+
+CONCATENATED = "concatenation along the batch dimension"
+
+
+REJOINED = "parts of the batch put together"
+
+
+def _elementwise(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor, bd: BatchDim, out: Tensor
+) -> Info:
+    """Anything else: elementwise (broadcast from the right) if the shapes say so."""
+    nd, od = x.dim(), out.dim()
+    if od >= nd - bd.dim and tuple(out.shape[od - nd :]) == tuple(x.shape):
+        return BatchDim(od - (nd - bd.dim), bd.inner)
+    if od >= nd - bd.dim and out.shape[od - (nd - bd.dim)] == x.shape[bd.dim]:
+        bc = torch.broadcast_shapes
+        try:
+            shapes = [t.shape for t in tensors_in(args, kwargs)]
+            if tuple(bc(*shapes)) == tuple(out.shape):
+                return BatchDim(od - (nd - bd.dim), bd.inner)
+        except RuntimeError:
+            pass
+    return Lost(f"'{name}' (an op leanprop does not know changed the shape)")
+
+
+def tensors_in(args: Iterable[Any], kwargs: dict[str, Any]) -> list[Tensor]:
+    out: list[Tensor] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, list | tuple):
+            out.extend(t for t in a if isinstance(t, Tensor))
+    return out
+
+
+def combines(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """A loss with a reduction, or a reduction over every element: whatever dimension held the
+    samples, they are summed together."""
+    if name in _LOSSES:
+        return kwargs.get("reduction", "mean") != "none"
+    return name in _REDUCTIONS and _reduced_dims(name, args, kwargs) is None
+
+
+def _reduced_dims(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The dimensions a reduction's call names; None where it reduces every element."""
+    # (torch.linalg.vector_norm(x, ord, dim, keepdim): the order first)
+    at = 2 if name in ("linalg_vector_norm", "linalg_norm") else 1
+    d = dims_arg(args, kwargs, at, "dim", "axis")
+    d = None if isinstance(d, bool) or d == [] or d == () else d  # std(x, True): unbiased
+    if name in ("norm", "std", "var") and not isinstance(d, int | list | tuple):
+        return None  # (norm(x, 2): the order, not a dimension)
+    return d

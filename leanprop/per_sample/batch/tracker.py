@@ -1,0 +1,590 @@
+""":class:`BatchTracker`: where the batch is in each tensor of the current forward (held
+weakly), which tensors derive from the parameters alone, and which mix the samples. The op
+interception calls :meth:`BatchTracker.propagate` on every op."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+
+from ..._torch_compat import (
+    current_graph_task_id,
+    detaching_checkpoint_inputs,
+    saved_tensor_hooks_in_effect,
+)
+from ...errors import UnsupportedModelError
+from .infos import REORDERED, BatchDim, Combined, Info, Lost, Packed, Reordered, Selected
+from .mixing import (
+    SIDE_BY_SIDE,
+    holds_samples,
+    merge_infos,
+    mixes_itself,
+    mixing_by_joining,
+    reads_summed,
+)
+from .order import ORDER_OPS, by_value, ordered_result
+from .rules import (
+    CONCATENATED,
+    CURVED_ELEMENTWISE,
+    FACTORIES,
+    NON_TENSOR,
+    REJOINED,
+    combines,
+    op_name,
+    result_dim,
+)
+
+
+class _ByTensor:
+    """A dict keyed by tensor identity that holds its tensors weakly.
+
+    Looked up on every op of the forward, so lighter than ``torch.utils.weak``'s dictionary
+    (which builds a weak reference per lookup): the id finds the entry, and the entry's weak
+    reference confirms it is still the same tensor (an id reused after a tensor died never
+    matches a dead reference)."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def __setitem__(self, t: Tensor, value: Any) -> None:
+        key, d = id(t), self._d
+
+        def drop(ref: weakref.ref, key: int = key) -> None:
+            entry = d.get(key)
+            if entry is not None and entry[0] is ref:
+                del d[key]
+
+        d[key] = (weakref.ref(t, drop), value)
+
+    def get(self, t: Any, default: Any = None) -> Any:
+        entry = self._d.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return default
+        return entry[1]
+
+    def __contains__(self, t: Any) -> bool:
+        entry = self._d.get(id(t))
+        return entry is not None and entry[0]() is t
+
+    def __bool__(self) -> bool:
+        return bool(self._d)
+
+    @property
+    def ids(self) -> Mapping[int, Any]:
+        """The ids of the tensors held (an id of a tensor that died may linger until its
+        weak reference's callback runs)."""
+        return self._d
+
+
+class BatchTracker:
+    """Where the batch is in each tensor of the current forward, and which tensors derive from
+    tracked parameters without carrying the batch.
+
+    Owned by one :class:`~leanprop.per_sample.capture.PerSample`; tensors are held weakly.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self.params = set(params)
+        self._param_ids = frozenset(map(id, self.params))  # (held in ``params``: ids stay theirs)
+        self.n: int | None = None
+        self._info = _ByTensor()  # tensor -> Info
+        # tensor -> why its values mix samples, where it requires grad: one sample's values
+        # through another's (softmax or flip along the batch, o @ o.T) or joined with a value
+        # over all samples (o - o.mean(0)); a loss from one has no per-sample parts
+        self._mixed = _ByTensor()
+        self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
+        self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
+        # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
+        # recomputation, or a parameter whose copy it is (see vjp_root); derived tensors
+        # computed from such detached copies -> True
+        self._sources = _ByTensor()
+        self._detached = _ByTensor()
+        self._from_detached = _ByTensor()
+        # kept in the autograd nodes' own metadata (gone with the graph, never held here):
+        # where the batch is in each tensor followed while saved-tensor hooks were in effect
+        # (see _recover), and in each curved elementwise op's output (the Hessian's residual
+        # terms: the output itself is gone by then, its node is not); each under this
+        # forward's token
+        self._forward = object()
+        self._edges_kept = False
+        self._ref = weakref.ref(self)
+        self._accumulators: dict[nn.Parameter, Any] = {}  # (held for one forward)
+
+    def clear(self) -> None:
+        """Forget where the batch is in every tensor (another batch's forward). Tensors
+        computed from the parameters alone stay what they are: made before this forward (a
+        weight prepared outside the model, a penalty), they are still batch-free."""
+        self.n = None
+        self._info = _ByTensor()
+        self._mixed = _ByTensor()
+        self._forward = object()
+        self._edges_kept = False
+        self._accumulators = {}
+
+    def curved(self, node: Any) -> Info | None:
+        """Where the batch is in the output of ``node``, the autograd node of a curved
+        elementwise op of this forward (None for other nodes)."""
+        return self._kept(node, _CURVED).get(0)
+
+    def _kept(self, node: Any, kind: str) -> dict[int, Any]:
+        """What this forward keeps of kind ``kind`` in ``node``'s metadata: ``{output_nr:
+        value}`` (empty where it keeps nothing)."""
+        slot = node.metadata.get(kind, {}).get(id(self))
+        return slot[2] if slot is not None and slot[1] is self._forward else {}
+
+    def _keep(self, node: Any, kind: str, output_nr: int, value: Any) -> None:
+        """Keep ``value`` in ``node``'s metadata for this forward. One slot per live tracker
+        (nested contexts), each holding its latest forward's values only: a node that outlives
+        its forward (a parameter's gradient accumulator, held across steps by DDP) keeps no
+        more than that."""
+        slots = node.metadata.get(kind)
+        if slots is None:
+            slots = node.metadata[kind] = {}
+        slot = slots.get(id(self))
+        if slot is None or slot[1] is not self._forward or slot[0]() is not self:
+            for key in [k for k, (ref, _, _) in slots.items() if ref() is None]:
+                del slots[key]  # (a tracker gone: its context's exit)
+            slot = slots[id(self)] = (self._ref, self._forward, {})
+        slot[2][output_nr] = value
+
+    def vjp_root(self, t: Tensor) -> Tensor:
+        """Where a vector-Jacobian product from the derived tensor ``t`` to its parameters
+        starts: ``t``, or, for a copy that a reentrant checkpoint's recomputation detached
+        from the forward's (its input), that tensor, which leads to them.
+
+        Raises:
+            UnsupportedModelError: ``t`` was computed from such a copy inside the checkpointed
+                function (its graph ends at the copy: no product reaches the parameters)."""
+        if self._from_detached and t in self._from_detached:
+            raise UnsupportedModelError(
+                "per_sample: a tensor computed from parameters alone is passed to "
+                "checkpoint(use_reentrant=True) and changed inside the checkpointed function "
+                "before it meets the batch. The recomputation detaches the checkpoint's inputs, "
+                "so leanprop cannot take its parameters' per-sample gradients back through that "
+                "change. Change it before the checkpoint (pass the result), read the parameters "
+                "inside the function instead of passing them, or use use_reentrant=False."
+            )
+        return self._sources.get(t, t)
+
+    def lookup(self, t: Any) -> Lookup | None:
+        """How ``t`` was computed, if it is rows of one tracked parameter looked up with
+        batch-free indices (a position embedding)."""
+        return self._lookups.get(t) if isinstance(t, Tensor) else None
+
+    def mark(self, t: Tensor, info: Info) -> None:
+        self._info[t] = info
+
+    def mixed(self, t: Any) -> str | None:
+        """Why ``t``'s values mix samples (see ``_record``), or None: a loss computed from such
+        values is no sum of per-sample terms."""
+        return self._mixed.get(t) if isinstance(t, Tensor) else None
+
+    def info(self, t: Any) -> Info | None:
+        """Where ``t`` carries the batch; None if it does not (or is not a tensor)."""
+        if not isinstance(t, Tensor):
+            return None
+        info = self._info.get(t)
+        if info is None and self._edges_kept and self._may_recover(t):
+            info = self._info.get(t)
+        return info
+
+    def _may_recover(self, t: Tensor) -> bool:
+        """:meth:`_recover` ``t``, unless it is known to carry no batch (a parameter, or a
+        tensor computed from parameters alone)."""
+        return t not in self.params and t not in self._derived and self._recover(t)
+
+    def _recover(self, t: Tensor) -> bool:
+        """Follow ``t``, a tensor that a checkpoint's recomputation got from its saved inputs,
+        as the tensor of the recorded forward that was saved: True where it is one.
+
+        Saved-tensor hooks that copy what they save (``save_on_cpu``, activation offloading)
+        hand a checkpoint's recomputation copies of its inputs, not the tensors followed in
+        the forward. A copy keeps the original's place in the graph (its autograd node and
+        output number; a leaf's gradient accumulator), by which it is found here: only inside
+        a backward, where the recomputations run."""
+        if not t.requires_grad or current_graph_task_id() == -1:
+            return False
+        node = self._edge_node(t)
+        found = None if node is None else self._kept(node, _EDGES).get(t.output_nr)
+        if found is None:
+            return False
+        if isinstance(found, frozenset):
+            self._derived[t] = found
+            p = next(iter(found))
+            if len(found) == 1 and p.requires_grad and self._edge_node(p) is node:
+                self._sources[t] = p  # (a parameter's copy: its individual gradients are its
+                # own; not a leaf the model detached from it, which leads to no parameter)
+        else:
+            self._info[t] = found
+        return True
+
+    def _is_detached(self, t: Tensor) -> bool:
+        """``t`` is a reentrant checkpoint's detached copy, or computed from one."""
+        return t in self._detached or t in self._from_detached
+
+    def _edge_node(self, t: Tensor) -> Any:
+        """The autograd node where ``t``'s gradient goes: its ``grad_fn``, or a leaf's gradient
+        accumulator (a tracked parameter's looked up once per forward; None for a view made
+        without autograd, which has neither of its own)."""
+        if t.grad_fn is not None:
+            return t.grad_fn
+        if not t.requires_grad or t._is_view():
+            return None
+        if t in self.params:
+            node = self._accumulators.get(t)
+            if node is None:
+                node = self._accumulators[t] = get_gradient_edge(t).node
+            return node
+        return get_gradient_edge(t).node
+
+    def _derived_input(self, t: Tensor, by_edge: bool) -> frozenset[nn.Parameter]:
+        params = self.derived_params(t)
+        if by_edge and params:
+            self._remember_edge(t, params)
+        return params
+
+    def _remember_edge(self, t: Tensor, found: Info | frozenset[nn.Parameter]) -> None:
+        """Keep where ``t``'s batch is in its autograd node, for :meth:`_recover` (while
+        saved-tensor hooks are in effect)."""
+        node = self._edge_node(t)
+        if node is not None:
+            self._keep(node, _EDGES, t.output_nr, found)
+            self._edges_kept = True
+
+    def derived_params(self, t: Any) -> frozenset[nn.Parameter]:
+        """Tracked parameters a batch-free tensor derives from (empty if none or batched)."""
+        if not isinstance(t, Tensor):
+            return frozenset()
+        if t in self.params:
+            return frozenset({t})
+        found = self._derived.get(t)
+        if found is None and self._edges_kept and self._recover(t):
+            found = self._derived.get(t)
+        return frozenset() if found is None else found
+
+    def mark_derived(self, t: Tensor, params: frozenset[nn.Parameter]) -> None:
+        self._derived[t] = params
+
+    def involved(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether any input may be tracked (a fast check before the op runs, on every op of
+        the forward: by ids alone, so a dead tensor's id reused may answer yes, and the op
+        then takes the careful way)."""
+        info, derived, params = self._info.ids, self._derived.ids, self._param_ids
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for t in a if isinstance(a, list | tuple) else (a,):
+                if not isinstance(t, Tensor):
+                    continue
+                i = id(t)
+                if i in info or i in derived or i in params:
+                    return True
+                if self._edges_kept and self._may_recover(t):
+                    return True
+        return False
+
+    def escaping(
+        self, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> list[tuple[tuple[int | str, ...], frozenset[nn.Parameter]]]:
+        """The operands of an op computed from tracked parameters alone, needing gradients,
+        that it joins with values in which the samples were combined (every batched operand
+        :class:`Combined`; see ``escapes.py``), with their parameters. Each is named by its
+        place: ``(position,)``, ``(keyword,)``, or ``(position, index)`` in a list argument
+        (``torch.stack([loss, penalty])``)."""
+        batch_free: list[tuple[tuple[int | str, ...], Tensor]] = []
+        combined = False
+        for key, v in (*enumerate(args), *kwargs.items()):
+            if isinstance(v, Tensor):
+                items: Iterable[tuple[tuple[int | str, ...], Any]] = (((key,), v),)
+            elif isinstance(v, list | tuple):
+                items = (((key, j), t) for j, t in enumerate(v))
+            else:
+                continue
+            for place, t in items:
+                if not isinstance(t, Tensor):
+                    continue
+                info = self._info.get(t)
+                if info is None:
+                    batch_free.append((place, t))
+                elif not isinstance(info, Combined):  # (the op meets the batch itself: on
+                    return []  # the hot path of every forward, left at the first one)
+                else:
+                    combined = True
+        if not combined:
+            return []
+        return [
+            (place, params)
+            for place, t in batch_free
+            if t.requires_grad and (params := self.derived_params(t))
+        ]
+
+    def propagate(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, replay: bool = False
+    ) -> None:
+        """Record where the batch went in the outputs of ``func(*args, **kwargs) -> out``.
+
+        ``replay``: the op runs again in a non-reentrant checkpoint's recomputation, whose
+        graph no backward goes through: nothing is kept in its nodes."""
+        name = op_name(func)
+        if name in NON_TENSOR or name in FACTORIES:
+            return
+        outs = _tensor_outputs(out)
+        if not outs:
+            return
+        batched: list[tuple[int | str, Tensor, Info]] = []
+        derived: set[nn.Parameter] = set()
+        detached = False  # (a derived input is a reentrant checkpoint's detached copy)
+        # (a checkpoint's saved inputs may come back as copies: see _recover(). Kept while
+        # saved-tensor hooks other than a checkpoint's own are in effect, for the op's tensors
+        # too: such a hook that copies what it saves reads the tensor with an op. Not inside a
+        # checkpointed block, where they would cost every checkpointed model and serve a
+        # checkpoint nested in it only; nor in a replay, whose graph no backward frees)
+        by_edge = not replay and saved_tensor_hooks_in_effect() == "other"
+        for i, a in enumerate(args):
+            for j, t in enumerate(a if isinstance(a, list | tuple) else (a,)):
+                if not isinstance(t, Tensor):
+                    continue
+                info = self.info(t)
+                if info is not None:  # a list's j-th tensor counts as argument i + j (einsum)
+                    batched.append((i + j, t, info))
+                else:
+                    derived |= self._derived_input(t, by_edge)
+                    detached = detached or (bool(self._detached) and self._is_detached(t))
+                    continue
+                if by_edge:
+                    self._remember_edge(t, info)
+        for key, v in kwargs.items():
+            if isinstance(v, Tensor):
+                info = self.info(v)
+                if info is not None:
+                    batched.append((key, v, info))
+                    if by_edge:
+                        self._remember_edge(v, info)
+                else:
+                    derived |= self._derived_input(v, by_edge)
+                    detached = detached or (bool(self._detached) and self._is_detached(v))
+        batched = by_value(name, args, kwargs, batched)
+        if not batched:
+            if derived:
+                params = frozenset(derived)
+                for o in outs:
+                    self._derived[o] = params
+                    if by_edge:
+                        self._remember_edge(o, params)
+                if name == "detach" and detaching_checkpoint_inputs():
+                    self._sources[outs[0]] = self.vjp_root(args[0])
+                    self._detached[outs[0]] = True
+                elif detached:  # (one that carries no gradient is a constant: a mask)
+                    for o in outs:
+                        if o.requires_grad:
+                            self._from_detached[o] = True
+                if name == "embedding" and len(outs) == 1:
+                    found = _lookup(args, kwargs, self.params)
+                    if found is not None:
+                        self._lookups[outs[0]] = found
+            return
+        self._record(name, args, kwargs, outs, batched, by_edge, replay)
+
+    def batched_only(
+        self, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> list[tuple[int | str, Tensor, Info]] | None:
+        """The operands of an op that carry the batch, numbered as :meth:`propagate` numbers
+        them, where none of its tensors is a tracked parameter or derives from one (the op
+        then uses no parameter: nothing to capture or watch, only where the batch goes, by
+        :meth:`propagate_batched`); None where one may (by id: a dead tensor's id reused
+        answers None too), or while edges are kept (see :meth:`_recover`): the careful way.
+
+        On every op of the forward: one pass over the operands, by ids first."""
+        if self._edges_kept:
+            return None
+        info_ids, derived, params = self._info.ids, self._derived.ids, self._param_ids
+        batched: list[tuple[int | str, Tensor, Info]] = []
+        for i, a in enumerate(args):
+            for j, t in enumerate(a) if isinstance(a, list | tuple) else ((0, a),):
+                if not isinstance(t, Tensor):
+                    continue
+                key = id(t)
+                if key in derived or key in params:
+                    return None
+                if key in info_ids:
+                    info = self._info.get(t)
+                    if info is not None:  # (a list's j-th tensor counts as argument i + j)
+                        batched.append((i + j, t, info))
+        for key, v in kwargs.items():
+            for t in v if isinstance(v, list | tuple) else (v,):
+                if isinstance(t, Tensor) and (id(t) in derived or id(t) in params):
+                    return None
+            if isinstance(v, Tensor) and id(v) in info_ids:
+                info = self._info.get(v)
+                if info is not None:
+                    batched.append((key, v, info))
+        return batched
+
+    def propagate_batched(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
+        batched: list[tuple[int | str, Tensor, Info]], replay: bool,
+    ) -> None:  # fmt: skip
+        """:meth:`propagate` for an op whose operands carrying the batch are ``batched`` (from
+        :meth:`batched_only`: no operand derives from a parameter): the same result, without
+        looking at the operands again. Where saved-tensor hooks other than a checkpoint's are
+        in effect (edges are kept for the tensors): :meth:`propagate`."""
+        if not replay and saved_tensor_hooks_in_effect() == "other":
+            self.propagate(func, args, kwargs, out, replay)
+            return
+        name = op_name(func)
+        if name in NON_TENSOR or name in FACTORIES:
+            return
+        outs = _tensor_outputs(out)
+        batched = by_value(name, args, kwargs, batched) if outs else []
+        if batched:
+            self._record(name, args, kwargs, outs, batched, False, replay)
+
+    def _record(
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any], outs: list[Tensor],
+        batched: list[tuple[int | str, Tensor, Info]], by_edge: bool, replay: bool,
+    ) -> None:  # fmt: skip
+        """Where the batch of the operands ``batched`` (position or keyword, tensor, info)
+        went in each of the op's tensor outputs ``outs``: recorded."""
+        n = self.n if self.n is not None else 0
+        for k, o in enumerate(outs):
+            results, constants = set(), None  # (constants: batch statistics without grad)
+            held = set()  # (what became of the operands that require grad: held differently,
+            # their samples meet; and why the output mixes them: an operand's history first)
+            mixing = self._mixed_before(batched) if self._mixed else None
+            # (joined: an operand that requires grad concatenated with others along the batch)
+            joined = False
+            for i, t, info in batched:
+                if name in ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
+                    info = Reordered(REORDERED, info.dim, tuple(range(t.shape[info.dim])))
+                if isinstance(info, Reordered | Packed):
+                    try:
+                        r = ordered_result(name, args, kwargs, i, t, info, o, k, n, self)
+                    except (IndexError, TypeError, ValueError, KeyError):
+                        r = Lost(f"'{name}' with arguments leanprop cannot read")
+                elif isinstance(info, Lost):
+                    combined = combines(name, args, kwargs) and not isinstance(info, Combined)
+                    picked = isinstance(info, Selected) or getattr(info, "of_pick", False)
+                    r = (
+                        Combined(f"'{name}' over {info.reason}", of_pick=picked)
+                        if combined
+                        else info
+                    )
+                    if type(r) is Combined and r.summed and not r.of_pick and t.numel() == 1:
+                        r = Combined(r.reason, summed=False)  # (made of totals: stack([l1, l2]))
+                    if type(info) is Combined and info.summed and t.requires_grad and t.numel() > 1:
+                        mixing = mixing or reads_summed(name, i, info, batched)
+                else:
+                    try:
+                        r = result_dim(name, args, kwargs, i, t, info, o, k, n, self)
+                    except (IndexError, TypeError, ValueError, KeyError):
+                        r = Lost(f"'{name}' with arguments leanprop cannot read")
+                    if t.requires_grad and type(r) is not BatchDim:
+                        mixing = mixing or mixes_itself(name, i, info, r, o)
+                        joined = joined or (type(r) is Lost and r.reason == CONCATENATED)
+                if type(r) is Combined and not t.requires_grad and o.requires_grad:
+                    constants = {r}  # (o - o.mean(0).detach(): still each sample's values)
+                else:
+                    results.add(r)
+                at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
+                if t.requires_grad and holds_samples(at):
+                    held.add(at)
+            results = results or constants
+            if (
+                name in SIDE_BY_SIDE
+                and len(results) > 1
+                and all(type(r) is Selected for r in results)
+            ):  # (cat([o[:k], o[k:]]): each value still one sample's, in no known place)
+                results = {Lost(REJOINED)}
+            res = results.pop() if len(results) == 1 else merge_infos(results)
+            self._info[o] = res
+            if o.requires_grad:
+                # (one operand mixes nothing by meeting: only an op of its own or its history)
+                if mixing is None and len(batched) > 1:
+                    mixing = mixing_by_joining(name, batched, res, held)
+                if mixing is None and joined:  # (SimCLR's cat([z1, z2]), then z @ z.T)
+                    mixing = (
+                        "rows of the batch concatenated with other rows along it: what "
+                        "follows would take them for samples of one batch"
+                    )
+                if mixing is not None:
+                    self._mixed[o] = mixing
+            if by_edge:
+                self._remember_edge(o, res)
+            if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
+                self._keep(o.grad_fn, _CURVED, 0, res)
+
+    def _mixed_before(self, batched: list[tuple[int | str, Tensor, Info]]) -> str | None:
+        """Why one of the operands ``batched`` mixes samples already (None where none does)."""
+        for _, t, _ in batched:
+            reason = self._mixed.get(t)
+            if reason is not None:
+                return reason
+        return None
+
+    def propagate_layer(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Tensor, replay: bool
+    ) -> Info | None:
+        """:meth:`propagate` for a layer's op whose one batched operand is its input
+        ``args[0]`` (a replaced op's: ``fused.py``; its other operands are the layer's
+        parameters): the same result, without going through every operand (a few µs per layer
+        and step). Anything else (another batched operand, saved-tensor hooks that copy):
+        :meth:`propagate`. Returns where the batch is in ``out``."""
+        x, info = args[0], self._info.get(args[0]) if isinstance(args[0], Tensor) else None
+        others = (*args[1:], *kwargs.values())
+        if (
+            not isinstance(info, BatchDim)
+            or any(self._info.get(t) is not None for t in others if isinstance(t, Tensor))
+            or (not replay and saved_tensor_hooks_in_effect() == "other")
+        ):
+            self.propagate(func, args, kwargs, out, replay)
+            return self.info(out)
+        name = op_name(func)
+        try:
+            res = result_dim(name, args, kwargs, 0, x, info, out, 0, self.n or 0, self)
+        except (IndexError, TypeError, ValueError, KeyError):
+            res = Lost(f"'{name}' with arguments leanprop cannot read")
+        self._info[out] = res
+        return res
+
+
+# the keys of what a tracker keeps in an autograd node's metadata (see BatchTracker._keep)
+_EDGES, _CURVED = "leanprop.batch_of_outputs", "leanprop.curved_output"
+
+
+@dataclass(frozen=True, eq=False)
+class Lookup:
+    """``F.embedding(ids, weight, padding_idx)``: rows of a parameter at batch-free ``ids``."""
+
+    ids: Tensor
+    weight: nn.Parameter
+    padding_idx: int | None
+
+
+def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup | None:
+    """``F.embedding``'s call as a :class:`Lookup` (None where its gradient is not a plain
+    scatter of rows: scaled by frequency, or sparse)."""
+    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    ids, weight = bound.get("input"), bound.get("weight")
+    if not isinstance(ids, Tensor) or weight not in params or ids.is_floating_point():
+        return None
+    if bound.get("scale_grad_by_freq") or bound.get("sparse") or weight.dim() != 2:
+        return None
+    padding = bound.get("padding_idx")
+    if padding is not None and padding < 0:
+        padding += weight.shape[0]
+    return Lookup(ids, weight, padding)
+
+
+def _tensor_outputs(out: Any) -> list[Tensor]:
+    """An op's tensor outputs, flattened."""
+    return [out] if isinstance(out, Tensor) else [o for o in _flat(out) if isinstance(o, Tensor)]
+
+
+def _flat(out: Any) -> list[Any]:
+    if isinstance(out, list | tuple):
+        return [y for x in out for y in _flat(x)]
+    return [out]
