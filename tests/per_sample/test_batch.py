@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from leanprop.per_sample.batch import BatchDim, BatchTracker, Lost, to_front
-from leanprop.per_sample.batch.infos import Combined
+from leanprop.per_sample.batch.infos import Combined, Selected
 from leanprop.per_sample.batch.mixing import merge_infos
 
 N = 4
@@ -170,6 +170,20 @@ KEEP = {
             data=pack(x, LENGTHS, enforce_sorted=False).data * 1
         )
     )[0][:, :1],
+    "kron with the batch as the outer factor": lambda x: torch.kron(x, torch.ones(1, 1, 2)),
+    "kron beside a constant's single row": lambda x: torch.kron(torch.ones(1, 2, 1), x),
+    "tensordot over features": lambda x: torch.tensordot(x, torch.ones(N, N, 2).double() / N**2, 2),
+    "tensordot, the batch behind": lambda x: torch.tensordot(
+        torch.ones(2, N).double() / N, x, ([1], [1])
+    ),
+    "the batch's parts put back together": lambda x: torch.cat([x[:1], x[1:3], x[3:]]),
+    "all of them by a slice": lambda x: x[:N],
+    "all of them by split": lambda x: x.split(N)[0],
+    "all of them by narrow": lambda x: x.narrow(0, 0, N),
+    "all of them by gather": lambda x: x[:, 0, 0].gather(0, torch.arange(N)),
+    "all of them by masked_select": lambda x: x[:, 0, 0].masked_select(torch.ones(N).bool()),
+    "flipped twice": lambda x: x.flip(0).flip(0),
+    "rolled and back": lambda x: x.roll(1, 0).roll(-1, 0),
 }
 
 LOSE = {
@@ -198,7 +212,9 @@ LOSE = {
     "matmul over samples": lambda x: x.flatten(1).T @ x.flatten(1),
     "moved, then summed over": lambda x: x.transpose(0, 1).sum(1),
     "split the batch": lambda x: x.reshape(2, 2, N, N),
-    "unknown op": lambda x: torch.kron(x, torch.ones(1, 1, 2)),
+    "unknown op": lambda x: torch.cartesian_prod(x[:, 0, 0], x[:, 0, 0]),
+    "kron, the batch as the inner factor": lambda x: torch.kron(torch.ones(2, 1, 1), x),
+    "tensordot over the samples": lambda x: torch.tensordot(x, x, ([0], [0])),
     "einsum over the samples with an ellipsis": lambda x: torch.einsum("n...,n...->...", x, x),
     "einsum over the samples, implicitly": lambda x: torch.einsum("ntd,ntd", x, x),
     "addbmm over samples": lambda x: torch.addbmm(torch.zeros(N, N, dtype=x.dtype), x, x),
@@ -271,6 +287,50 @@ def test_batch_followed_through_ops_that_change_the_values(name):
 def test_batch_lost_where_samples_are_selected_or_mixed(name):
     for _out, info in follow(LOSE[name]):
         assert isinstance(info, Lost), f"{name}: {info}"
+
+
+PICKS = {  # picks of the samples, and which sample each position along their dimension holds
+    "a slice": (lambda x: x[1:3], [1, 2]),
+    "a slice of a slice": (lambda x: x[1:][1:], [2, 3]),
+    "a slice of a slice, by step": (lambda x: x[::2][1:], [2]),
+    "a list index": (lambda x: x[[3, 1]], [3, 1]),
+    "an index tensor into a slice": (lambda x: x[1:][torch.tensor([2, -3])], [3, 1]),
+    "a mask of a slice": (lambda x: x[1:][torch.tensor([True, False, True])], [1, 3]),
+    "split_with_sizes": (lambda x: x.split_with_sizes([1, 3])[1], [1, 2, 3]),
+    "tensor_split by sections": (lambda x: torch.tensor_split(x, 3)[1], [2]),
+    "tensor_split by sections, the first": (lambda x: torch.tensor_split(x, 3)[0], [0, 1]),
+    "tensor_split by indices": (lambda x: torch.tensor_split(x, [1, -1])[1], [1, 2]),
+    "tensor_split by an index tensor": (
+        lambda x: torch.tensor_split(x, torch.tensor([3]))[1], [3]),
+    "vsplit": (lambda x: torch.vsplit(x, [3])[0], [0, 1, 2]),
+    "hsplit, the batch second": (lambda x: torch.hsplit(x.transpose(0, 1), 2)[1], [2, 3]),
+    "dsplit, the batch third": (lambda x: torch.dsplit(x.movedim(0, 2), [1])[1], [1, 2, 3]),
+    "chunk, then moved": (lambda x: x.chunk(2)[1].transpose(0, 2), [2, 3]),
+    "a slice flipped": (lambda x: x[:3].flip(0), [2, 1, 0]),
+    "a slice rolled": (lambda x: x[1:].roll(1, 0), [3, 1, 2]),
+    "a slice permuted": (lambda x: x[:3].index_select(0, torch.tensor([2, 0, 1])), [2, 0, 1]),
+    "parts put together in another order": (lambda x: torch.cat([x[2:], x[:1]]), [2, 3, 0]),
+    "gathered losses": (lambda x: x[:, 0, 0].gather(0, torch.tensor([3, 3, 0])), [3, 3, 0]),
+    "taken losses": (lambda x: x[:, 0, 0].take(torch.tensor([1, -1])), [1, 3]),
+    "losses by masked_select": (
+        lambda x: x[:, 0, 0].masked_select(torch.tensor([False, True, True, False])), [1, 2]),
+    "a slice through a layer's ops": (
+        lambda x: (x[2:] @ torch.ones(N, N).double() / N).relu(), [2, 3]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PICKS))
+def test_picks_say_which_samples_each_position_holds(name):
+    """A pick of the samples is followed as a batch of them: its ``picks`` say which sample
+    each position along its dimension holds (the probe holds sample n's index n)."""
+    op, expected = PICKS[name]
+    ((out, info),) = follow(op)
+    assert type(info) is Selected and info.dim is not None, f"{name}: {info}"
+    assert list(info.picks) == expected, f"{name}: {info}"
+    front = out.movedim(info.dim, 0)
+    assert [int(v) for v in front.reshape(len(front), -1)[:, 0]] == expected
+    for j, n in enumerate(expected):
+        assert bool((front[j] == n).all()), f"{name}: position {j} is not sample {n}"
 
 
 @pytest.mark.parametrize("name", [*KEEP, *LOSE])
@@ -446,6 +506,20 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     "an expert-balance loss": lambda x, y: (
         x[:, 0].softmax(-1).mean(0) * torch.linspace(0, 1, N, dtype=x.dtype)
     ).sum(),
+    "a pick of a pick, and the same samples by a slice": lambda x, y: (
+        x[:3][1:] * x[1:3] * x[1:][:2]
+    ).sum(),
+    "chunk and tensor_split alike": lambda x, y: (
+        x.chunk(2)[1] * torch.tensor_split(x, 2)[1]
+    ).sum(),
+    "all of the batch by a slice, met with it": lambda x, y: (x[:N] * x.narrow(0, 0, N) * x).sum(),
+    "flipped twice, met with it": lambda x, y: (x.flip(0).flip(0) * x).sum(),
+    "a part's samples reordered with their labels": lambda x, y: F.cross_entropy(
+        x[:3, :, 0].flip(0), torch.arange(3).flip(0)
+    ),
+    "per-sample losses gathered in order": lambda x, y: (
+        x.square().sum((1, 2)).gather(0, torch.arange(N)) * x[:, 0, 0]
+    ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
@@ -561,6 +635,48 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     "batch dice": lambda x, y: (
         2 * (x.sigmoid() * (y[:, None, None] > 1)).sum((0, 2)) / (x.sigmoid().sum((0, 2)) + 1)
     ).mean(),
+    "a pair's halves by list indices": lambda x, y: F.logsigmoid(
+        x.sum((1, 2))[[0, 1]] - x.sum((1, 2))[[2, 3]]
+    ).mean(),
+    "a pair's halves by gather": lambda x, y: F.logsigmoid(
+        x.sum((1, 2)).gather(0, torch.tensor([0, 1]))
+        - x.sum((1, 2)).gather(0, torch.tensor([2, 3]))
+    ).mean(),
+    "a pair's halves by take": lambda x, y: F.logsigmoid(
+        x.sum((1, 2)).take(torch.tensor([0, 1])) - x.sum((1, 2)).take(torch.tensor([2, 3]))
+    ).mean(),
+    "a pair's halves by masked_select": lambda x, y: F.logsigmoid(
+        x.sum((1, 2)).masked_select(y > 1) - x.sum((1, 2)).masked_select(y <= 1)
+    ).mean(),
+    "a pair's halves by split_with_sizes": lambda x, y: F.logsigmoid(
+        torch.sub(*x.sum((1, 2)).split_with_sizes([2, 2]))
+    ).mean(),
+    "a pair's halves by vsplit": lambda x, y: (torch.vsplit(x, 2)[0] * torch.vsplit(x, 2)[1]).sum(),
+    "a pair's halves side by side, then a loss over each pair": lambda x, y: F.cross_entropy(
+        torch.stack([x.sum((1, 2))[:2], x.sum((1, 2))[2:]], 1), torch.zeros(2, dtype=torch.long)
+    ),
+    "a pair's halves concatenated beside each other": lambda x, y: (
+        torch.cat([x[:2], x[2:]], 1).softmax(1) * 2
+    ).sum(),
+    "a pick's samples against each other": lambda x, y: (x[:2] * x[:2].flip(0)).sum(),
+    "a pick's samples rolled against each other": lambda x, y: (x[1:] * x[1:].roll(1, 0)).sum(),
+    "a pick of a pick against another": lambda x, y: (x[:3][1:2] * x[2:][:1]).sum(),
+    "a softmax over a pick's samples": lambda x, y: (x[:3].softmax(0) * x[:3]).sum(),
+    "a standard deviation over a pick's samples": lambda x, y: x[1:].std(0).sum(),
+    "a pick's sum squared": lambda x, y: x[:2].sum(0).square().sum(),
+    "rolled by different shifts": lambda x, y: (x.roll(1, 0) * x.roll(2, 0)).sum(),
+    "the halves put back together, then contrasted": lambda x, y: F.cross_entropy(
+        torch.cat([x[:2, 0], x[2:, 0]]) @ torch.cat([x[:2, 0], x[2:, 0]]).T, torch.arange(N)
+    ),
+    "a Gram matrix by tensordot": lambda x, y: (
+        torch.tensordot(x, x, dims=([1, 2], [1, 2])).square().sum()
+    ),
+    "a Kronecker product of samples": lambda x, y: (
+        torch.kron(x[:, 0, 0], x[:, 0, 0]).square().sum()
+    ),
+    "samples accumulated into groups by index_put, squared": lambda x, y: (
+        torch.zeros(2, N, N, dtype=x.dtype).index_put((y % 2,), x, accumulate=True).square().sum()
+    ),
 }
 
 

@@ -2042,9 +2042,16 @@ def test_the_sum_check_takes_a_module_scale_for_rounding_not_for_errors():
      lambda o: 1 - (2 * (o.sigmoid() * 0.5).sum(0) / (o.sigmoid().sum(0) + 1)).mean(),
      lambda o: F.relu(1 - o.std(0)).mean() + torch.cov(o.T).square().sum(),
      lambda o: torch.cdist(o, o).exp().sum(),
-     lambda o: -F.logsigmoid(o[:2].sum(1) - o[2:].sum(1)).mean()],
+     lambda o: -F.logsigmoid(o[:2].sum(1) - o[2:].sum(1)).mean(),
+     lambda o: -F.logsigmoid(o.sum(1)[[0, 1]] - o.sum(1)[[2, 3]]).mean(),
+     lambda o: -F.logsigmoid(torch.sub(*o.sum(1).split_with_sizes([2, 2]))).mean(),
+     lambda o: F.cross_entropy(torch.stack([o[:2, 0], o[2:, 0]], 1), torch.zeros(2).long()),
+     lambda o: o[1:].sum(0).square().sum(),
+     lambda o: torch.tensordot(o, o, ([1], [1])).exp().sum()],
     ids=["centred", "contrastive", "softmax-over-the-batch", "batch-dice", "variance-covariance",
-         "distances-between-samples", "a-preference-pair's-halves"],
+         "distances-between-samples", "a-preference-pair's-halves", "halves-by-list-indices",
+         "halves-by-split_with_sizes", "halves-side-by-side", "a-pick's-sum-squared",
+         "a-gram-matrix-by-tensordot"],
 )  # fmt: skip
 def test_a_loss_that_mixes_the_samples_after_the_last_layer_is_refused(loss):
     """It ran: each sample's values through the others' leave no sample its own gradient,
@@ -2064,6 +2071,39 @@ def test_a_loss_that_mixes_the_samples_after_the_last_layer_is_refused(loss):
         loss(model(x)).backward()
     for p in model.parameters():
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [lambda o, y: F.cross_entropy(torch.cat([o[:2], o[2:]]), y),
+     lambda o, y: F.cross_entropy(o[:4], y) + (o[1:][:2] * o[1:3]).sum(),
+     lambda o, y: F.cross_entropy(o.flip(0).flip(0), y),
+     lambda o, y: F.cross_entropy(o[:3].flip(0), y[:3].flip(0)) + o[3].square().sum()],
+    ids=["halves-put-back-together", "the-same-picks-by-two-routes", "flipped-twice",
+         "a-part-reordered-with-its-labels"],
+)  # fmt: skip
+def test_losses_over_picks_of_the_samples_are_exact(loss):
+    """Picks of the samples followed as batches of them: the same samples by different
+    routes meet freely (each term still one sample's), against a per-sample loop. Before,
+    ``o[1:][:2] * o[1:3]`` was refused as mixing. N == 4 == the width."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([1, 0, 3, 2])
+    with leanprop.per_sample(model, BatchGrad()):
+        loss(model(x), y).backward()
+    for n in range(4):
+
+        def alone(p, n=n):  # (sample n's term: the loss with the other samples' outputs fixed)
+            with torch.no_grad():
+                fixed = model(x)
+            o = torch.cat([fixed[:n], p, fixed[n + 1 :]])
+            return loss(o, y)
+
+        model.zero_grad()
+        out = model(x[n : n + 1])
+        torch.autograd.backward(alone(out))
+        for p in model.parameters():
+            torch.testing.assert_close(p.grad_batch[n], p.grad, rtol=1e-12, atol=1e-12)
 
 
 class BiasEscape(nn.Module):

@@ -35,11 +35,11 @@ def index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTrac
             out_dim += 1
         elif isinstance(it, slice):
             if in_dim == bd.dim:
-                full = it.start in (None, 0) and it.stop is None and it.step in (None, 1)
-                if not full:
-                    picks = range(*it.indices(n * bd.inner))
-                    return Selected("a slice over the batch dimension selects samples", picks)
-                return BatchDim(out_dim, bd.inner)
+                picks = range(*it.indices(n * bd.inner))
+                if picks != range(n * bd.inner):
+                    reason = "a slice over the batch dimension selects samples"
+                    return Selected(reason, picks, out_dim if bd.inner == 1 else None)
+                return BatchDim(out_dim, bd.inner)  # (all of them, in order: x[:N] too)
             in_dim, out_dim = in_dim + 1, out_dim + 1
         else:  # an integer
             if in_dim == bd.dim:
@@ -69,7 +69,7 @@ def _masked_rows(items: list[Any], bd: BatchDim, n: int) -> Info:
     c = int(counts[0])
     if c == 0 or not bool((counts == c).all()):
         picks = as_picks(mask.reshape(n, -1).nonzero()[:, 0].tolist())  # (each row's sample)
-        return Selected("boolean-mask indexing (not as many elements of every sample)", picks)
+        return Selected("boolean-mask indexing (not as many elements of every sample)", picks, 0)
     return BatchDim(0, c)
 
 
@@ -138,8 +138,9 @@ def picks_of(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], size: int, length: int, k: int
 ) -> Any:
     """Which positions along the batch's dimension (of ``size``) output ``k`` of ``select``,
-    ``narrow``, ``split``, ``chunk``, ``unbind`` takes (``length`` of them: its size along
-    it), as a ``range``; the call itself where leanprop does not compute them."""
+    ``narrow``, ``split``, ``split_with_sizes``, ``chunk``, ``unbind``, ``tensor_split``,
+    ``vsplit``/``hsplit``/``dsplit`` takes (``length`` of them: its size along it), as a
+    ``range``; the call itself where leanprop does not compute them."""
     try:
         if name in ("select", "narrow"):  # (x, dim, index), (x, dim, start, length)
             start = int(dims_arg(args, kwargs, 2, "index", "start"))
@@ -150,11 +151,22 @@ def picks_of(
         if name == "chunk":
             step = -(-size // int(dims_arg(args, kwargs, 1, "chunks")))
             return range(k * step, k * step + length)
-        if name == "split":
-            sizes = dims_arg(args, kwargs, 1, "split_size_or_sections", "split_size")
+        if name in ("split", "split_with_sizes"):
+            sizes = dims_arg(args, kwargs, 1, "split_size_or_sections", "split_size", "split_sizes")
             if isinstance(sizes, int):
                 return range(k * sizes, k * sizes + length)
             start = sum(int(v) for v in sizes[:k])
+            return range(start, start + length)
+        if name in ("tensor_split", "vsplit", "hsplit", "dsplit"):
+            # (x, sections or indices, dim): sections of sizes differing by one, larger first;
+            # or the parts between the indices, as slices take them
+            cut = dims_arg(args, kwargs, 1, "sections", "indices", "tensor_indices_or_sections")
+            cut = cut.tolist() if isinstance(cut, Tensor) else cut
+            if isinstance(cut, int):
+                small, extra = divmod(size, cut)
+                start = k * small + min(k, extra)
+            else:
+                start = 0 if k == 0 else range(size)[: int(cut[k - 1])].stop
             return range(start, start + length)
     except (TypeError, ValueError, IndexError):
         pass
@@ -171,3 +183,25 @@ def rows_at(index: Any, ids: Tensor) -> bool:
             it is Ellipsis or (isinstance(it, slice) and it == slice(None)) for it in index[1:]
         )
     return index is ids
+
+
+def picks_by_index(name: str, index: Any, x: Tensor, bd: BatchDim, tracker: BatchTracker) -> Info:
+    """Where the batch of a vector ``x`` (``[N]``, one value per sample: per-sample losses)
+    lands in ``x.gather(0, index)``, ``x.take(index)``, ``x.masked_select(mask)``: the samples
+    at a batch-free 1-D ``index`` (or where ``mask`` is True) as a :class:`Selected`, so that
+    two different picks meeting (a pair's halves) are told; the batch itself where that is
+    every sample in order. One host synchronisation."""
+    size = x.shape[0]
+    if not isinstance(index, Tensor) or index.dim() != 1 or tracker.info(index) is not None:
+        return Lost(f"{name} along the batch dimension (or with a batched index)")
+    if index.dtype == torch.bool:
+        if index.shape[0] != size:
+            return Lost(f"{name} with a mask not of the samples")
+        index = index.nonzero()[:, 0]
+    elif index.is_floating_point():
+        return Lost(f"{name} along the batch dimension")
+    picks = as_picks([j % size for j in index.tolist()]) if size else range(0)
+    if picks == range(size):
+        return bd
+    return Selected(f"{name} along the batch dimension selects samples", picks,
+                    0 if bd.inner == 1 else None)  # fmt: skip

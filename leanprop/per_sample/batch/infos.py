@@ -40,18 +40,23 @@ class Combined(Lost):
 @dataclass(frozen=True, eq=False)
 class Selected(Lost):
     """Some of the samples, picked along the batch dimension (``o[:k]``, ``o.chunk(2)[1]``,
-    ``o[labels == 1]``): ``picks`` says which (positions along it, a ``range`` where they are
-    evenly spaced; equal for the same pick, however spelled), so that values of two different
-    picks meeting later (a pair's halves, ``o[:k] - o[k:]``) are told as different samples
-    meeting."""
+    ``o[labels == 1]``): ``picks`` says which (the position along it that each position of
+    dimension ``dim`` holds, a ``range`` where they are evenly spaced; equal for the same
+    pick, however spelled), so that values of two different picks meeting later (a pair's
+    halves, ``o[:k] - o[k:]``) are told as different samples meeting. Ops on a pick are
+    followed as on a batch of its samples (``o[:4][:2]`` picks ``range(2)``), where ``dim``
+    holds them. ``dim`` is None where no dimension does (one sample picked by an integer;
+    positions of samples flattened with another dimension; a pick leanprop does not follow
+    further): the picks stay as they are."""
 
     picks: Any = None
+    dim: int | None = None
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Selected) and self.picks == other.picks
+        return isinstance(other, Selected) and self.picks == other.picks and self.dim == other.dim
 
     def __hash__(self) -> int:
-        return hash((Selected, self.picks))
+        return hash((Selected, self.picks, self.dim))
 
 
 def as_picks(positions: Sequence[int]) -> range | tuple[int, ...]:

@@ -169,3 +169,46 @@ def matmul_result(a: Tensor, b: Tensor, which: int, bd: BatchDim, out_ndim: int)
     if which == 1 and bd.dim == last:
         return BatchDim(out_ndim - 1, bd.inner)
     return BatchDim(out_ndim - (x.dim() - bd.dim), bd.inner)
+
+
+def tensordot_result(
+    args: Sequence[Any], kwargs: dict[str, Any], which: int | str, bd: BatchDim
+) -> Info:
+    """Where ``tensordot(a, b, dims)``'s operand ``which`` (its batch at ``bd``) puts the
+    samples: summed where the batch's dimension is contracted, else at its place among the
+    free dimensions (``a``'s first, in order, then ``b``'s)."""
+    a, b = args[0], args[1]
+    dims = dims_arg(args, kwargs, 2, "dims")
+    dims = 2 if dims is None else dims.tolist() if isinstance(dims, Tensor) else dims
+    if isinstance(dims, int):
+        contracted = [range(a.dim() - dims, a.dim()), range(dims)]
+    else:
+        contracted = [[k] if isinstance(k, int) else list(k) for k in dims]
+    if which not in (0, 1):
+        return Lost(f"tensordot's argument {which}")
+    x = a if which == 0 else b
+    gone = [norm_dim(int(k), x.dim()) for k in contracted[which]]
+    if bd.dim in gone:
+        return Combined("tensordot sums over the batch dimension")
+    before = 0 if which == 0 else a.dim() - len(contracted[0])
+    return BatchDim(before + bd.dim - sum(k < bd.dim for k in gone), bd.inner)
+
+
+def kron_result(
+    args: Sequence[Any], which: int | str, x: Tensor, bd: BatchDim, out: Tensor
+) -> Info:
+    """Where ``kron(a, b)``'s operand ``which`` (``x``, its batch at ``bd``) puts the samples
+    (``out[i * b_d + j] = a[i] b[j]`` along each dimension, from the right): ``a``'s batch as
+    the outer factor of its dimension, ``b``'s alone where ``a`` is 1 there. Each of ``b``'s
+    samples met with every value of ``a`` along it otherwise: told as mixing."""
+    pos = out.dim() - (x.dim() - bd.dim)
+    other = args[1 - which] if which in (0, 1) else None
+    if not isinstance(other, Tensor):
+        return Lost(f"kron's argument {which}")
+    k = other.dim() - (out.dim() - pos)  # (the other's dimension there, if it has one)
+    size = other.shape[k] if k >= 0 else 1
+    if which == 0:
+        return BatchDim(pos, bd.inner * size)
+    if size == 1:
+        return BatchDim(pos, bd.inner)
+    return Lost("kron with the batch as the inner factor of a dimension mixes samples")

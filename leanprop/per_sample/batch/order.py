@@ -14,6 +14,7 @@ from .infos import (
     PACKED,
     REORDERED,
     BatchDim,
+    Combined,
     Info,
     Lost,
     Packed,
@@ -58,12 +59,14 @@ def ordered_result(
             return info
         return Lost(rows.reason if isinstance(rows, Lost) else PACKED)
     index = _reorder_index(name, args, kwargs, which, x, info.dim)
-    if index is not None:  # x.index_select(batch dim, index), x[index]
+    if index is None and name in ("flip", "roll") and which == 0:
+        index = _moved(name, args, kwargs, x, info.dim)
+    if index is not None:  # x.index_select(batch dim, index), x[index], x.flip(batch dim)
         size = x.shape[info.dim]
         perm = _permutation(index, size)
         if perm is None:  # (some samples: which ones, so that pairs of picks are told)
             picks = as_picks([info.order[j % size] for j in index.tolist()])
-            return Selected(f"{name} along the batch dimension selects samples", picks)
+            return Selected(f"{name} along the batch dimension selects samples", picks, info.dim)
         return in_order(info.dim, tuple(info.order[j] for j in perm))
     if name == "_pack_padded_sequence" and which == 0:  # (input, lengths, batch_first)
         if info.dim != (0 if args[2] else 1):
@@ -82,15 +85,20 @@ def ordered_result(
 def _reorder_index(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor, dim: int
 ) -> Tensor | None:
-    """The index of ``x.index_select(dim, index)`` or ``x[index]`` (a 1-D integer tensor
-    along the batch dimension ``dim``), where ``x`` is input ``which``; else None."""
+    """The index of ``x.index_select(dim, index)`` or ``x[index]`` (a 1-D integer tensor, or
+    a list of integers, along the batch dimension ``dim``), where ``x`` is input ``which``;
+    else None."""
     if which != 0:
         return None
     if name == "index_select":
         d, index = dims_arg(args, kwargs, 1, "dim"), dims_arg(args, kwargs, 2, "index")
         return index if norm_dim(int(d), x.dim()) == dim else None
-    if name == "getitem" and dim == 0 and len(args) > 1 and isinstance(args[1], Tensor):
+    if name == "getitem" and dim == 0 and len(args) > 1:
         index = args[1]
+        if isinstance(index, list) and index and all(type(j) is int for j in index):
+            index = torch.tensor(index)  # (x[[0, 1]]: as the tensor of them)
+        if not isinstance(index, Tensor):
+            return None
         if index.dim() == 1 and not index.is_floating_point() and index.dtype != torch.bool:
             return index
     return None
@@ -142,11 +150,13 @@ def _index_of_batch_free(
     return at
 
 
-ORDER_OPS = {"index_select", "getitem", "_pack_padded_sequence"}
+ORDER_OPS = {"index_select", "getitem", "_pack_padded_sequence", "flip", "roll"}
 
 
 # ops with an index argument _index_arg may find (with the packed RNN ops)
-_READS_INDEX = frozenset({*ORDER_OPS, "_pad_packed_sequence"})
+_READS_INDEX = frozenset(
+    {"index_select", "getitem", "_pack_padded_sequence", "_pad_packed_sequence"}
+)
 
 
 def by_value(
@@ -165,3 +175,97 @@ def by_value(
     except (IndexError, TypeError, ValueError, KeyError):
         index = None
     return batched if index is None else [b for b in batched if b[0] != index]
+
+
+def selected_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
+    info: Selected, out: Tensor, k: int, tracker: BatchTracker,
+) -> Info:  # fmt: skip
+    """Where the picked samples of input ``x`` (``info``: which ones, in which dimension) land
+    in output ``k``, ``out``: followed as a batch of them, so that a pick of the pick says
+    which samples it holds (``o[:4][:2]`` picks what ``o[:2]`` does) and a reordering of them
+    reorders the picks (``o[:2].flip(0)`` holds samples 1 and 0). As they are where no
+    dimension holds them (``info.dim`` None), or concatenated along it (what the others
+    concatenated say: :func:`rejoined`)."""
+    picks = info.picks
+    if info.dim is None or not isinstance(picks, range | tuple) or info.dim >= x.dim():
+        return info
+    size = x.shape[info.dim]
+    if size != len(picks):
+        return info
+    index = _reorder_index(name, args, kwargs, which, x, info.dim)
+    if index is None and name in ("flip", "roll") and which == 0:
+        index = _moved(name, args, kwargs, x, info.dim)
+    if index is not None:  # (some of them, or all in another order)
+        return Selected(info.reason, as_picks([picks[j % size] for j in index.tolist()]), info.dim)
+    if name in CONCATENATIONS and concatenated_along(args, kwargs) == info.dim:
+        return info
+    r = result_dim(name, args, kwargs, which, x, BatchDim(info.dim), out, k, size, tracker)
+    if type(r) is BatchDim:
+        return Selected(info.reason, picks, r.dim if r.inner == 1 else None)
+    if type(r) is Selected:  # (a pick of the pick: positions among the picked)
+        within = r.picks if isinstance(r.picks, range | tuple) else None
+        if within is None:
+            return Selected(r.reason, ("of", picks, r.picks), None)
+        return Selected(r.reason, as_picks([picks[j] for j in within]), r.dim)
+    if type(r) is Combined:  # (a sum over some samples: x[:2].sum(0), a part's loss)
+        return Combined(r.reason, r.summed, of_pick=True)
+    return r
+
+
+def _moved(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor, dim: int
+) -> Tensor | None:
+    """Which position of ``x`` each position along ``dim`` of ``x.flip(dim)`` or
+    ``x.roll(shifts, dim)`` holds (flipped or rolled along ``dim`` alone); else None."""
+    size = x.shape[dim]
+    d = dims_arg(args, kwargs, 1 if name == "flip" else 2, "dims")
+    dims = [] if d is None else [d] if isinstance(d, int) else list(d)
+    if len(dims) != 1 or norm_dim(int(dims[0]), x.dim()) != dim:
+        return None
+    if name == "flip":
+        return torch.arange(size - 1, -1, -1)
+    shifts = dims_arg(args, kwargs, 1, "shifts")
+    shift = shifts[0] if isinstance(shifts, list | tuple) and len(shifts) == 1 else shifts
+    if not isinstance(shift, int):
+        return None
+    return (torch.arange(size) - shift) % size
+
+
+def rejoined(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any],
+    batched: list[tuple[int | str, Tensor, Info]], n: int,
+) -> Info | None:  # fmt: skip
+    """``cat([x[:2], x[2:]])``: picks of the samples concatenated along their dimension,
+    every part one (``batched``: the op's batched operands), are the samples they hold, in
+    order: the batch itself where they are all of it, in order (``n`` samples). None for any
+    other call."""
+    parts = args[0] if args and isinstance(args[0], list | tuple) else None
+    if name not in CONCATENATIONS or not parts or len(batched) != len(parts):
+        return None
+    infos = [info for _, _, info in batched]
+    first = infos[0]
+    if not all(
+        isinstance(i, Selected) and isinstance(i.picks, range | tuple) and i.dim is not None
+        for i in infos
+    ) or any(t is not p for (_, t, _), p in zip(batched, parts, strict=True)):
+        return None
+    d = concatenated_along(args, kwargs)
+    if any(i.dim != d for i in infos):
+        return None
+    picks = [p for i in infos for p in i.picks]
+    if picks == list(range(n)):
+        return BatchDim(d)
+    return Selected(first.reason, as_picks(picks), d)
+
+
+CONCATENATIONS = frozenset({"cat", "concat", "concatenate"})
+
+
+def concatenated_along(args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
+    """The dimension ``cat(tensors, dim)`` concatenates along (as a dimension of the first of
+    its tensors, counted from 0); None where leanprop cannot read it."""
+    parts = args[0] if args and isinstance(args[0], list | tuple) else kwargs.get("tensors")
+    if not parts or not isinstance(parts[0], Tensor):
+        return None
+    return norm_dim(int(dims_arg(args, kwargs, 1, "dim", "axis") or 0), parts[0].dim())

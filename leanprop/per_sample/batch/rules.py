@@ -13,15 +13,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .indexing import index_result, picks_of, rows_at
+from .indexing import index_result, picks_by_index, picks_of, rows_at
 from .infos import BatchDim, Combined, Info, Lost, Selected, dims_arg, norm_dim
 from .matrices import (
     MATMUL_ARGS,
     RARE,
     einsum_result,
+    kron_result,
     matmul_positional,
     matmul_result,
     rare_result,
+    tensordot_result,
 )
 
 if TYPE_CHECKING:
@@ -62,6 +64,12 @@ _ARITH = {"add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "and", "o
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view"}
 
 
+# ops that take some positions along a dimension; those with a dimension of their own
+_PICKS = frozenset({
+    "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
+    "vsplit", "hsplit", "dsplit",
+})  # fmt: skip
+_SPLIT_DIMS = {"vsplit": (0,), "hsplit": (0, 1), "dsplit": (2,)}
 _DIM_OPS = {  # same shape, acts along one dimension: mixes samples if that is the batch
     "softmax", "log_softmax", "_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax",
     "cummin", "sort", "argsort", "normalize", "glu", "special_softmax", "special_log_softmax",
@@ -274,21 +282,20 @@ def result_dim(
         if bd.dim in gone:
             return Lost("squeeze removed the batch dimension (a batch of one sample)")
         return BatchDim(bd.dim - sum(k < bd.dim for k in gone), bd.inner)
-    if name in ("select", "narrow", "split", "chunk", "unbind", "tensor_split"):
-        pos = 2 if name in ("split", "chunk", "tensor_split") else 1  # (x, size, dim), (x, dim)
-        d = norm_dim(int(dims_arg(args, kwargs, pos, "dim") or 0), nd)
-        if name == "narrow" and x.shape[d] == out.shape[d] and d == bd.dim:
-            return bd
+    if name in _PICKS:
+        d = _SPLIT_DIMS.get(name, (0,))
+        d = d[0] if len(d) == 1 or nd == 1 else d[1]  # (hsplit: a vector's columns are its 1)
+        pos = 1 if name in ("select", "narrow", "unbind") else 2  # (x, dim, ...), (x, size, dim)
+        if name not in _SPLIT_DIMS:
+            d = norm_dim(int(dims_arg(args, kwargs, pos, "dim") or 0), nd)
+        # (where the picks are: followed where they are samples)
+        kept = d if name not in ("select", "unbind") and bd.inner == 1 else None
+        if d == bd.dim and name not in ("select", "unbind") and x.shape[d] == out.shape[d]:
+            return bd  # (all of them, in order: x.narrow(0, 0, N), x.split(N))
         if d == bd.dim:
-            picks = picks_of(
-                name,
-                args,
-                kwargs,
-                x.shape[d],
-                out.shape[d] if name in ("narrow", "split", "chunk") else 1,
-                k,
-            )
-            return Selected(f"{name} along the batch dimension", picks)
+            length = 1 if kept is None else out.shape[d]
+            picks = picks_of(name, args, kwargs, x.shape[d], length, k)
+            return Selected(f"{name} along the batch dimension", picks, kept)
         if name in ("select", "unbind"):
             return BatchDim(bd.dim - (d < bd.dim), bd.inner)
         return bd
@@ -325,6 +332,8 @@ def result_dim(
             if along:
                 return Lost(f"{name} along the batch dimension (or with a batched index)")
             return bd  # (the output is laid out as the index: each sample's picks its own)
+        if name in ("gather", "take_along_dim") and which == 0 and along and nd == 1:
+            return picks_by_index(name, dims_arg(args, kwargs, picks_at, "index"), x, bd, tracker)
         if which != 0 or d is None or norm_dim(int(d), nd) == bd.dim:
             return Lost(f"{name} along the batch dimension (or with a batched index)")
         return BatchDim(bd.dim, bd.inner) if name != "unfold" else bd
@@ -401,6 +410,17 @@ def result_dim(
         if bd.dim == 1:  # (the classes' dimension: [N, C, ...] -> [N, ...])
             return Lost(f"{name} over the batch dimension (taken as the classes')")
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
+    if name in ("take", "masked_select") and which == 0 and nd == 1:  # (losses [N] picked)
+        return picks_by_index(name, dims_arg(args, kwargs, 1, "index", "mask"), x, bd, tracker)
+    if name in ("index_put", "put") and which in (2, "values", "source"):
+        # (x, indices, values, accumulate): the values put in x's places, or added into them
+        if dims_arg(args, kwargs, 3, "accumulate"):
+            return Combined(f"{name} with accumulate=True adds samples together")
+        return Lost(f"{name} puts the samples' values in other places")
+    if name == "tensordot":
+        return tensordot_result(args, kwargs, which, bd)
+    if name == "kron":
+        return kron_result(args, which, x, bd, out)
     d = kwargs.get("dim", kwargs.get("axis")) if kwargs else None
     dims = d if isinstance(d, list | tuple) else [d]
     if d is not None and any(isinstance(k, int) and norm_dim(k, nd) == bd.dim for k in dims):

@@ -27,7 +27,15 @@ from .mixing import (
     mixing_by_joining,
     reads_summed,
 )
-from .order import ORDER_OPS, by_value, ordered_result
+from .order import (
+    CONCATENATIONS,
+    ORDER_OPS,
+    by_value,
+    concatenated_along,
+    ordered_result,
+    rejoined,
+    selected_result,
+)
 from .rules import (
     CONCATENATED,
     CURVED_ELEMENTWISE,
@@ -449,6 +457,8 @@ class BatchTracker:
         """Where the batch of the operands ``batched`` (position or keyword, tensor, info)
         went in each of the op's tensor outputs ``outs``: recorded."""
         n = self.n if self.n is not None else 0
+        # (the batch's parts put back together: cat([o[:2], o[2:]]) holds them, in order)
+        parts = rejoined(name, args, kwargs, batched, n) if name in CONCATENATIONS else None
         for k, o in enumerate(outs):
             results, constants = set(), None  # (constants: batch statistics without grad)
             held = set()  # (what became of the operands that require grad: held differently,
@@ -456,7 +466,7 @@ class BatchTracker:
             mixing = self._mixed_before(batched) if self._mixed else None
             # (joined: an operand that requires grad concatenated with others along the batch)
             joined = False
-            for i, t, info in batched:
+            for i, t, info in () if parts is not None else batched:
                 if name in ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
                     info = Reordered(REORDERED, info.dim, tuple(range(t.shape[info.dim])))
                 if isinstance(info, Reordered | Packed):
@@ -464,6 +474,13 @@ class BatchTracker:
                         r = ordered_result(name, args, kwargs, i, t, info, o, k, n, self)
                     except (IndexError, TypeError, ValueError, KeyError):
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
+                elif type(info) is Selected and info.dim is not None:  # (as a batch of them)
+                    try:
+                        r = selected_result(name, args, kwargs, i, t, info, o, k, self)
+                    except (IndexError, TypeError, ValueError, KeyError):
+                        r = Lost(f"'{name}' with arguments leanprop cannot read")
+                    if t.requires_grad and type(r) is not Selected:
+                        mixing = mixing or mixes_itself(name, i, BatchDim(info.dim), r, o)
                 elif isinstance(info, Lost):
                     combined = combines(name, args, kwargs) and not isinstance(info, Combined)
                     picked = isinstance(info, Selected) or getattr(info, "of_pick", False)
@@ -491,13 +508,21 @@ class BatchTracker:
                 at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
                 if t.requires_grad and holds_samples(at):
                     held.add(at)
-            results = results or constants
+            results = results or constants or {parts}
             if (
                 name in SIDE_BY_SIDE
                 and len(results) > 1
                 and all(type(r) is Selected for r in results)
-            ):  # (cat([o[:k], o[k:]]): each value still one sample's, in no known place)
-                results = {Lost(REJOINED)}
+            ):  # (cat([o[:k], o[k:]]): each value still one sample's, in no known place; but
+                # stack([o[:k], o[k:]], 1): different samples' values side by side)
+                d = concatenated_along(args, kwargs) if name in CONCATENATIONS else -1
+                if all(r.dim in (None, d) for r in results):
+                    results = {Lost(REJOINED)}
+                elif o.requires_grad and sum(t.requires_grad for _, t, _ in batched) > 1:
+                    mixing = mixing or (
+                        f"'{name}' puts the values of different samples side by side (picks of "
+                        "them: a pair's halves)"
+                    )
             res = results.pop() if len(results) == 1 else merge_infos(results)
             self._info[o] = res
             if o.requires_grad:
