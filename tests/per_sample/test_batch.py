@@ -184,6 +184,9 @@ KEEP = {
     "all of them by masked_select": lambda x: x[:, 0, 0].masked_select(torch.ones(N).bool()),
     "flipped twice": lambda x: x.flip(0).flip(0),
     "rolled and back": lambda x: x.roll(1, 0).roll(-1, 0),
+    "samples in groups, then put back": lambda x: x.view(2, 2, N, N).relu().view(N, N, N),
+    "samples in groups, then flattened": lambda x: x.unflatten(0, (2, 2)).flatten(0, 1),
+    "samples in groups with features, then back": lambda x: x.view(2, -1).view(N, N, N),
 }
 
 LOSE = {
@@ -520,6 +523,15 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     "per-sample losses gathered in order": lambda x, y: (
         x.square().sum((1, 2)).gather(0, torch.arange(N)) * x[:, 0, 0]
     ).sum(),
+    "samples in groups, squared": lambda x, y: x.view(2, 2, N, N).square().sum(),
+    "each group's mean loss, averaged": lambda x, y: (
+        x.square().sum((1, 2)).view(2, 2).mean(1).mean()
+    ),
+    "the worst group's mean loss": lambda x, y: x.square().sum((1, 2)).view(2, 2).mean(1).amax(),
+    "samples in groups, put back, met with the batch": lambda x, y: (
+        x.view(2, 2, N, N).relu().view(N, N, N) * x
+    ).sum(),
+    "each sample's features in groups": lambda x, y: x.view(2, 2, N, N).sum((2, 3)).exp().sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
@@ -677,6 +689,22 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     "samples accumulated into groups by index_put, squared": lambda x, y: (
         torch.zeros(2, N, N, dtype=x.dtype).index_put((y % 2,), x, accumulate=True).square().sum()
     ),
+    "each group's sum squared": lambda x, y: x.reshape(2, 2, N, N).sum(1).square().sum(),
+    "a standard deviation within each group": lambda x, y: x.unflatten(0, (2, 2)).std(1).sum(),
+    "a softmax within each group": lambda x, y: (x.view(2, 2, N, N).softmax(1) * 2).sum(),
+    "a product over groups of samples with features": lambda x, y: (
+        x.view(2, 2 * N * N).prod(0).sum()
+    ),
+    "a cross-entropy within each group": lambda x, y: F.cross_entropy(
+        x.sum((1, 2)).view(2, 2), torch.zeros(2, dtype=torch.long)
+    ),
+    "a cross-entropy taking the samples for the classes": lambda x, y: F.cross_entropy(
+        x[:, :, 0].T, y
+    ),
+    "a cross-entropy over a vector of the samples' scores": lambda x, y: F.cross_entropy(
+        x.sum((1, 2)), torch.tensor(1)
+    ),
+    "a margin loss over the samples as classes": lambda x, y: F.multi_margin_loss(x[:, :, 0].T, y),
 }
 
 

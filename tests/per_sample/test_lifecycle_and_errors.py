@@ -2047,11 +2047,13 @@ def test_the_sum_check_takes_a_module_scale_for_rounding_not_for_errors():
      lambda o: -F.logsigmoid(torch.sub(*o.sum(1).split_with_sizes([2, 2]))).mean(),
      lambda o: F.cross_entropy(torch.stack([o[:2, 0], o[2:, 0]], 1), torch.zeros(2).long()),
      lambda o: o[1:].sum(0).square().sum(),
-     lambda o: torch.tensordot(o, o, ([1], [1])).exp().sum()],
+     lambda o: torch.tensordot(o, o, ([1], [1])).exp().sum(),
+     lambda o: (o.view(2, 2, 4).softmax(1) * o.view(2, 2, 4)).sum(),
+     lambda o: F.cross_entropy(o.T, torch.arange(4))],
     ids=["centred", "contrastive", "softmax-over-the-batch", "batch-dice", "variance-covariance",
          "distances-between-samples", "a-preference-pair's-halves", "halves-by-list-indices",
          "halves-by-split_with_sizes", "halves-side-by-side", "a-pick's-sum-squared",
-         "a-gram-matrix-by-tensordot"],
+         "a-gram-matrix-by-tensordot", "a-softmax-within-groups", "the-samples-as-classes"],
 )  # fmt: skip
 def test_a_loss_that_mixes_the_samples_after_the_last_layer_is_refused(loss):
     """It ran: each sample's values through the others' leave no sample its own gradient,
@@ -2078,9 +2080,10 @@ def test_a_loss_that_mixes_the_samples_after_the_last_layer_is_refused(loss):
     [lambda o, y: F.cross_entropy(torch.cat([o[:2], o[2:]]), y),
      lambda o, y: F.cross_entropy(o[:4], y) + (o[1:][:2] * o[1:3]).sum(),
      lambda o, y: F.cross_entropy(o.flip(0).flip(0), y),
-     lambda o, y: F.cross_entropy(o[:3].flip(0), y[:3].flip(0)) + o[3].square().sum()],
+     lambda o, y: F.cross_entropy(o[:3].flip(0), y[:3].flip(0)) + o[3].square().sum(),
+     lambda o, y: F.cross_entropy(o, y, reduction="none").view(2, 2).mean(1).amax()],
     ids=["halves-put-back-together", "the-same-picks-by-two-routes", "flipped-twice",
-         "a-part-reordered-with-its-labels"],
+         "a-part-reordered-with-its-labels", "the-worst-group's-loss"],
 )  # fmt: skip
 def test_losses_over_picks_of_the_samples_are_exact(loss):
     """Picks of the samples followed as batches of them: the same samples by different

@@ -69,10 +69,22 @@ def as_picks(positions: Sequence[int]) -> range | tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class Grouped(Lost):
+    """The batch split over dimensions ``first .. first + count - 1`` by a reshape (samples
+    in groups: ``o.view(G, N // G, ...)``): flattened row-major, they are the batch of size
+    ``N * inner`` with the sample as outer factor. Followed dimension by dimension, so that a
+    function of each group's sum or a softmax within each group is told as mixing."""
+
+    first: int
+    count: int
+    inner: int = 1
+
+
+@dataclass(frozen=True)
 class Reordered(Lost):
     """Dimension ``dim`` holds the samples in another order: position ``j`` holds sample
-    ``order[j]`` (a packed sequence sorts its samples by length). A :class:`Lost` to every
-    consumer but the ops that restore the order or pack the samples."""
+    ``order[j]`` (a packed sequence sorts its samples by length; ``flip``, ``roll``). A
+    :class:`Lost` to every consumer but the ops that restore the order or pack the samples."""
 
     dim: int
     order: tuple[int, ...]
@@ -90,7 +102,10 @@ class Packed(Lost):
 Info = BatchDim | Lost
 
 
-REORDERED = "samples in another order (an index_select, or sorted by length for a packed sequence)"
+REORDERED = (
+    "samples in another order (an index_select, a flip or roll along the batch, or sorted by "
+    "length for a packed sequence)"
+)
 
 
 PACKED = (

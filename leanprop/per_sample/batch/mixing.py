@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .infos import BatchDim, Combined, Info, Lost, Selected
 from .matrices import FFTS, MATRIX_FUNCTIONS
-from .rules import UNKNOWN_ALONG, VIEWS
+from .rules import CLASS_LOSSES, SAMPLE_LOSSES, UNKNOWN_ALONG, VIEWS
 
 # ops that mix the samples themselves where they act along the batch (a reordering keeps each
 # value one sample's: what it meets next tells)
@@ -25,6 +25,8 @@ _MIXES_WHERE_LOST = frozenset({
     "layer_norm", "rms_norm", "cdist", "pdist", "cov", "corrcoef", "diff", "linalg_matrix_norm",
     "linalg_norm", "cosine_similarity", "pairwise_distance", *FFTS,
     "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", *MATRIX_FUNCTIONS,
+    # (losses over the classes, or over each sample's features, taking the samples for them)
+    *CLASS_LOSSES, *SAMPLE_LOSSES,
 })  # fmt: skip
 
 

@@ -4,6 +4,7 @@ which index arguments an op reads by value (their own batch does not reach the o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from .infos import (
     REORDERED,
     BatchDim,
     Combined,
+    Grouped,
     Info,
     Lost,
     Packed,
@@ -25,7 +27,7 @@ from .infos import (
     in_order,
     norm_dim,
 )
-from .rules import RNN_OPS, is_packed_rnn_op, result_dim
+from .rules import RNN_OPS, VIEWS, is_packed_rnn_op, reshaped, result_dim
 
 if TYPE_CHECKING:
     from .tracker import BatchTracker
@@ -269,3 +271,36 @@ def concatenated_along(args: Sequence[Any], kwargs: dict[str, Any]) -> int | Non
     if not parts or not isinstance(parts[0], Tensor):
         return None
     return norm_dim(int(dims_arg(args, kwargs, 1, "dim", "axis") or 0), parts[0].dim())
+
+
+def grouped_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
+    info: Grouped, out: Tensor, k: int, tracker: BatchTracker,
+) -> tuple[Info, list[tuple[BatchDim, Info]]]:  # fmt: skip
+    """Where the samples of input ``x``, split over several dimensions (``info``), land in
+    output ``k``, ``out``; and what became of each of those dimensions (each followed as if
+    it held the samples: a reduction over one sums within the groups, a softmax along one
+    mixes them), for the mixing rules. A reshape that puts them back together gives the
+    batch again."""
+    dims = range(info.first, info.first + info.count)
+    sizes = [x.shape[d] for d in dims]
+    n = math.prod(sizes) // info.inner
+    if name in VIEWS:  # (as the batch they make, flattened)
+        merged = [*x.shape[: info.first], n * info.inner, *x.shape[info.first + info.count :]]
+        return reshaped(merged, BatchDim(info.first, info.inner), n, out.shape), []
+    each = []
+    for d, size in zip(dims, sizes, strict=True):
+        last = d == dims[-1]
+        bd = BatchDim(d, info.inner if last else 1)
+        m = size // info.inner if last else size
+        each.append((bd, result_dim(name, args, kwargs, which, x, bd, out, k, m, tracker)))
+    results = [r for _, r in each]
+    if all(type(r) is BatchDim for r in results):
+        new = [r.dim for r in results]
+        if new == list(range(new[0], new[0] + info.count)) and results[-1].inner == info.inner:
+            return Grouped(info.reason, new[0], info.count, info.inner), each
+        return Lost(info.reason), each
+    summed = [r for r in results if type(r) is Combined]
+    if summed:  # (within the groups, or over all of them)
+        return Combined(f"'{name}' over samples in groups ({summed[0].reason})"), each
+    return next((r for r in results if type(r) is Lost), Lost(info.reason)), each

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .indexing import index_result, picks_by_index, picks_of, rows_at
-from .infos import BatchDim, Combined, Info, Lost, Selected, dims_arg, norm_dim
+from .infos import BatchDim, Combined, Grouped, Info, Lost, Selected, dims_arg, norm_dim
 from .matrices import (
     MATMUL_ARGS,
     RARE,
@@ -123,10 +123,10 @@ _LOSSES = {  # (each takes the samples first; with reduction="none" a value per 
 }  # fmt: skip
 
 
-_CLASS_LOSSES = {"cross_entropy", "nll_loss"}  # [N, C, ...] scores: the classes' dim goes
+CLASS_LOSSES = {"cross_entropy", "nll_loss"}  # [N, C, ...] scores: the classes' dim goes
 
 
-_SAMPLE_LOSSES = {  # one value per sample [N] (reduction="none")
+SAMPLE_LOSSES = {  # one value per sample [N] (reduction="none")
     "cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss",
     "triplet_margin_with_distance_loss", "multi_margin_loss", "multilabel_margin_loss",
     "multilabel_soft_margin_loss",
@@ -145,17 +145,37 @@ FACTORIES = {
 }  # fmt: skip
 
 
-def _reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[int]) -> Info:
+def reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[int]) -> Info:
     """Where the batch lands when ``in_shape`` is viewed as ``out_shape`` (row-major)."""
     prefix = math.prod(in_shape[: bd.dim])
     acc = 1
     for e, size in enumerate(out_shape):
         if acc == prefix and (size == 0 if n == 0 else size > 0 and size % n == 0):
             return BatchDim(e, size // n if n else 1)  # (no samples: an empty dimension)
+        if acc == prefix and n > 0 and size > 1:  # (the samples spread over this and more)
+            return _grouped(math.prod(in_shape[bd.dim :]) // n, n, out_shape, e)
         acc *= size
         if acc > prefix:
             break
-    return Lost("a reshape split the batch dimension")
+    return Lost(SPLIT)
+
+
+SPLIT = "a reshape split the batch dimension"
+
+
+def _grouped(block: int, n: int, out_shape: Sequence[int], e: int) -> Info:
+    """Samples of ``block`` elements each (row-major from dimension ``e`` of ``out_shape``),
+    spread over dimensions ``e, e + 1, ...``: :class:`Grouped` where some of them hold
+    whole samples' elements, each dimension's positions never straddling two samples."""
+    for c in range(2, len(out_shape) - e + 1):
+        rest = math.prod(out_shape[e + c :])
+        if block % rest or math.prod(out_shape[e : e + c]) != n * (block // rest):
+            continue
+        inner = block // rest
+        if out_shape[e + c - 1] % inner == 0 and inner <= out_shape[e + c - 1]:
+            return Grouped(SPLIT, e, c, inner)
+        break
+    return Lost(SPLIT)
 
 
 # elementwise ops with a second derivative (the Hessian's residual terms), by op name
@@ -249,7 +269,7 @@ def result_dim(
             return Lost(f"{name} on samples flattened with another dimension")
         return bd
     if name in VIEWS:
-        return _reshaped(x.shape, bd, n, out.shape)
+        return reshaped(x.shape, bd, n, out.shape)
     if name in ("transpose", "swapaxes", "swapdims"):
         d0, d1 = (norm_dim(int(d), nd) for d in (args[1], args[2]))
         return BatchDim({d0: d1, d1: d0}.get(bd.dim, bd.dim), bd.inner)
@@ -399,16 +419,19 @@ def result_dim(
     if name == "einsum":
         return einsum_result(args, which - 1, bd)
     if name in _LOSSES:
+        if name in SAMPLE_LOSSES and bd.dim != 0:  # (over each sample's features [N, ...])
+            return Lost(f"{name} with the batch not first")
+        if name in CLASS_LOSSES and which == 0 and bd.dim == (1 if nd > 1 else 0):
+            # (the classes' dimension: [N, C, ...] -> [N, ...]; a vector's only one)
+            return Lost(f"{name} over the batch dimension (taken as the classes')")
         if kwargs.get("reduction", "mean") != "none":
             return Combined("a loss reduces over samples")
-        if name in _SAMPLE_LOSSES:  # [N, ...] -> [N]
-            return bd if bd.dim == 0 else Lost(f"{name} with the batch not first")
-        if name not in _CLASS_LOSSES or which == 1:  # elementwise, or the targets [N, ...]
+        if name in SAMPLE_LOSSES:  # [N, ...] -> [N]
+            return bd
+        if name not in CLASS_LOSSES or which == 1:  # elementwise, or the targets [N, ...]
             return bd
         if which != 0:
             return Lost(f"{name}'s argument {which}")
-        if bd.dim == 1:  # (the classes' dimension: [N, C, ...] -> [N, ...])
-            return Lost(f"{name} over the batch dimension (taken as the classes')")
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
     if name in ("take", "masked_select") and which == 0 and nd == 1:  # (losses [N] picked)
         return picks_by_index(name, dims_arg(args, kwargs, 1, "index", "mask"), x, bd, tracker)

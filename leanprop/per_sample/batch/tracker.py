@@ -18,7 +18,17 @@ from ..._torch_compat import (
     saved_tensor_hooks_in_effect,
 )
 from ...errors import UnsupportedModelError
-from .infos import REORDERED, BatchDim, Combined, Info, Lost, Packed, Reordered, Selected
+from .infos import (
+    REORDERED,
+    BatchDim,
+    Combined,
+    Grouped,
+    Info,
+    Lost,
+    Packed,
+    Reordered,
+    Selected,
+)
 from .mixing import (
     SIDE_BY_SIDE,
     holds_samples,
@@ -32,6 +42,7 @@ from .order import (
     ORDER_OPS,
     by_value,
     concatenated_along,
+    grouped_result,
     ordered_result,
     rejoined,
     selected_result,
@@ -481,6 +492,14 @@ class BatchTracker:
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
                     if t.requires_grad and type(r) is not Selected:
                         mixing = mixing or mixes_itself(name, i, BatchDim(info.dim), r, o)
+                elif type(info) is Grouped:  # (dimension by dimension)
+                    try:
+                        r, each = grouped_result(name, args, kwargs, i, t, info, o, k, self)
+                    except (IndexError, TypeError, ValueError, KeyError):
+                        r, each = Lost(f"'{name}' with arguments leanprop cannot read"), []
+                    for bd, r_d in each if t.requires_grad else ():
+                        if type(r_d) is not BatchDim:
+                            mixing = mixing or mixes_itself(name, i, bd, r_d, o)
                 elif isinstance(info, Lost):
                     combined = combines(name, args, kwargs) and not isinstance(info, Combined)
                     picked = isinstance(info, Selected) or getattr(info, "of_pick", False)
