@@ -187,6 +187,12 @@ KEEP = {
     "samples in groups, then put back": lambda x: x.view(2, 2, N, N).relu().view(N, N, N),
     "samples in groups, then flattened": lambda x: x.unflatten(0, (2, 2)).flatten(0, 1),
     "samples in groups with features, then back": lambda x: x.view(2, -1).view(N, N, N),
+    "flipped, and back by flipud": lambda x: x.flip(0).flipud(),
+    "parts put together, by keyword": lambda x: torch.cat(tensors=[x[:2], x[2:]]),
+    "parts stacked on top of each other": lambda x: torch.vstack([x[:2], x[2:]]),
+    "a pair's halves side by side, then back": lambda x: torch.stack([x[:2], x[2:]], 1).flatten(
+        0, 1
+    )[torch.tensor([0, 2, 1, 3])],
 }
 
 LOSE = {
@@ -319,6 +325,12 @@ PICKS = {  # picks of the samples, and which sample each position along their di
         lambda x: x[:, 0, 0].masked_select(torch.tensor([False, True, True, False])), [1, 2]),
     "a slice through a layer's ops": (
         lambda x: (x[2:] @ torch.ones(N, N).double() / N).relu(), [2, 3]),
+    "a flipped batch's first half": (lambda x: x.flip(0)[:2], [3, 2]),
+    "a rolled batch's second chunk": (lambda x: x.roll(1, 0).chunk(2)[1], [1, 2]),
+    "a permuted batch's first split": (lambda x: x[PERM].split(2)[0], [2, 0]),
+    "flipud, then a slice": (lambda x: x.flipud()[:2], [3, 2]),
+    "one of each group, unbound": (lambda x: x.view(2, 2, N, N).unbind(1)[1], [1, 3]),
+    "parts put together by keyword": (lambda x: torch.cat(tensors=[x[3:], x[:1]]), [3, 0]),
 }  # fmt: skip
 
 
@@ -328,8 +340,10 @@ def test_picks_say_which_samples_each_position_holds(name):
     each position along its dimension holds (the probe holds sample n's index n)."""
     op, expected = PICKS[name]
     ((out, info),) = follow(op)
-    assert type(info) is Selected and info.dim is not None, f"{name}: {info}"
-    assert list(info.picks) == expected, f"{name}: {info}"
+    assert type(info) is Selected and list(info.picks) == expected, f"{name}: {info}"
+    if len(expected) == 1:  # (one sample: in no dimension)
+        assert info.dim is None and bool((out == expected[0]).all()), f"{name}: {info}"
+        return
     front = out.movedim(info.dim, 0)
     assert [int(v) for v in front.reshape(len(front), -1)[:, 0]] == expected
     for j, n in enumerate(expected):
@@ -532,6 +546,17 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
         x.view(2, 2, N, N).relu().view(N, N, N) * x
     ).sum(),
     "each sample's features in groups": lambda x, y: x.view(2, 2, N, N).sum((2, 3)).exp().sum(),
+    "per-part losses stacked and averaged": lambda x, y: torch.stack(
+        [
+            F.cross_entropy(x[:2, :, 0], y[:2], reduction="none"),
+            F.cross_entropy(x[2:, :, 0], y[2:], reduction="none"),
+        ]
+    ).mean(),
+    "parts side by side, squared": lambda x, y: torch.cat([x[:2], x[2:]], 1).square().sum(),
+    "the worse half": lambda x, y: torch.stack(x.sum((1, 2)).chunk(2)).sum(1).amax(),
+    "a flipped batch's halves put back, with flipped labels": lambda x, y: F.cross_entropy(
+        torch.cat([x.flip(0)[:2], x.flip(0)[2:]])[:, :, 0], y.flip(0)
+    ),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
@@ -705,6 +730,37 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
         x.sum((1, 2)), torch.tensor(1)
     ),
     "a margin loss over the samples as classes": lambda x, y: F.multi_margin_loss(x[:, :, 0].T, y),
+    "a flipped batch's half against the half": lambda x, y: F.logsigmoid(
+        x.sum((1, 2)).flip(0)[:2] - x.sum((1, 2))[:2]
+    ).mean(),
+    "flipud against the batch": lambda x, y: (x.flipud() * x).sum(),
+    "a pick broadcast against the batch": lambda x, y: (x[:1].expand_as(x) * x).sum(),
+    "a pick repeated against the batch": lambda x, y: (x[:2].repeat(2, 1, 1) * x).sum(),
+    "a Kronecker product of a pick's samples": lambda x, y: (
+        torch.kron(x[:2, 0, 0], x[:2, 0, 0]).square().sum()
+    ),
+    "windows of neighbouring samples": lambda x, y: x.unfold(0, 2, 1).prod(-1).sum(),
+    "a pair's halves by unbinding the groups": lambda x, y: F.logsigmoid(
+        torch.sub(*x.sum((1, 2)).view(2, 2).unbind(1))
+    ).mean(),
+    "parts stacked on top of each other, softmaxed": lambda x, y: (
+        torch.vstack([x[:2], x[2:]]).softmax(0) * 2
+    ).sum(),
+    "samples accumulated by index_put, keywords": lambda x, y: (
+        torch.zeros(2, N, N, dtype=x.dtype)
+        .index_put(indices=(y % 2,), values=x, accumulate=True)
+        .square()
+        .sum()
+    ),
+    "each sample beside another, by keyword": lambda x, y: (
+        torch.cat(tensors=[x, x.flip(0)], dim=1).softmax(1) * 2
+    ).sum(),
+    "rows of a batched table": lambda x, y: (
+        F.embedding(torch.tensor([1, 0, 3, 2]), x[:, 0]) * x[:, 0]
+    ).sum(),
+    "a pick with rows of zeros, softmaxed": lambda x, y: (
+        torch.cat([x[:2], torch.zeros(2, N, N, dtype=x.dtype)]).softmax(0) * 2
+    ).sum(),
 }
 
 

@@ -2109,6 +2109,40 @@ def test_losses_over_picks_of_the_samples_are_exact(loss):
             torch.testing.assert_close(p.grad_batch[n], p.grad, rtol=1e-12, atol=1e-12)
 
 
+class PartsRejoined(nn.Module):
+    """Parts of the batch put back together in another order between two layers."""
+
+    def __init__(self, rejoin) -> None:
+        super().__init__()
+        self.a, self.b, self.rejoin = nn.Linear(4, 4), nn.Linear(4, 4), rejoin
+
+    def forward(self, x):
+        return self.b(self.rejoin(self.a(x).tanh()))
+
+
+@pytest.mark.parametrize(
+    "rejoin",
+    [lambda h: torch.cat([h.flip(0)[:2], h.flip(0)[2:]]),
+     lambda h: torch.cat(h.roll(1, 0).chunk(2)),
+     lambda h: torch.cat(h[torch.tensor([2, 0, 3, 1])].split(2))],
+    ids=["a-flipped-batch's-halves", "a-rolled-batch's-chunks", "a-permuted-batch's-splits"],
+)  # fmt: skip
+def test_parts_of_a_reordered_batch_put_together_are_not_taken_for_the_batch(rejoin):
+    """Picks of a reordered batch hold its samples in its order (``h.flip(0)[:2]`` holds 3
+    and 2): put back together they are the samples in another order, and the layer after them
+    is a clear error. (A first version of following picks took them at their positions, put
+    back together the batch in order: another sample's gradients, errors of 0.2 in float64,
+    the sum check passed.)"""
+    torch.manual_seed(0)
+    model = PartsRejoined(rejoin).double()
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.tensor([1, 0, 3, 2])
+    with (
+        pytest.raises(BatchError, match="samples in another order"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        F.cross_entropy(model(x), y).backward()
+
+
 class BiasEscape(nn.Module):
     """A wide layer called twice (its totals are sums, checked), its bias used again in an
     in-place op outside it; inputs in [0, 255]: the weight's gradient is thousands of times

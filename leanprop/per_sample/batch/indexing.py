@@ -187,7 +187,8 @@ def rows_at(index: Any, ids: Tensor) -> bool:
 
 def picks_by_index(name: str, index: Any, x: Tensor, bd: BatchDim, tracker: BatchTracker) -> Info:
     """Where the batch of a vector ``x`` (``[N]``, one value per sample: per-sample losses)
-    lands in ``x.gather(0, index)``, ``x.take(index)``, ``x.masked_select(mask)``: the samples
+    lands in ``x.gather(0, index)``, ``x.take(index)``, ``x.masked_select(mask)`` (and of a
+    table's rows in ``F.embedding(index, x)``): the samples
     at a batch-free 1-D ``index`` (or where ``mask`` is True) as a :class:`Selected`, so that
     two different picks meeting (a pair's halves) are told; the batch itself where that is
     every sample in order. One host synchronisation."""

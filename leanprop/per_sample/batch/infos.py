@@ -52,6 +52,12 @@ class Selected(Lost):
     picks: Any = None
     dim: int | None = None
 
+    def __post_init__(self) -> None:  # (one sample, however often: in no dimension)
+        p = self.picks
+        if isinstance(p, range | tuple) and len(set(p)) == 1:
+            object.__setattr__(self, "picks", range(p[0], p[0] + 1))
+            object.__setattr__(self, "dim", None)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Selected) and self.picks == other.picks and self.dim == other.dim
 
@@ -70,14 +76,17 @@ def as_picks(positions: Sequence[int]) -> range | tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Grouped(Lost):
-    """The batch split over dimensions ``first .. first + count - 1`` by a reshape (samples
-    in groups: ``o.view(G, N // G, ...)``): flattened row-major, they are the batch of size
-    ``N * inner`` with the sample as outer factor. Followed dimension by dimension, so that a
-    function of each group's sum or a softmax within each group is told as mixing."""
+    """The samples spread over several dimensions: split into groups by a reshape
+    (``o.view(G, N // G, ...)``), or picks of them put side by side (a pair's halves
+    ``stack([l[:k], l[k:]], 1)``). ``ids`` says which sample each position holds (row-major
+    over the dimensions ``dims``, of ``sizes``; constant along the others). Followed dimension
+    by dimension (``spread.py``), so that a function of each group's sum, or a softmax or a
+    cross-entropy within each group or pair, is told as mixing; a pick along them says
+    which samples it holds."""
 
-    first: int
-    count: int
-    inner: int = 1
+    dims: tuple[int, ...]
+    sizes: tuple[int, ...]
+    ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,23 @@ from torch import Tensor
 
 from .infos import BatchDim, Combined, Info, Lost, dims_arg, norm_dim
 
-# the tensor arguments of the matrix products, by position
-MATMUL_ARGS = {
+# the arguments of the products and of the ops placing values, by position (for the rules,
+# which read them so, where they come by keyword)
+OPERAND_NAMES = {
     "matmul": ("input", "other"), "mm": ("input", "mat2"), "bmm": ("input", "mat2"),
     "addmm": ("input", "mat1", "mat2"), "baddbmm": ("input", "batch1", "batch2"),
-    "addbmm": ("input", "batch1", "batch2"),
+    "addbmm": ("input", "batch1", "batch2"), "kron": ("input", "other"),
+    "tensordot": ("a", "b", "dims"), "index_put": ("input", "indices", "values"),
+    "put": ("input", "index", "source"),
 }  # fmt: skip
 
 
-def matmul_positional(
+def positional(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str
 ) -> tuple[Sequence[Any], int | str]:
-    """A matrix product's tensors passed by keyword, as positional ones (and ``which``, the
-    operand asked about, as its position)."""
-    names = MATMUL_ARGS[name]
+    """An op's arguments passed by keyword (:data:`OPERAND_NAMES`), as positional ones (and
+    ``which``, the operand asked about, as its position)."""
+    names = OPERAND_NAMES[name]
     full = list(args) + [kwargs.get(k) for k in names[len(args) :]]
     return full, names.index(which) if which in names else which
 

@@ -25,8 +25,9 @@ _MIXES_WHERE_LOST = frozenset({
     "layer_norm", "rms_norm", "cdist", "pdist", "cov", "corrcoef", "diff", "linalg_matrix_norm",
     "linalg_norm", "cosine_similarity", "pairwise_distance", *FFTS,
     "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", *MATRIX_FUNCTIONS,
-    # (losses over the classes, or over each sample's features, taking the samples for them)
-    *CLASS_LOSSES, *SAMPLE_LOSSES,
+    # (losses over the classes, or over each sample's features, taking the samples for them;
+    # windows of neighbouring samples: x.unfold(0, 2, 1))
+    *CLASS_LOSSES, *SAMPLE_LOSSES, "unfold",
 })  # fmt: skip
 
 

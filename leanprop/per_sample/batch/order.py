@@ -4,7 +4,6 @@ which index arguments an op reads by value (their own batch does not reach the o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +14,6 @@ from .infos import (
     PACKED,
     REORDERED,
     BatchDim,
-    Combined,
-    Grouped,
     Info,
     Lost,
     Packed,
@@ -27,7 +24,7 @@ from .infos import (
     in_order,
     norm_dim,
 )
-from .rules import RNN_OPS, VIEWS, is_packed_rnn_op, reshaped, result_dim
+from .rules import RNN_OPS, is_packed_rnn_op, reordered_dims, result_dim
 
 if TYPE_CHECKING:
     from .tracker import BatchTracker
@@ -61,7 +58,7 @@ def ordered_result(
             return info
         return Lost(rows.reason if isinstance(rows, Lost) else PACKED)
     index = _reorder_index(name, args, kwargs, which, x, info.dim)
-    if index is None and name in ("flip", "roll") and which == 0:
+    if index is None and name in _REORDERS and which == 0:
         index = _moved(name, args, kwargs, x, info.dim)
     if index is not None:  # x.index_select(batch dim, index), x[index], x.flip(batch dim)
         size = x.shape[info.dim]
@@ -75,6 +72,10 @@ def ordered_result(
             return Lost("pack_padded_sequence with its batch elsewhere than batch_first says")
         return Packed(PACKED, info.order) if k == 0 else Lost("batch sizes of a packed sequence")
     res = result_dim(name, args, kwargs, which, x, BatchDim(info.dim), out, k, n, tracker)
+    if type(res) is Selected:  # (positions along the reordered dimension: their samples)
+        if not isinstance(res.picks, range | tuple):
+            return Selected(res.reason, ("of", info.order, res.picks))
+        return Selected(res.reason, as_picks([info.order[j] for j in res.picks]), res.dim)
     if isinstance(res, BatchDim):
         if info.order == tuple(range(len(info.order))):  # (in their order: as they are)
             return res
@@ -152,13 +153,12 @@ def _index_of_batch_free(
     return at
 
 
-ORDER_OPS = {"index_select", "getitem", "_pack_padded_sequence", "flip", "roll"}
+_REORDERS = frozenset({"flip", "roll", "flipud", "fliplr"})
+ORDER_OPS = frozenset({"index_select", "getitem", "_pack_padded_sequence", *_REORDERS})
 
 
 # ops with an index argument _index_arg may find (with the packed RNN ops)
-_READS_INDEX = frozenset(
-    {"index_select", "getitem", "_pack_padded_sequence", "_pad_packed_sequence"}
-)
+_READS_INDEX = frozenset({*ORDER_OPS - _REORDERS, "_pad_packed_sequence"})
 
 
 def by_value(
@@ -179,128 +179,20 @@ def by_value(
     return batched if index is None else [b for b in batched if b[0] != index]
 
 
-def selected_result(
-    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
-    info: Selected, out: Tensor, k: int, tracker: BatchTracker,
-) -> Info:  # fmt: skip
-    """Where the picked samples of input ``x`` (``info``: which ones, in which dimension) land
-    in output ``k``, ``out``: followed as a batch of them, so that a pick of the pick says
-    which samples it holds (``o[:4][:2]`` picks what ``o[:2]`` does) and a reordering of them
-    reorders the picks (``o[:2].flip(0)`` holds samples 1 and 0). As they are where no
-    dimension holds them (``info.dim`` None), or concatenated along it (what the others
-    concatenated say: :func:`rejoined`)."""
-    picks = info.picks
-    if info.dim is None or not isinstance(picks, range | tuple) or info.dim >= x.dim():
-        return info
-    size = x.shape[info.dim]
-    if size != len(picks):
-        return info
-    index = _reorder_index(name, args, kwargs, which, x, info.dim)
-    if index is None and name in ("flip", "roll") and which == 0:
-        index = _moved(name, args, kwargs, x, info.dim)
-    if index is not None:  # (some of them, or all in another order)
-        return Selected(info.reason, as_picks([picks[j % size] for j in index.tolist()]), info.dim)
-    if name in CONCATENATIONS and concatenated_along(args, kwargs) == info.dim:
-        return info
-    r = result_dim(name, args, kwargs, which, x, BatchDim(info.dim), out, k, size, tracker)
-    if type(r) is BatchDim:
-        return Selected(info.reason, picks, r.dim if r.inner == 1 else None)
-    if type(r) is Selected:  # (a pick of the pick: positions among the picked)
-        within = r.picks if isinstance(r.picks, range | tuple) else None
-        if within is None:
-            return Selected(r.reason, ("of", picks, r.picks), None)
-        return Selected(r.reason, as_picks([picks[j] for j in within]), r.dim)
-    if type(r) is Combined:  # (a sum over some samples: x[:2].sum(0), a part's loss)
-        return Combined(r.reason, r.summed, of_pick=True)
-    return r
-
-
 def _moved(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor, dim: int
 ) -> Tensor | None:
-    """Which position of ``x`` each position along ``dim`` of ``x.flip(dim)`` or
-    ``x.roll(shifts, dim)`` holds (flipped or rolled along ``dim`` alone); else None."""
+    """Which position of ``x`` each position along ``dim`` of ``x.flip(dim)`` (``flipud``,
+    ``fliplr``) or ``x.roll(shifts, dim)`` holds (flipped or rolled along ``dim`` alone);
+    else None."""
     size = x.shape[dim]
-    d = dims_arg(args, kwargs, 1 if name == "flip" else 2, "dims")
-    dims = [] if d is None else [d] if isinstance(d, int) else list(d)
+    dims = reordered_dims(name, args, kwargs)
     if len(dims) != 1 or norm_dim(int(dims[0]), x.dim()) != dim:
         return None
-    if name == "flip":
+    if name != "roll":
         return torch.arange(size - 1, -1, -1)
     shifts = dims_arg(args, kwargs, 1, "shifts")
     shift = shifts[0] if isinstance(shifts, list | tuple) and len(shifts) == 1 else shifts
     if not isinstance(shift, int):
         return None
     return (torch.arange(size) - shift) % size
-
-
-def rejoined(
-    name: str, args: Sequence[Any], kwargs: dict[str, Any],
-    batched: list[tuple[int | str, Tensor, Info]], n: int,
-) -> Info | None:  # fmt: skip
-    """``cat([x[:2], x[2:]])``: picks of the samples concatenated along their dimension,
-    every part one (``batched``: the op's batched operands), are the samples they hold, in
-    order: the batch itself where they are all of it, in order (``n`` samples). None for any
-    other call."""
-    parts = args[0] if args and isinstance(args[0], list | tuple) else None
-    if name not in CONCATENATIONS or not parts or len(batched) != len(parts):
-        return None
-    infos = [info for _, _, info in batched]
-    first = infos[0]
-    if not all(
-        isinstance(i, Selected) and isinstance(i.picks, range | tuple) and i.dim is not None
-        for i in infos
-    ) or any(t is not p for (_, t, _), p in zip(batched, parts, strict=True)):
-        return None
-    d = concatenated_along(args, kwargs)
-    if any(i.dim != d for i in infos):
-        return None
-    picks = [p for i in infos for p in i.picks]
-    if picks == list(range(n)):
-        return BatchDim(d)
-    return Selected(first.reason, as_picks(picks), d)
-
-
-CONCATENATIONS = frozenset({"cat", "concat", "concatenate"})
-
-
-def concatenated_along(args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
-    """The dimension ``cat(tensors, dim)`` concatenates along (as a dimension of the first of
-    its tensors, counted from 0); None where leanprop cannot read it."""
-    parts = args[0] if args and isinstance(args[0], list | tuple) else kwargs.get("tensors")
-    if not parts or not isinstance(parts[0], Tensor):
-        return None
-    return norm_dim(int(dims_arg(args, kwargs, 1, "dim", "axis") or 0), parts[0].dim())
-
-
-def grouped_result(
-    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
-    info: Grouped, out: Tensor, k: int, tracker: BatchTracker,
-) -> tuple[Info, list[tuple[BatchDim, Info]]]:  # fmt: skip
-    """Where the samples of input ``x``, split over several dimensions (``info``), land in
-    output ``k``, ``out``; and what became of each of those dimensions (each followed as if
-    it held the samples: a reduction over one sums within the groups, a softmax along one
-    mixes them), for the mixing rules. A reshape that puts them back together gives the
-    batch again."""
-    dims = range(info.first, info.first + info.count)
-    sizes = [x.shape[d] for d in dims]
-    n = math.prod(sizes) // info.inner
-    if name in VIEWS:  # (as the batch they make, flattened)
-        merged = [*x.shape[: info.first], n * info.inner, *x.shape[info.first + info.count :]]
-        return reshaped(merged, BatchDim(info.first, info.inner), n, out.shape), []
-    each = []
-    for d, size in zip(dims, sizes, strict=True):
-        last = d == dims[-1]
-        bd = BatchDim(d, info.inner if last else 1)
-        m = size // info.inner if last else size
-        each.append((bd, result_dim(name, args, kwargs, which, x, bd, out, k, m, tracker)))
-    results = [r for _, r in each]
-    if all(type(r) is BatchDim for r in results):
-        new = [r.dim for r in results]
-        if new == list(range(new[0], new[0] + info.count)) and results[-1].inner == info.inner:
-            return Grouped(info.reason, new[0], info.count, info.inner), each
-        return Lost(info.reason), each
-    summed = [r for r in results if type(r) is Combined]
-    if summed:  # (within the groups, or over all of them)
-        return Combined(f"'{name}' over samples in groups ({summed[0].reason})"), each
-    return next((r for r in results if type(r) is Lost), Lost(info.reason)), each

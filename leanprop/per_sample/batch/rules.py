@@ -16,12 +16,12 @@ from torch import Tensor
 from .indexing import index_result, picks_by_index, picks_of, rows_at
 from .infos import BatchDim, Combined, Grouped, Info, Lost, Selected, dims_arg, norm_dim
 from .matrices import (
-    MATMUL_ARGS,
+    OPERAND_NAMES,
     RARE,
     einsum_result,
     kron_result,
-    matmul_positional,
     matmul_result,
+    positional,
     rare_result,
     tensordot_result,
 )
@@ -64,7 +64,21 @@ _ARITH = {"add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "and", "o
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view"}
 
 
-# ops that take some positions along a dimension; those with a dimension of their own
+# ops that reverse or rotate positions along the dimensions they name
+REORDERING = frozenset({"flip", "roll", "flipud", "fliplr", "rot90"})
+
+
+def reordered_dims(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
+    """The dimensions ``flip``, ``roll`` (all of them: ``[]``), ``flipud``, ``fliplr`` and
+    ``rot90`` reorder."""
+    if name in ("flipud", "fliplr"):
+        return [0 if name == "flipud" else 1]
+    d = dims_arg(args, kwargs, {"flip": 1, "roll": 2, "rot90": 2}[name], "dims")
+    d = [0, 1] if d is None and name == "rot90" else d
+    return [] if d is None else [d] if isinstance(d, int) else list(d)
+
+
+# ops that take some positions along a dimension (vsplit, hsplit, dsplit: along a fixed one)
 _PICKS = frozenset({
     "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
     "vsplit", "hsplit", "dsplit",
@@ -145,7 +159,7 @@ FACTORIES = {
 }  # fmt: skip
 
 
-def reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[int]) -> Info:
+def _reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[int]) -> Info:
     """Where the batch lands when ``in_shape`` is viewed as ``out_shape`` (row-major)."""
     prefix = math.prod(in_shape[: bd.dim])
     acc = 1
@@ -161,6 +175,7 @@ def reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[
 
 
 SPLIT = "a reshape split the batch dimension"
+_MAX_IDS = 1 << 16  # (samples spread over more positions than that: not followed)
 
 
 def _grouped(block: int, n: int, out_shape: Sequence[int], e: int) -> Info:
@@ -172,8 +187,9 @@ def _grouped(block: int, n: int, out_shape: Sequence[int], e: int) -> Info:
         if block % rest or math.prod(out_shape[e : e + c]) != n * (block // rest):
             continue
         inner = block // rest
-        if out_shape[e + c - 1] % inner == 0 and inner <= out_shape[e + c - 1]:
-            return Grouped(SPLIT, e, c, inner)
+        if out_shape[e + c - 1] % inner == 0 and n * inner <= _MAX_IDS:
+            ids = tuple(p // inner for p in range(n * inner))  # (positions row-major)
+            return Grouped(SPLIT, tuple(range(e, e + c)), tuple(out_shape[e : e + c]), ids)
         break
     return Lost(SPLIT)
 
@@ -220,8 +236,8 @@ def result_dim(
     ``which`` is the position of ``x`` in ``args`` (also for an element of a list argument), or
     its keyword."""
     nd, od = x.dim(), out.dim()
-    if name in MATMUL_ARGS and kwargs:  # (HF Bloom: alibi.baddbmm(batch1=q, batch2=k, ...))
-        args, which = matmul_positional(name, args, kwargs, which)
+    if name in OPERAND_NAMES and kwargs:  # (HF Bloom: alibi.baddbmm(batch1=q, batch2=k, ...))
+        args, which = positional(name, args, kwargs, which)
     if name == "scaled_dot_product_attention":  # q, k, v, attn_mask [N, ..., L, S]
         if bd.dim >= nd - 2:
             return Lost("attention over the batch dimension")
@@ -252,6 +268,10 @@ def result_dim(
             return Lost("a linear layer sums over the batch dimension")
         if name == "embedding_bag" and nd == 1:
             return Lost("embedding_bag with offsets")
+        if name == "embedding" and which == 1 and bd.dim == 0:  # (rows of a batched table)
+            return picks_by_index(name, args[0], x, bd, tracker)
+        if name == "embedding" and which == 1:  # (its columns: the rows' last dimension)
+            return BatchDim(od - 1, bd.inner)
         return bd
     rare = rare_result(name, args, kwargs, which, bd, nd, od) if name in RARE else None
     if rare is not None:  # (functions of matrices, distances, spectra, norms of matrices)
@@ -269,7 +289,7 @@ def result_dim(
             return Lost(f"{name} on samples flattened with another dimension")
         return bd
     if name in VIEWS:
-        return reshaped(x.shape, bd, n, out.shape)
+        return _reshaped(x.shape, bd, n, out.shape)
     if name in ("transpose", "swapaxes", "swapdims"):
         d0, d1 = (norm_dim(int(d), nd) for d in (args[1], args[2]))
         return BatchDim({d0: d1, d1: d0}.get(bd.dim, bd.dim), bd.inner)
@@ -389,9 +409,8 @@ def result_dim(
         if d is None or norm_dim(int(d), nd) == bd.dim:
             return Lost(f"{name} along the batch dimension mixes samples")
         return bd
-    if name in ("flip", "roll"):
-        d = dims_arg(args, kwargs, 1 if name == "flip" else 2, "dims")
-        dims = [] if d is None else [d] if isinstance(d, int) else list(d)
+    if name in REORDERING:
+        dims = reordered_dims(name, args, kwargs)
         if not dims or any(norm_dim(k, nd) == bd.dim for k in dims):
             return Lost(f"{name} along the batch dimension mixes samples")
         return bd
@@ -435,7 +454,7 @@ def result_dim(
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
     if name in ("take", "masked_select") and which == 0 and nd == 1:  # (losses [N] picked)
         return picks_by_index(name, dims_arg(args, kwargs, 1, "index", "mask"), x, bd, tracker)
-    if name in ("index_put", "put") and which in (2, "values", "source"):
+    if name in ("index_put", "put") and which == 2:
         # (x, indices, values, accumulate): the values put in x's places, or added into them
         if dims_arg(args, kwargs, 3, "accumulate"):
             return Combined(f"{name} with accumulate=True adds samples together")

@@ -37,16 +37,7 @@ from .mixing import (
     mixing_by_joining,
     reads_summed,
 )
-from .order import (
-    CONCATENATIONS,
-    ORDER_OPS,
-    by_value,
-    concatenated_along,
-    grouped_result,
-    ordered_result,
-    rejoined,
-    selected_result,
-)
+from .order import ORDER_OPS, by_value, ordered_result
 from .rules import (
     CONCATENATED,
     CURVED_ELEMENTWISE,
@@ -57,6 +48,7 @@ from .rules import (
     op_name,
     result_dim,
 )
+from .spread import JOINS, grouped_result, joined, read, selected_result
 
 
 class _ByTensor:
@@ -353,6 +345,9 @@ class BatchTracker:
         outs = _tensor_outputs(out)
         if not outs:
             return
+        if "tensors" in kwargs and name in JOINS:  # (torch.cat(tensors=[...], dim=1))
+            args = (kwargs["tensors"], *args)
+            kwargs = {k: v for k, v in kwargs.items() if k != "tensors"}
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
         detached = False  # (a derived input is a reentrant checkpoint's detached copy)
@@ -433,9 +428,10 @@ class BatchTracker:
                     if info is not None:  # (a list's j-th tensor counts as argument i + j)
                         batched.append((i + j, t, info))
         for key, v in kwargs.items():
-            for t in v if isinstance(v, list | tuple) else (v,):
-                if isinstance(t, Tensor) and (id(t) in derived or id(t) in params):
-                    return None
+            if isinstance(v, list | tuple) and any(isinstance(t, Tensor) for t in v):
+                return None  # (torch.cat(tensors=[...]): the careful way reads them)
+            if isinstance(v, Tensor) and (id(v) in derived or id(v) in params):
+                return None
             if isinstance(v, Tensor) and id(v) in info_ids:
                 info = self._info.get(v)
                 if info is not None:
@@ -468,15 +464,19 @@ class BatchTracker:
         """Where the batch of the operands ``batched`` (position or keyword, tensor, info)
         went in each of the op's tensor outputs ``outs``: recorded."""
         n = self.n if self.n is not None else 0
-        # (the batch's parts put back together: cat([o[:2], o[2:]]) holds them, in order)
-        parts = rejoined(name, args, kwargs, batched, n) if name in CONCATENATIONS else None
+        # (picks put together: cat([o[:2], o[2:]]) holds the batch again, in order; a pair's
+        # halves side by side, stack([l[:k], l[k:]], 1), its samples over two dimensions)
+        parts = None
+        if name in JOINS and any(type(info) in (Selected, Grouped) for _, _, info in batched):
+            ids = joined(name, args, kwargs, batched)
+            parts = read(ids, REJOINED, n) if ids is not None else None
         for k, o in enumerate(outs):
             results, constants = set(), None  # (constants: batch statistics without grad)
             held = set()  # (what became of the operands that require grad: held differently,
             # their samples meet; and why the output mixes them: an operand's history first)
             mixing = self._mixed_before(batched) if self._mixed else None
-            # (joined: an operand that requires grad concatenated with others along the batch)
-            joined = False
+            # (an operand that requires grad concatenated with others along the batch)
+            joined_rows = False
             for i, t, info in () if parts is not None else batched:
                 if name in ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
                     info = Reordered(REORDERED, info.dim, tuple(range(t.shape[info.dim])))
@@ -487,11 +487,14 @@ class BatchTracker:
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
                 elif type(info) is Selected and info.dim is not None:  # (as a batch of them)
                     try:
-                        r = selected_result(name, args, kwargs, i, t, info, o, k, self)
+                        r, raw = selected_result(name, args, kwargs, i, t, info, o, k, self)
                     except (IndexError, TypeError, ValueError, KeyError):
-                        r = Lost(f"'{name}' with arguments leanprop cannot read")
-                    if t.requires_grad and type(r) is not Selected:
-                        mixing = mixing or mixes_itself(name, i, BatchDim(info.dim), r, o)
+                        r, raw = Lost(f"'{name}' with arguments leanprop cannot read"), None
+                    if t.requires_grad and raw is not None and type(raw) is not BatchDim:
+                        mixing = mixing or mixes_itself(name, i, BatchDim(info.dim), raw, o)
+                        joined_rows = joined_rows or (
+                            type(raw) is Lost and raw.reason == CONCATENATED
+                        )
                 elif type(info) is Grouped:  # (dimension by dimension)
                     try:
                         r, each = grouped_result(name, args, kwargs, i, t, info, o, k, self)
@@ -519,7 +522,7 @@ class BatchTracker:
                         r = Lost(f"'{name}' with arguments leanprop cannot read")
                     if t.requires_grad and type(r) is not BatchDim:
                         mixing = mixing or mixes_itself(name, i, info, r, o)
-                        joined = joined or (type(r) is Lost and r.reason == CONCATENATED)
+                        joined_rows = joined_rows or (type(r) is Lost and r.reason == CONCATENATED)
                 if type(r) is Combined and not t.requires_grad and o.requires_grad:
                     constants = {r}  # (o - o.mean(0).detach(): still each sample's values)
                 else:
@@ -532,23 +535,15 @@ class BatchTracker:
                 name in SIDE_BY_SIDE
                 and len(results) > 1
                 and all(type(r) is Selected for r in results)
-            ):  # (cat([o[:k], o[k:]]): each value still one sample's, in no known place; but
-                # stack([o[:k], o[k:]], 1): different samples' values side by side)
-                d = concatenated_along(args, kwargs) if name in CONCATENATIONS else -1
-                if all(r.dim in (None, d) for r in results):
-                    results = {Lost(REJOINED)}
-                elif o.requires_grad and sum(t.requires_grad for _, t, _ in batched) > 1:
-                    mixing = mixing or (
-                        f"'{name}' puts the values of different samples side by side (picks of "
-                        "them: a pair's halves)"
-                    )
+            ):  # (cat([o[:k], o[k:]]): each value still one sample's, in no known place)
+                results = {Lost(REJOINED)}
             res = results.pop() if len(results) == 1 else merge_infos(results)
             self._info[o] = res
             if o.requires_grad:
                 # (one operand mixes nothing by meeting: only an op of its own or its history)
                 if mixing is None and len(batched) > 1:
                     mixing = mixing_by_joining(name, batched, res, held)
-                if mixing is None and joined:  # (SimCLR's cat([z1, z2]), then z @ z.T)
+                if mixing is None and joined_rows:  # (SimCLR's cat([z1, z2]), then z @ z.T)
                     mixing = (
                         "rows of the batch concatenated with other rows along it: what "
                         "follows would take them for samples of one batch"

@@ -1,0 +1,218 @@
+"""Samples spread over a tensor's positions other than as one batch dimension: picks of them
+(:class:`Selected`) and samples over several dimensions (:class:`Grouped`).
+
+Ops that only move values (indexing, transposes, flips, views, concatenation) are replayed on
+a small integer tensor holding each position's sample (:func:`ids_of`): what it holds after
+the op says exactly which sample each position of the output holds (:func:`read`), so that a
+pick of a pick, a reordered pick, and parts put back together say which samples they hold.
+Any other op on samples spread over several dimensions is followed dimension by dimension
+(:func:`grouped_result`): each taken for the batch, so that a reduction over one of them, or a
+softmax along one, is told as summing or mixing the samples there."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .infos import (
+    REORDERED,
+    BatchDim,
+    Combined,
+    Grouped,
+    Info,
+    Lost,
+    Reordered,
+    Selected,
+    as_picks,
+)
+from .mixing import holds_samples
+from .rules import VIEWS, result_dim
+
+if TYPE_CHECKING:
+    from .tracker import BatchTracker
+
+# ops that only move (or repeat) values: replayed on the samples' ids
+MOVES = frozenset({
+    "getitem", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind",
+    "tensor_split", "vsplit", "hsplit", "dsplit", "index_select", "transpose", "swapaxes",
+    "swapdims", "permute", "movedim", "moveaxis", "t", "T", "mT", "flip", "fliplr", "flipud",
+    "roll", "rot90", "unsqueeze", "squeeze", "expand", "expand_as", "repeat", "tile",
+    "contiguous", "clone", "diagonal", *VIEWS,
+})  # fmt: skip
+# ops that put their operands together (replayed on each operand's ids)
+JOINS = frozenset({
+    "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack",
+    "row_stack",
+})  # fmt: skip
+_PROPERTIES = frozenset({"T", "mT"})
+
+_MAX_IDS = 1 << 16  # (an op's output with more positions: not replayed)
+SPREAD = "samples spread over several dimensions"
+
+
+def ids_of(x: Tensor, info: Info) -> Tensor | None:
+    """Which sample each position of ``x`` holds (an integer tensor of ``x``'s shape, a view
+    of a small one), for a batch at :class:`BatchDim`, a :class:`Selected` pick in a
+    dimension or of one sample, or :class:`Grouped` samples; None for any other, or too many
+    positions."""
+    if isinstance(info, BatchDim):
+        n = x.shape[info.dim] // max(info.inner, 1)
+        table, dims = torch.arange(n).repeat_interleave(info.inner), (info.dim,)
+    elif type(info) is Selected and isinstance(info.picks, range) and len(info.picks) == 1:
+        return torch.tensor(info.picks[0], device=x.device).expand(x.shape)
+    elif type(info) is Selected and info.dim is not None and isinstance(info.picks, range | tuple):
+        table, dims = torch.tensor(list(info.picks), dtype=torch.long), (info.dim,)
+    elif type(info) is Grouped:
+        table, dims = torch.tensor(info.ids, dtype=torch.long).view(info.sizes), info.dims
+    else:
+        return None
+    if x.numel() > _MAX_IDS or any(d >= x.dim() for d in dims):
+        return None
+    if tuple(x.shape[d] for d in dims) != tuple(table.shape):
+        return None
+    order = sorted(range(len(dims)), key=lambda a: dims[a])  # (table axes as x's dims go)
+    shape = [1] * x.dim()
+    for a in order:
+        shape[dims[a]] = table.shape[a]
+    return table.permute(order).reshape(shape).expand(x.shape).to(x.device)
+
+
+def replay(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, ids: Tensor,
+    out: Tensor, k: int,
+) -> Tensor | None:  # fmt: skip
+    """Output ``k`` (``out``) of the moving op ``name`` run on ``ids`` in place of its operand
+    ``which`` (the first); None where it cannot be (another operand, arguments it does not
+    take as they are)."""
+    if which != 0 or name not in MOVES:
+        return None
+    try:
+        if name == "getitem":
+            moved = ids[args[1]]
+        elif name in _PROPERTIES:
+            moved = getattr(ids, name)
+        else:
+            moved = getattr(ids, name)(*args[1:], **kwargs)
+    except (TypeError, ValueError, IndexError, RuntimeError):
+        return None
+    if isinstance(moved, list | tuple):  # (split, unbind: one output each)
+        moved = moved[k] if k < len(moved) else None
+    if not isinstance(moved, Tensor) or tuple(moved.shape) != tuple(out.shape):
+        return None
+    return moved
+
+
+def joined(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any],
+    batched: list[tuple[int | str, Tensor, Info]],
+) -> Tensor | None:  # fmt: skip
+    """``cat``, ``stack`` and the like replayed on their operands' ids, where every operand is
+    a batched one whose samples' positions are known (``batched``); else None."""
+    parts = args[0] if args and isinstance(args[0], list | tuple) else None
+    if name not in JOINS or not parts or len(batched) != len(parts):
+        return None
+    ids = []
+    for (_, t, info), p in zip(batched, parts, strict=True):
+        held = ids_of(t, info) if t is p else None
+        if held is None:
+            return None
+        ids.append(held)
+    try:
+        return getattr(torch, name)(ids, *args[1:], **kwargs)
+    except (TypeError, ValueError, IndexError, RuntimeError):
+        return None
+
+
+def read(ids: Tensor, reason: str, n: int) -> Info:
+    """Where the samples are, from which one each position holds (``ids``; ``n`` samples in
+    the batch): the batch where one dimension holds all of them in order (each ``inner``
+    times), :class:`Reordered` where in another order, :class:`Selected` where some of them;
+    :class:`Grouped` over several dimensions."""
+    varying = []
+    for e in range(ids.dim()):
+        if ids.shape[e] > 1 and not bool((ids == ids.narrow(e, 0, 1)).all()):
+            varying.append(e)
+    index = tuple(slice(None) if e in varying else 0 for e in range(ids.dim()))
+    table = ids[index] if ids.dim() else ids
+    if len(varying) > 1:
+        sizes = tuple(table.shape)
+        return Grouped(SPREAD, tuple(varying), sizes, tuple(table.reshape(-1).tolist()))
+    picks = table.reshape(-1).tolist()
+    if not varying:
+        return Selected(reason, as_picks(picks[:1]))
+    e, size = varying[0], len(picks)
+    inner = size // n if n and size % n == 0 else 0
+    if inner and picks == [p // inner for p in range(size)]:
+        return BatchDim(e, inner)
+    if inner == 1 and sorted(picks) == list(range(n)):
+        return Reordered(REORDERED, e, tuple(picks))
+    return Selected(reason, as_picks(picks), e)
+
+
+def grouped_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
+    info: Grouped, out: Tensor, k: int, tracker: BatchTracker,
+) -> tuple[Info, list[tuple[BatchDim, Info]]]:  # fmt: skip
+    """Where the samples of input ``x``, spread over several dimensions (``info``), land in
+    output ``k``, ``out``; and what became of each of those dimensions, each followed as if
+    it held the samples (for the mixing rules: a reduction over one sums within the groups,
+    a softmax along one mixes them). A moving op is replayed on the samples' ids."""
+    ids = ids_of(x, info)
+    moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
+    if moved is not None:
+        return read(moved, info.reason, tracker.n or 0), []
+    each = []
+    for d, size in zip(info.dims, info.sizes, strict=True):
+        bd = BatchDim(d)
+        each.append((bd, result_dim(name, args, kwargs, which, x, bd, out, k, size, tracker)))
+    results = [r for _, r in each]
+    if all(type(r) is BatchDim for r in results):
+        dims = tuple(r.dim for r in results)
+        kept = all(out.shape[e] == s for e, s in zip(dims, info.sizes, strict=True))
+        if len(set(dims)) == len(dims) and kept:
+            return Grouped(info.reason, dims, info.sizes, info.ids), each
+    summed = [r for r in results if type(r) is Combined]
+    if summed:  # (within the groups, or over all of them)
+        return Combined(f"'{name}' over {info.reason} ({summed[0].reason})"), each
+    return Lost(SPREAD_LOST), each
+
+
+# (held samples that no longer say where they are: meeting others is told as mixing)
+SPREAD_LOST = (
+    "an op leanprop does not follow on samples spread over several dimensions (may reorder samples)"
+)
+
+
+def selected_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
+    info: Selected, out: Tensor, k: int, tracker: BatchTracker,
+) -> tuple[Info, Info | None]:  # fmt: skip
+    """Where the picked samples of input ``x`` (``info``: which ones, in dimension
+    ``info.dim``) land in output ``k``, ``out``: a moving op replayed on their ids (a pick of
+    the pick, a reordering of it, a view); any other op followed as on a batch of them. Also
+    what that op does to such a batch (for the mixing rules; None for a moving op). A pick
+    whose dimension an op loses stays the pick it is, in no dimension."""
+    ids = ids_of(x, info)
+    if ids is None:  # (the pick's dimension is not its size: cat([o[:2], zeros]))
+        return Selected(info.reason, info.picks), None
+    moved = replay(name, args, kwargs, which, ids, out, k)
+    if moved is not None:
+        return read(moved, info.reason, tracker.n or 0), None
+    bd, size = BatchDim(info.dim), x.shape[info.dim]
+    r = result_dim(name, args, kwargs, which, x, bd, out, k, size, tracker)
+    picks = info.picks
+    if type(r) is BatchDim:
+        return Selected(info.reason, picks, r.dim if r.inner == 1 else None), r
+    if type(r) is Selected:  # (positions among the picked: x[:2].gather(0, ...))
+        within = r.picks if isinstance(r.picks, range | tuple) else None
+        if within is None:
+            return Selected(r.reason, ("of", picks, r.picks)), r
+        return Selected(r.reason, as_picks([picks[j] for j in within]), r.dim), r
+    if type(r) is Combined:  # (a sum over some samples: x[:2].sum(0), a part's loss)
+        return Combined(r.reason, r.summed, of_pick=True), r
+    if holds_samples(r):  # (moved so that meeting others says they mix: kron(s, s))
+        return r, r
+    return Selected(info.reason, picks), r
