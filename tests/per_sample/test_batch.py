@@ -557,6 +557,9 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     "a flipped batch's halves put back, with flipped labels": lambda x, y: F.cross_entropy(
         torch.cat([x.flip(0)[:2], x.flip(0)[2:]])[:, :, 0], y.flip(0)
     ),
+    "samples flattened with time, the same parts by narrow and a slice": lambda x, y: (
+        x.flatten(0, 1).narrow(0, 0, 2 * N) * x.flatten(0, 1)[: 2 * N]
+    ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
@@ -760,6 +763,9 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     ).sum(),
     "a pick with rows of zeros, softmaxed": lambda x, y: (
         torch.cat([x[:2], torch.zeros(2, N, N, dtype=x.dtype)]).softmax(0) * 2
+    ).sum(),
+    "parts of samples flattened with time, by narrow": lambda x, y: (
+        x.flatten(0, 1).narrow(0, 0, 2 * N) * x.flatten(0, 1).narrow(0, 2 * N, 2 * N)
     ).sum(),
 }
 

@@ -333,8 +333,9 @@ def result_dim(
         if d == bd.dim and name not in ("select", "unbind") and x.shape[d] == out.shape[d]:
             return bd  # (all of them, in order: x.narrow(0, 0, N), x.split(N))
         if d == bd.dim:
-            length = 1 if kept is None else out.shape[d]
+            length = 1 if name in ("select", "unbind") else out.shape[d]
             picks = picks_of(name, args, kwargs, x.shape[d], length, k)
+            kept = kept if isinstance(picks, range) else None  # (positions it computed)
             return Selected(f"{name} along the batch dimension", picks, kept)
         if name in ("select", "unbind"):
             return BatchDim(bd.dim - (d < bd.dim), bd.inner)

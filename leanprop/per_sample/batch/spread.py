@@ -11,6 +11,7 @@ softmax along one, is told as summing or mixing the samples there."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,8 @@ from .infos import (
     Reordered,
     Selected,
     as_picks,
+    dims_arg,
+    norm_dim,
 )
 from .mixing import holds_samples
 from .rules import VIEWS, result_dim
@@ -48,36 +51,40 @@ JOINS = frozenset({
     "row_stack",
 })  # fmt: skip
 _PROPERTIES = frozenset({"T", "mT"})
+_ALONG_ONE = frozenset({"cat", "concat", "concatenate", "stack"})
 
 _MAX_IDS = 1 << 16  # (an op's output with more positions: not replayed)
 SPREAD = "samples spread over several dimensions"
 
 
-def ids_of(x: Tensor, info: Info) -> Tensor | None:
+def ids_of(x: Tensor, info: Info, keep: Sequence[int] | None = None) -> Tensor | None:
     """Which sample each position of ``x`` holds (an integer tensor of ``x``'s shape, a view
     of a small one), for a batch at :class:`BatchDim`, a :class:`Selected` pick in a
     dimension or of one sample, or :class:`Grouped` samples; None for any other, or too many
-    positions."""
+    positions. With ``keep``: of size 1 along the other dimensions than those and the
+    samples' (for ops that act along those alone: a concatenation)."""
     if isinstance(info, BatchDim):
         n = x.shape[info.dim] // max(info.inner, 1)
         table, dims = torch.arange(n).repeat_interleave(info.inner), (info.dim,)
     elif type(info) is Selected and isinstance(info.picks, range) and len(info.picks) == 1:
-        return torch.tensor(info.picks[0], device=x.device).expand(x.shape)
+        table, dims = torch.tensor(info.picks[0]), ()
     elif type(info) is Selected and info.dim is not None and isinstance(info.picks, range | tuple):
         table, dims = torch.tensor(list(info.picks), dtype=torch.long), (info.dim,)
     elif type(info) is Grouped:
         table, dims = torch.tensor(info.ids, dtype=torch.long).view(info.sizes), info.dims
     else:
         return None
-    if x.numel() > _MAX_IDS or any(d >= x.dim() for d in dims):
+    if any(d >= x.dim() for d in dims) or tuple(x.shape[d] for d in dims) != table.shape:
         return None
-    if tuple(x.shape[d] for d in dims) != tuple(table.shape):
+    kept = range(x.dim()) if keep is None else {*keep, *dims}
+    size = [x.shape[e] if e in kept else 1 for e in range(x.dim())]
+    if math.prod(size) > _MAX_IDS:
         return None
     order = sorted(range(len(dims)), key=lambda a: dims[a])  # (table axes as x's dims go)
     shape = [1] * x.dim()
     for a in order:
         shape[dims[a]] = table.shape[a]
-    return table.permute(order).reshape(shape).expand(x.shape).to(x.device)
+    return table.permute(order).reshape(shape).expand(size).to(x.device)
 
 
 def replay(
@@ -114,9 +121,14 @@ def joined(
     parts = args[0] if args and isinstance(args[0], list | tuple) else None
     if name not in JOINS or not parts or len(batched) != len(parts):
         return None
+    keep = None  # (cat and stack act along one dimension: the others' size needs no ids)
+    if name in _ALONG_ONE:
+        d = norm_dim(int(dims_arg(args, kwargs, 1, "dim", "axis") or 0), parts[0].dim())
+        held_at = [_sample_dims(info) for _, _, info in batched]
+        keep = [*([d] if name != "stack" else []), *(e for dims in held_at for e in dims)]
     ids = []
     for (_, t, info), p in zip(batched, parts, strict=True):
-        held = ids_of(t, info) if t is p else None
+        held = ids_of(t, info, keep) if t is p else None
         if held is None:
             return None
         ids.append(held)
@@ -124,6 +136,15 @@ def joined(
         return getattr(torch, name)(ids, *args[1:], **kwargs)
     except (TypeError, ValueError, IndexError, RuntimeError):
         return None
+
+
+def _sample_dims(info: Info) -> tuple[int, ...]:
+    """The dimensions that hold the samples (as :func:`ids_of` lays them out)."""
+    if isinstance(info, BatchDim):
+        return (info.dim,)
+    if type(info) is Selected and info.dim is not None:
+        return (info.dim,)
+    return info.dims if type(info) is Grouped else ()
 
 
 def read(ids: Tensor, reason: str, n: int) -> Info:
@@ -160,7 +181,7 @@ def grouped_result(
     output ``k``, ``out``; and what became of each of those dimensions, each followed as if
     it held the samples (for the mixing rules: a reduction over one sums within the groups,
     a softmax along one mixes them). A moving op is replayed on the samples' ids."""
-    ids = ids_of(x, info)
+    ids = ids_of(x, info) if name in MOVES else None
     moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
     if moved is not None:
         return read(moved, info.reason, tracker.n or 0), []
@@ -195,15 +216,15 @@ def selected_result(
     the pick, a reordering of it, a view); any other op followed as on a batch of them. Also
     what that op does to such a batch (for the mixing rules; None for a moving op). A pick
     whose dimension an op loses stays the pick it is, in no dimension."""
-    ids = ids_of(x, info)
-    if ids is None:  # (the pick's dimension is not its size: cat([o[:2], zeros]))
-        return Selected(info.reason, info.picks), None
-    moved = replay(name, args, kwargs, which, ids, out, k)
+    picks = info.picks
+    if info.dim >= x.dim() or x.shape[info.dim] != len(picks):
+        return Selected(info.reason, picks), None  # (not its size there: cat([o[:2], zeros]))
+    ids = ids_of(x, info) if name in MOVES else None
+    moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
     if moved is not None:
         return read(moved, info.reason, tracker.n or 0), None
     bd, size = BatchDim(info.dim), x.shape[info.dim]
     r = result_dim(name, args, kwargs, which, x, bd, out, k, size, tracker)
-    picks = info.picks
     if type(r) is BatchDim:
         return Selected(info.reason, picks, r.dim if r.inner == 1 else None), r
     if type(r) is Selected:  # (positions among the picked: x[:2].gather(0, ...))
