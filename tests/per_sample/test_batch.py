@@ -560,6 +560,12 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     "samples flattened with time, the same parts by narrow and a slice": lambda x, y: (
         x.flatten(0, 1).narrow(0, 0, 2 * N) * x.flatten(0, 1)[: 2 * N]
     ).sum(),
+    "positions of one sample stacked, softmaxed": lambda x, y: (
+        torch.stack([x.flatten(0, 1)[0], x.flatten(0, 1)[1]]).softmax(0) * 2
+    ).sum(),
+    "the maximum within each group, squared": lambda x, y: (
+        x.view(2, 2, N, N).amax(1).square().sum()
+    ),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
@@ -767,7 +773,64 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     "parts of samples flattened with time, by narrow": lambda x, y: (
         x.flatten(0, 1).narrow(0, 0, 2 * N) * x.flatten(0, 1).narrow(0, 2 * N, 2 * N)
     ).sum(),
+    "a flipped batch softmaxed over it": lambda x, y: (x.flip(0).softmax(0) * 2).sum(),
+    "a flipped batch taken for the classes": lambda x, y: F.cross_entropy(x[:, :, 0].flip(0).T, y),
+    "a permuted batch's standard deviation": lambda x, y: x[PERM].std(0).sum(),
+    "samples put in other places, softmaxed": lambda x, y: (
+        torch.zeros(N, N, N, dtype=x.dtype).index_put((PERM,), x).softmax(0) * 2
+    ).sum(),
+    "a Kronecker tiling of the samples, softmaxed": lambda x, y: (
+        torch.kron(torch.ones(2, 1, 1, dtype=x.dtype), x).softmax(0) * 2
+    ).sum(),
+    "a position of samples flattened with time, against another sample": lambda x, y: (
+        x.flatten(0, 1)[2] * x[2, 0]
+    ).sum(),
+    "positions of one sample stacked, against other samples": lambda x, y: (
+        torch.stack([x.flatten(0, 1)[4], x.flatten(0, 1)[5]]) * x[2:, 0]
+    ).sum(),
 }
+
+
+LARGE_LOSSES = {  # (loss, mixes): on inputs too large to replay moves on whole
+    "groups put back, met with the batch": (
+        lambda x: (x.view(2, 2, *x.shape[1:]).relu().view(x.shape) * x).sum(), False),
+    "halves stacked, viewed back in order": (
+        lambda x: (torch.stack([x[:2], x[2:]]).view(x.shape) * x).sum(), False),
+    "a part reordered, with its labels": (
+        lambda x: F.cross_entropy(x[:3, 0].flip(0), torch.tensor([1, 0, 0]).flip(0)), False),
+    "a part reordered, softmaxed over it": (lambda x: (x[:3].flip(0).softmax(0) * 2).sum(), True),
+    "halves side by side, a softmax over each pair": (
+        lambda x: (torch.stack([x[:2], x[2:]], 1).softmax(1) * 2).sum(), True),
+    "halves against each other": (lambda x: (x.flip(0)[:2] * x[:2]).sum(), True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(LARGE_LOSSES))
+def test_large_inputs_are_followed_as_small_ones(name):
+    """Moves are replayed on the samples' ids, which hold a position per element: on large
+    inputs they hold none along the dimensions without samples (or a view goes by the
+    dimensions), and each loss is told as on small ones. At T = 16384, two of these
+    per-sample losses were refused and a mixing one ran."""
+    op, mixes = LARGE_LOSSES[name]
+    for t in (N, 16384):
+        tracker = BatchTracker(())
+        tracker.n = N
+        x = torch.randn(N, t, 2, dtype=torch.float64, requires_grad=True) * 1
+        tracker.mark(x, BatchDim(0))
+        with Follow(tracker):
+            out = op(x)
+        assert (tracker.mixed(out) is not None) == mixes, f"{name}, T={t}: {tracker.mixed(out)}"
+
+
+def test_empty_parts_raise_nothing_in_the_tracker():
+    """Empty dimensions raised IndexError and ZeroDivisionError from inside the tracker."""
+    for op in (
+        lambda x: torch.cat([x[:2, :0], x[2:, :0]], 1),
+        lambda x: x[:, :0].view(2, 2, 0, N),
+        lambda x: x[:0].flip(0),
+        lambda x: torch.stack([x[:0], x[:0]], 1),
+    ):
+        follow(op)
 
 
 @pytest.mark.parametrize("name", sorted(PER_SAMPLE_LOSSES))

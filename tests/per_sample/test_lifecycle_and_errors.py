@@ -337,7 +337,7 @@ def test_parameter_of_a_module_without_rule_summed_over_the_batch_is_exact():
     assert_close(model.w.grad_batch, x, "w.grad_batch", 1e-12, 1e-14)
 
 
-class Kron(nn.Module):
+class BlockDiag(nn.Module):
     """A parameter in an op whose output leanprop cannot split by sample."""
 
     def __init__(self) -> None:
@@ -345,16 +345,39 @@ class Kron(nn.Module):
         self.w = nn.Parameter(torch.ones(1, 2))
 
     def forward(self, x):
-        return torch.kron(x, self.w)
+        return torch.block_diag(x, self.w)
 
 
 def test_op_output_without_batch_dimension():
-    model = Kron()
+    model = BlockDiag()
     with (
-        pytest.raises(UnsupportedModelError, match=r"'kron' uses parameters.*cannot tell"),
+        pytest.raises(UnsupportedModelError, match=r"'block_diag' uses parameters.*cannot tell"),
         leanprop.per_sample(model, BatchGrad()),
     ):
         model(torch.randn(4, 3)).sum().backward()
+
+
+class Kron(nn.Module):
+    """A parameter in a Kronecker product with the samples (each row of ``x`` its own rows of
+    the output: the batch as the outer factor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 2))
+
+    def forward(self, x):
+        return torch.kron(x, self.w).tanh()
+
+
+def test_a_parameter_in_a_kronecker_product_with_the_samples_is_exact():
+    """It was refused as an op whose output leanprop cannot split by sample."""
+    torch.manual_seed(0)
+    model = Kron().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with leanprop.per_sample(model, BatchGrad()):
+        model(x).square().sum().backward()
+    loop = [torch.autograd.grad(model(x[n : n + 1]).square().sum(), model.w)[0] for n in range(4)]
+    torch.testing.assert_close(model.w.grad_batch, torch.stack(loop), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", [BatchGrad, Variance])

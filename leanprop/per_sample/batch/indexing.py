@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .infos import BatchDim, Info, Lost, Selected, as_picks, dims_arg
+from .infos import BatchDim, Info, Lost, Selected, as_picks, dims_arg, samples_at
 
 if TYPE_CHECKING:
     from .tracker import BatchTracker
@@ -35,15 +35,17 @@ def index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTrac
             out_dim += 1
         elif isinstance(it, slice):
             if in_dim == bd.dim:
-                picks = range(*it.indices(n * bd.inner))
-                if picks != range(n * bd.inner):
-                    reason = "a slice over the batch dimension selects samples"
-                    return Selected(reason, picks, out_dim if bd.inner == 1 else None)
+                positions = range(*it.indices(n * bd.inner))
+                if positions != range(n * bd.inner):
+                    picks = samples_at(positions, bd.inner)
+                    return Selected(
+                        "a slice over the batch dimension selects samples", picks, out_dim
+                    )
                 return BatchDim(out_dim, bd.inner)  # (all of them, in order: x[:N] too)
             in_dim, out_dim = in_dim + 1, out_dim + 1
         else:  # an integer
             if in_dim == bd.dim:
-                picks = range(n * bd.inner)[int(it) : int(it) + 1 or None]
+                picks = samples_at(range(n * bd.inner)[int(it) : int(it) + 1 or None], bd.inner)
                 return Selected("an index into the batch dimension selects one sample", picks)
             in_dim += 1
     return BatchDim(out_dim + bd.dim - in_dim, bd.inner)

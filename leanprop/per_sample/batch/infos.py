@@ -65,6 +65,12 @@ class Selected(Lost):
         return hash((Selected, self.picks, self.dim))
 
 
+def samples_at(positions: Sequence[int], inner: int) -> range | tuple[int, ...]:
+    """The sample each of ``positions`` along a batch dimension of ``N * inner`` holds (as
+    :func:`as_picks`)."""
+    return as_picks(positions if inner == 1 else [p // inner for p in positions])
+
+
 def as_picks(positions: Sequence[int]) -> range | tuple[int, ...]:
     """``positions`` as a ``range`` where they are evenly spaced and increasing."""
     if len(positions) < 2:

@@ -203,7 +203,9 @@ def kron_result(
     """Where ``kron(a, b)``'s operand ``which`` (``x``, its batch at ``bd``) puts the samples
     (``out[i * b_d + j] = a[i] b[j]`` along each dimension, from the right): ``a``'s batch as
     the outer factor of its dimension, ``b``'s alone where ``a`` is 1 there. Each of ``b``'s
-    samples met with every value of ``a`` along it otherwise: told as mixing."""
+    samples met with every value of ``a`` along it otherwise: in no known place (``b``'s
+    samples met with another operand's there are told as mixing, and an op acting along
+    such a result too)."""
     pos = out.dim() - (x.dim() - bd.dim)
     other = args[1 - which] if which in (0, 1) else None
     if not isinstance(other, Tensor):

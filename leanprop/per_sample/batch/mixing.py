@@ -185,3 +185,15 @@ def merge_infos(results: set[Info]) -> Info:
     if plain:
         return plain[0]
     return Lost(_DIFFERENT_PLACES)
+
+
+def mixes_unplaced(name: str, info: Lost) -> str | None:
+    """Why an op acting along a dimension mixes samples held in no known place (``info``,
+    a plain :class:`Lost` that holds them: ``o.repeat(...)``, ``kron(ones, o)``), where it
+    is one that mixes them along the batch: leanprop cannot tell the batch is not that
+    dimension. None for any other."""
+    if type(info) is not Lost or not holds_samples(info):
+        return None
+    if name in _MIXES or name in _MIXES_WHERE_LOST or name in _CENTRING:
+        return f"'{name}' on samples in places leanprop cannot tell ({info.reason})"
+    return None

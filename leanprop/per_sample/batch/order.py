@@ -196,3 +196,14 @@ def _moved(
     if not isinstance(shift, int):
         return None
     return (torch.arange(size) - shift) % size
+
+
+def reorders(name: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor, dim: int) -> bool:
+    """Whether an op may reorder or pick the samples of ``x`` along ``dim`` by an index
+    (``index_select``, ``x[index]``), pack them, or flip or roll them along ``dim``: followed
+    as samples in an order (:func:`ordered_result`)."""
+    if name not in ORDER_OPS:
+        return False
+    if name not in _REORDERS:
+        return True
+    return [norm_dim(int(d), x.dim()) for d in reordered_dims(name, args, kwargs)] == [dim]

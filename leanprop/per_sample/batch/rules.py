@@ -14,7 +14,17 @@ import torch
 from torch import Tensor
 
 from .indexing import index_result, picks_by_index, picks_of, rows_at
-from .infos import BatchDim, Combined, Grouped, Info, Lost, Selected, dims_arg, norm_dim
+from .infos import (
+    BatchDim,
+    Combined,
+    Grouped,
+    Info,
+    Lost,
+    Selected,
+    dims_arg,
+    norm_dim,
+    samples_at,
+)
 from .matrices import (
     OPERAND_NAMES,
     RARE,
@@ -159,7 +169,7 @@ FACTORIES = {
 }  # fmt: skip
 
 
-def _reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[int]) -> Info:
+def reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[int]) -> Info:
     """Where the batch lands when ``in_shape`` is viewed as ``out_shape`` (row-major)."""
     prefix = math.prod(in_shape[: bd.dim])
     acc = 1
@@ -175,7 +185,7 @@ def _reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence
 
 
 SPLIT = "a reshape split the batch dimension"
-_MAX_IDS = 1 << 16  # (samples spread over more positions than that: not followed)
+_MAX_GROUPED = 4096  # (samples spread over more positions than that: not followed)
 
 
 def _grouped(block: int, n: int, out_shape: Sequence[int], e: int) -> Info:
@@ -184,10 +194,10 @@ def _grouped(block: int, n: int, out_shape: Sequence[int], e: int) -> Info:
     whole samples' elements, each dimension's positions never straddling two samples."""
     for c in range(2, len(out_shape) - e + 1):
         rest = math.prod(out_shape[e + c :])
-        if block % rest or math.prod(out_shape[e : e + c]) != n * (block // rest):
+        if rest == 0 or block % rest or math.prod(out_shape[e : e + c]) != n * (block // rest):
             continue
         inner = block // rest
-        if out_shape[e + c - 1] % inner == 0 and n * inner <= _MAX_IDS:
+        if out_shape[e + c - 1] % inner == 0 and n * inner <= _MAX_GROUPED:
             ids = tuple(p // inner for p in range(n * inner))  # (positions row-major)
             return Grouped(SPLIT, tuple(range(e, e + c)), tuple(out_shape[e : e + c]), ids)
         break
@@ -289,7 +299,7 @@ def result_dim(
             return Lost(f"{name} on samples flattened with another dimension")
         return bd
     if name in VIEWS:
-        return _reshaped(x.shape, bd, n, out.shape)
+        return reshaped(x.shape, bd, n, out.shape)
     if name in ("transpose", "swapaxes", "swapdims"):
         d0, d1 = (norm_dim(int(d), nd) for d in (args[1], args[2]))
         return BatchDim({d0: d1, d1: d0}.get(bd.dim, bd.dim), bd.inner)
@@ -328,14 +338,16 @@ def result_dim(
         pos = 1 if name in ("select", "narrow", "unbind") else 2  # (x, dim, ...), (x, size, dim)
         if name not in _SPLIT_DIMS:
             d = norm_dim(int(dims_arg(args, kwargs, pos, "dim") or 0), nd)
-        # (where the picks are: followed where they are samples)
-        kept = d if name not in ("select", "unbind") and bd.inner == 1 else None
+        kept = d if name not in ("select", "unbind") else None  # (where the picks are)
         if d == bd.dim and name not in ("select", "unbind") and x.shape[d] == out.shape[d]:
             return bd  # (all of them, in order: x.narrow(0, 0, N), x.split(N))
         if d == bd.dim:
             length = 1 if name in ("select", "unbind") else out.shape[d]
             picks = picks_of(name, args, kwargs, x.shape[d], length, k)
-            kept = kept if isinstance(picks, range) else None  # (positions it computed)
+            if isinstance(picks, range):  # (positions it computed: the samples they hold)
+                picks = samples_at(picks, bd.inner)
+            else:
+                kept = None
             return Selected(f"{name} along the batch dimension", picks, kept)
         if name in ("select", "unbind"):
             return BatchDim(bd.dim - (d < bd.dim), bd.inner)
@@ -459,7 +471,7 @@ def result_dim(
         # (x, indices, values, accumulate): the values put in x's places, or added into them
         if dims_arg(args, kwargs, 3, "accumulate"):
             return Combined(f"{name} with accumulate=True adds samples together")
-        return Lost(f"{name} puts the samples' values in other places")
+        return Lost(f"{name} puts the samples' values in other places (may reorder samples)")
     if name == "tensordot":
         return tensordot_result(args, kwargs, which, bd)
     if name == "kron":

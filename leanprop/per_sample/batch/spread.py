@@ -32,7 +32,7 @@ from .infos import (
     norm_dim,
 )
 from .mixing import holds_samples
-from .rules import VIEWS, result_dim
+from .rules import VIEWS, reshaped, result_dim
 
 if TYPE_CHECKING:
     from .tracker import BatchTracker
@@ -55,6 +55,10 @@ _ALONG_ONE = frozenset({"cat", "concat", "concatenate", "stack"})
 
 _MAX_IDS = 1 << 16  # (an op's output with more positions: not replayed)
 SPREAD = "samples spread over several dimensions"
+# (held samples that no longer say where they are: meeting others is told as mixing)
+SPREAD_LOST = (
+    "an op leanprop does not follow on samples spread over several dimensions (may reorder samples)"
+)
 
 
 def ids_of(x: Tensor, info: Info, keep: Sequence[int] | None = None) -> Tensor | None:
@@ -87,6 +91,16 @@ def ids_of(x: Tensor, info: Info, keep: Sequence[int] | None = None) -> Tensor |
     return table.permute(order).reshape(shape).expand(size).to(x.device)
 
 
+def ids_for(name: str, x: Tensor, info: Info) -> Tensor | None:
+    """The ids :func:`replay` runs the moving op ``name`` on: of ``x``'s shape, or of size 1
+    along the dimensions that hold no samples where ``x`` is large (not for a view, which
+    reads every dimension's size); None for any other op."""
+    if name not in MOVES:
+        return None
+    ids = ids_of(x, info)
+    return ids if ids is not None or name in VIEWS else ids_of(x, info, keep=())
+
+
 def replay(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, ids: Tensor,
     out: Tensor, k: int,
@@ -107,8 +121,10 @@ def replay(
         return None
     if isinstance(moved, list | tuple):  # (split, unbind: one output each)
         moved = moved[k] if k < len(moved) else None
-    if not isinstance(moved, Tensor) or tuple(moved.shape) != tuple(out.shape):
+    if not isinstance(moved, Tensor) or moved.dim() != out.dim():
         return None
+    if any(m not in (s, 1) for m, s in zip(moved.shape, out.shape, strict=True)):
+        return None  # (1: a dimension the ids hold no samples along, kept at size 1)
     return moved
 
 
@@ -136,6 +152,20 @@ def joined(
         return getattr(torch, name)(ids, *args[1:], **kwargs)
     except (TypeError, ValueError, IndexError, RuntimeError):
         return None
+
+
+def _merged_back(name: str, x: Tensor, info: Grouped, out: Tensor, n: int) -> Info | None:
+    """Where a view of ``x`` puts samples in groups over consecutive dimensions, row-major
+    (as a reshape split them: ``info``), taken as the batch they make flattened (for
+    tensors too large to replay it on their ids); None for any other."""
+    first, count = info.dims[0], len(info.dims)
+    inner = len(info.ids) // n if n else 0
+    if name not in VIEWS or not inner or info.dims != tuple(range(first, first + count)):
+        return None
+    if list(info.ids) != [p // inner for p in range(len(info.ids))]:
+        return None
+    merged = [*x.shape[:first], len(info.ids), *x.shape[first + count :]]
+    return reshaped(merged, BatchDim(first, inner), n, out.shape)
 
 
 def _sample_dims(info: Info) -> tuple[int, ...]:
@@ -181,7 +211,7 @@ def grouped_result(
     output ``k``, ``out``; and what became of each of those dimensions, each followed as if
     it held the samples (for the mixing rules: a reduction over one sums within the groups,
     a softmax along one mixes them). A moving op is replayed on the samples' ids."""
-    ids = ids_of(x, info) if name in MOVES else None
+    ids = ids_for(name, x, info)
     moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
     if moved is not None:
         return read(moved, info.reason, tracker.n or 0), []
@@ -196,15 +226,11 @@ def grouped_result(
         if len(set(dims)) == len(dims) and kept:
             return Grouped(info.reason, dims, info.sizes, info.ids), each
     summed = [r for r in results if type(r) is Combined]
-    if summed:  # (within the groups, or over all of them)
-        return Combined(f"'{name}' over {info.reason} ({summed[0].reason})"), each
-    return Lost(SPREAD_LOST), each
-
-
-# (held samples that no longer say where they are: meeting others is told as mixing)
-SPREAD_LOST = (
-    "an op leanprop does not follow on samples spread over several dimensions (may reorder samples)"
-)
+    if summed:  # (within the groups, or over all of them; by a sum, or choosing: amax)
+        reason = f"'{name}' over {info.reason} ({summed[0].reason})"
+        return Combined(reason, any(r.summed for r in summed), any(r.of_pick for r in summed)), each
+    merged = _merged_back(name, x, info, out, tracker.n or 0)
+    return (merged or Lost(SPREAD_LOST)), each
 
 
 def selected_result(
@@ -219,7 +245,7 @@ def selected_result(
     picks = info.picks
     if info.dim >= x.dim() or x.shape[info.dim] != len(picks):
         return Selected(info.reason, picks), None  # (not its size there: cat([o[:2], zeros]))
-    ids = ids_of(x, info) if name in MOVES else None
+    ids = ids_for(name, x, info)
     moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
     if moved is not None:
         return read(moved, info.reason, tracker.n or 0), None
@@ -237,3 +263,18 @@ def selected_result(
     if holds_samples(r):  # (moved so that meeting others says they mix: kron(s, s))
         return r, r
     return Selected(info.reason, picks), r
+
+
+def moved_batch(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
+    info: BatchDim, out: Tensor, k: int, n: int,
+) -> Info | None:  # fmt: skip
+    """Where a moving op that loses the batch of ``x`` (``o.repeat(2, 1)``, a squeeze of a
+    batch of one) puts its samples, from its replay on their ids; None where it cannot be
+    replayed."""
+    ids = ids_for(name, x, info)
+    moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
+    return read(moved, REJOINED_OR_MOVED, n) if moved is not None else None
+
+
+REJOINED_OR_MOVED = "samples moved along the batch dimension (repeated, picked or reordered)"

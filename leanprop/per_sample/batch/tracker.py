@@ -34,10 +34,11 @@ from .mixing import (
     holds_samples,
     merge_infos,
     mixes_itself,
+    mixes_unplaced,
     mixing_by_joining,
     reads_summed,
 )
-from .order import ORDER_OPS, by_value, ordered_result
+from .order import by_value, ordered_result, reorders
 from .rules import (
     CONCATENATED,
     CURVED_ELEMENTWISE,
@@ -48,7 +49,7 @@ from .rules import (
     op_name,
     result_dim,
 )
-from .spread import JOINS, grouped_result, joined, read, selected_result
+from .spread import JOINS, grouped_result, joined, moved_batch, read, selected_result
 
 
 class _ByTensor:
@@ -468,8 +469,11 @@ class BatchTracker:
         # halves side by side, stack([l[:k], l[k:]], 1), its samples over two dimensions)
         parts = None
         if name in JOINS and any(type(info) in (Selected, Grouped) for _, _, info in batched):
-            ids = joined(name, args, kwargs, batched)
-            parts = read(ids, REJOINED, n) if ids is not None else None
+            try:
+                ids = joined(name, args, kwargs, batched)
+                parts = read(ids, REJOINED, n) if ids is not None else None
+            except _UNREADABLE:
+                parts = None
         for k, o in enumerate(outs):
             results, constants = set(), None  # (constants: batch statistics without grad)
             held = set()  # (what became of the operands that require grad: held differently,
@@ -478,51 +482,11 @@ class BatchTracker:
             # (an operand that requires grad concatenated with others along the batch)
             joined_rows = False
             for i, t, info in () if parts is not None else batched:
-                if name in ORDER_OPS and isinstance(info, BatchDim) and info.inner == 1:
-                    info = Reordered(REORDERED, info.dim, tuple(range(t.shape[info.dim])))
-                if isinstance(info, Reordered | Packed):
-                    try:
-                        r = ordered_result(name, args, kwargs, i, t, info, o, k, n, self)
-                    except (IndexError, TypeError, ValueError, KeyError):
-                        r = Lost(f"'{name}' with arguments leanprop cannot read")
-                elif type(info) is Selected and info.dim is not None:  # (as a batch of them)
-                    try:
-                        r, raw = selected_result(name, args, kwargs, i, t, info, o, k, self)
-                    except (IndexError, TypeError, ValueError, KeyError):
-                        r, raw = Lost(f"'{name}' with arguments leanprop cannot read"), None
-                    if t.requires_grad and raw is not None and type(raw) is not BatchDim:
-                        mixing = mixing or mixes_itself(name, i, BatchDim(info.dim), raw, o)
-                        joined_rows = joined_rows or (
-                            type(raw) is Lost and raw.reason == CONCATENATED
-                        )
-                elif type(info) is Grouped:  # (dimension by dimension)
-                    try:
-                        r, each = grouped_result(name, args, kwargs, i, t, info, o, k, self)
-                    except (IndexError, TypeError, ValueError, KeyError):
-                        r, each = Lost(f"'{name}' with arguments leanprop cannot read"), []
-                    for bd, r_d in each if t.requires_grad else ():
-                        if type(r_d) is not BatchDim:
-                            mixing = mixing or mixes_itself(name, i, bd, r_d, o)
-                elif isinstance(info, Lost):
-                    combined = combines(name, args, kwargs) and not isinstance(info, Combined)
-                    picked = isinstance(info, Selected) or getattr(info, "of_pick", False)
-                    r = (
-                        Combined(f"'{name}' over {info.reason}", of_pick=picked)
-                        if combined
-                        else info
-                    )
-                    if type(r) is Combined and r.summed and not r.of_pick and t.numel() == 1:
-                        r = Combined(r.reason, summed=False)  # (made of totals: stack([l1, l2]))
-                    if type(info) is Combined and info.summed and t.requires_grad and t.numel() > 1:
-                        mixing = mixing or reads_summed(name, i, info, batched)
-                else:
-                    try:
-                        r = result_dim(name, args, kwargs, i, t, info, o, k, n, self)
-                    except (IndexError, TypeError, ValueError, KeyError):
-                        r = Lost(f"'{name}' with arguments leanprop cannot read")
-                    if t.requires_grad and type(r) is not BatchDim:
-                        mixing = mixing or mixes_itself(name, i, info, r, o)
-                        joined_rows = joined_rows or (type(r) is Lost and r.reason == CONCATENATED)
+                r, mixes, concatenated = self._operand_result(
+                    name, args, kwargs, i, t, info, o, k, n, batched
+                )
+                mixing = mixing or mixes
+                joined_rows = joined_rows or concatenated
                 if type(r) is Combined and not t.requires_grad and o.requires_grad:
                     constants = {r}  # (o - o.mean(0).detach(): still each sample's values)
                 else:
@@ -554,6 +518,75 @@ class BatchTracker:
                 self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
                 self._keep(o.grad_fn, _CURVED, 0, res)
+
+    def _operand_result(
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str,
+        t: Tensor, info: Info, o: Tensor, k: int, n: int,
+        batched: list[tuple[int | str, Tensor, Info]],
+    ) -> tuple[Info, str | None, bool]:  # fmt: skip
+        """Where operand ``which`` (``t``, its batch at ``info``) puts the batch in output
+        ``k`` (``o``); why the op mixes that operand's samples (None where it does not, or
+        ``t`` requires no grad); and whether it concatenates them with other rows along the
+        batch."""
+        grad = t.requires_grad
+        try:
+            if (
+                isinstance(info, BatchDim)
+                and info.inner == 1
+                and reorders(name, args, kwargs, t, info.dim)
+            ):
+                info = Reordered(REORDERED, info.dim, tuple(range(t.shape[info.dim])))
+            if isinstance(info, Reordered | Packed):
+                r = ordered_result(name, args, kwargs, which, t, info, o, k, n, self)
+                if not grad or not isinstance(info, Reordered) or type(r) is BatchDim:
+                    return r, None, False
+                return r, mixes_itself(name, which, BatchDim(info.dim), r, o), _joins(r)
+            if type(info) is Selected and info.dim is not None:  # (as a batch of them)
+                r, raw = selected_result(name, args, kwargs, which, t, info, o, k, self)
+                if not grad or raw is None or type(raw) is BatchDim:
+                    return r, None, False
+                return r, mixes_itself(name, which, BatchDim(info.dim), raw, o), _joins(raw)
+            if type(info) is Grouped:  # (dimension by dimension)
+                r, each = grouped_result(name, args, kwargs, which, t, info, o, k, self)
+                reasons = (
+                    mixes_itself(name, which, bd, r_d, o)
+                    for bd, r_d in each
+                    if grad and type(r_d) is not BatchDim
+                )
+                return r, next((m for m in reasons if m is not None), None), False
+            if isinstance(info, Lost):
+                return self._lost_result(name, args, kwargs, which, t, info, batched)
+            r = result_dim(name, args, kwargs, which, t, info, o, k, n, self)
+            if type(r) is BatchDim:
+                return r, None, False
+            mixing = mixes_itself(name, which, info, r, o) if grad else None
+            moved = (
+                moved_batch(name, args, kwargs, which, t, info, o, k, n)
+                if type(r) is Lost
+                else None
+            )
+            return moved or r, mixing, grad and _joins(r)
+        except _UNREADABLE:
+            return Lost(f"'{name}' with arguments leanprop cannot read"), None, False
+
+    def _lost_result(
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str,
+        t: Tensor, info: Lost, batched: list[tuple[int | str, Tensor, Info]],
+    ) -> tuple[Info, str | None, bool]:  # fmt: skip
+        """:meth:`_operand_result` for an operand whose samples are in no known place: summed
+        together by a reduction over everything, else as they are. Mixing where a non-linear
+        op reads a value summed over the samples, or an op acting along some dimension reads
+        samples whose places leanprop cannot tell."""
+        combined = combines(name, args, kwargs) and not isinstance(info, Combined)
+        picked = isinstance(info, Selected) or getattr(info, "of_pick", False)
+        r = Combined(f"'{name}' over {info.reason}", of_pick=picked) if combined else info
+        if type(r) is Combined and r.summed and not r.of_pick and t.numel() == 1:
+            r = Combined(r.reason, summed=False)  # (made of totals: stack([l1, l2]))
+        if not t.requires_grad:
+            return r, None, False
+        if type(info) is Combined and info.summed and t.numel() > 1:
+            return r, reads_summed(name, which, info, batched), False
+        return r, mixes_unplaced(name, info), False
 
     def _mixed_before(self, batched: list[tuple[int | str, Tensor, Info]]) -> str | None:
         """Why one of the operands ``batched`` mixes samples already (None where none does)."""
@@ -587,6 +620,16 @@ class BatchTracker:
             res = Lost(f"'{name}' with arguments leanprop cannot read")
         self._info[out] = res
         return res
+
+
+# what an op's arguments may raise where leanprop reads them other than the op does
+_UNREADABLE = (IndexError, TypeError, ValueError, KeyError, RuntimeError, ZeroDivisionError)
+
+
+def _joins(r: Info) -> bool:
+    """Whether an operand's result ``r`` says it was concatenated with others along the
+    batch."""
+    return type(r) is Lost and r.reason == CONCATENATED
 
 
 # the keys of what a tracker keeps in an autograd node's metadata (see BatchTracker._keep)
