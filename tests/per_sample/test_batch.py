@@ -193,6 +193,9 @@ KEEP = {
     "a pair's halves side by side, then back": lambda x: torch.stack([x[:2], x[2:]], 1).flatten(
         0, 1
     )[torch.tensor([0, 2, 1, 3])],
+    "keyword transpose (replayed on the samples' ids)": lambda x: (
+        x.transpose(dim0=0, dim1=1).contiguous().view(N, N, N)[1:]
+    ),
 }
 
 LOSE = {
@@ -236,7 +239,6 @@ LOSE = {
     "pad samples": lambda x: F.pad(x, (0, 0, 0, 0, 1, 1)),
     "std unbiased flag": lambda x: x.std(True),
     "sum over no dims": lambda x: x.sum(dim=[]),
-    "keyword transpose": lambda x: x.transpose(dim0=0, dim1=1).contiguous().view(N, N, N)[1:],
     "batched index on samples": lambda x: x[x[:, 0, 0].long().flip(0)],
 }
 

@@ -40,9 +40,10 @@ class Combined(Lost):
 @dataclass(frozen=True, eq=False)
 class Selected(Lost):
     """Some of the samples, picked along the batch dimension (``o[:k]``, ``o.chunk(2)[1]``,
-    ``o[labels == 1]``): ``picks`` says which (the position along it that each position of
-    dimension ``dim`` holds, a ``range`` where they are evenly spaced; equal for the same
-    pick, however spelled), so that values of two different picks meeting later (a pair's
+    ``o[labels == 1]``): ``picks`` says which (the sample each position of dimension ``dim``
+    holds, a ``range`` where they are evenly spaced; equal for the same pick, however
+    spelled; of samples flattened with another dimension, each sample as often as it has
+    positions there), so that values of two different picks meeting later (a pair's
     halves, ``o[:k] - o[k:]``) are told as different samples meeting. Ops on a pick are
     followed as on a batch of its samples (``o[:4][:2]`` picks ``range(2)``), where ``dim``
     holds them. ``dim`` is None where no dimension does (one sample picked by an integer;

@@ -182,6 +182,8 @@ def read(ids: Tensor, reason: str, n: int) -> Info:
     the batch): the batch where one dimension holds all of them in order (each ``inner``
     times), :class:`Reordered` where in another order, :class:`Selected` where some of them;
     :class:`Grouped` over several dimensions."""
+    if ids.numel() == 0:  # (no positions: no sample in them)
+        return Lost(reason)
     varying = []
     for e in range(ids.dim()):
         if ids.shape[e] > 1 and not bool((ids == ids.narrow(e, 0, 1)).all()):
@@ -271,10 +273,13 @@ def moved_batch(
 ) -> Info | None:  # fmt: skip
     """Where a moving op that loses the batch of ``x`` (``o.repeat(2, 1)``, a squeeze of a
     batch of one) puts its samples, from its replay on their ids; None where it cannot be
-    replayed."""
-    ids = ids_for(name, x, info)
-    moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
-    return read(moved, REJOINED_OR_MOVED, n) if moved is not None else None
+    replayed (or its arguments cannot be read so)."""
+    try:
+        ids = ids_for(name, x, info)
+        moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
+        return read(moved, MOVED, n) if moved is not None else None
+    except (IndexError, TypeError, ValueError, KeyError, RuntimeError):
+        return None
 
 
-REJOINED_OR_MOVED = "samples moved along the batch dimension (repeated, picked or reordered)"
+MOVED = "samples moved along the batch dimension (repeated, picked or reordered)"

@@ -38,7 +38,7 @@ from .mixing import (
     mixing_by_joining,
     reads_summed,
 )
-from .order import by_value, ordered_result, reorders
+from .order import ORDER_OPS, by_value, ordered_result, reorders
 from .rules import (
     CONCATENATED,
     CURVED_ELEMENTWISE,
@@ -482,11 +482,27 @@ class BatchTracker:
             # (an operand that requires grad concatenated with others along the batch)
             joined_rows = False
             for i, t, info in () if parts is not None else batched:
-                r, mixes, concatenated = self._operand_result(
-                    name, args, kwargs, i, t, info, o, k, n, batched
-                )
-                mixing = mixing or mixes
-                joined_rows = joined_rows or concatenated
+                if type(info) is BatchDim and not (
+                    info.inner == 1
+                    and name in ORDER_OPS
+                    and reorders(name, args, kwargs, t, info.dim)
+                ):  # (the batch in a dimension, kept in order: most operands of a forward)
+                    try:
+                        r = result_dim(name, args, kwargs, i, t, info, o, k, n, self)
+                    except _UNREADABLE:
+                        r = Lost(f"'{name}' with arguments leanprop cannot read")
+                    if type(r) is not BatchDim:
+                        if t.requires_grad:
+                            mixing = mixing or mixes_itself(name, i, info, r, o)
+                            joined_rows = joined_rows or _joins(r)
+                        if type(r) is Lost:  # (a moving op that loses it: o.repeat(2, 1))
+                            r = moved_batch(name, args, kwargs, i, t, info, o, k, n) or r
+                else:
+                    r, mixes, concatenated = self._operand_result(
+                        name, args, kwargs, i, t, info, o, k, n, batched
+                    )
+                    mixing = mixing or mixes
+                    joined_rows = joined_rows or concatenated
                 if type(r) is Combined and not t.requires_grad and o.requires_grad:
                     constants = {r}  # (o - o.mean(0).detach(): still each sample's values)
                 else:
@@ -524,17 +540,14 @@ class BatchTracker:
         t: Tensor, info: Info, o: Tensor, k: int, n: int,
         batched: list[tuple[int | str, Tensor, Info]],
     ) -> tuple[Info, str | None, bool]:  # fmt: skip
-        """Where operand ``which`` (``t``, its batch at ``info``) puts the batch in output
+        """Where operand ``which`` (``t``, its batch at ``info``: other than in a dimension
+        the op keeps in order, which :meth:`_record` follows itself) puts the batch in output
         ``k`` (``o``); why the op mixes that operand's samples (None where it does not, or
         ``t`` requires no grad); and whether it concatenates them with other rows along the
         batch."""
         grad = t.requires_grad
         try:
-            if (
-                isinstance(info, BatchDim)
-                and info.inner == 1
-                and reorders(name, args, kwargs, t, info.dim)
-            ):
+            if isinstance(info, BatchDim):  # (an index or a flip along it: an order)
                 info = Reordered(REORDERED, info.dim, tuple(range(t.shape[info.dim])))
             if isinstance(info, Reordered | Packed):
                 r = ordered_result(name, args, kwargs, which, t, info, o, k, n, self)
@@ -554,18 +567,7 @@ class BatchTracker:
                     if grad and type(r_d) is not BatchDim
                 )
                 return r, next((m for m in reasons if m is not None), None), False
-            if isinstance(info, Lost):
-                return self._lost_result(name, args, kwargs, which, t, info, batched)
-            r = result_dim(name, args, kwargs, which, t, info, o, k, n, self)
-            if type(r) is BatchDim:
-                return r, None, False
-            mixing = mixes_itself(name, which, info, r, o) if grad else None
-            moved = (
-                moved_batch(name, args, kwargs, which, t, info, o, k, n)
-                if type(r) is Lost
-                else None
-            )
-            return moved or r, mixing, grad and _joins(r)
+            return self._lost_result(name, args, kwargs, which, t, info, batched)
         except _UNREADABLE:
             return Lost(f"'{name}' with arguments leanprop cannot read"), None, False
 
