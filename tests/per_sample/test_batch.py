@@ -568,6 +568,9 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     "the maximum within each group, squared": lambda x, y: (
         x.view(2, 2, N, N).amax(1).square().sum()
     ),
+    "values chosen from different samples, weighed linearly": lambda x, y: (
+        x.amax(0) @ torch.ones(N, dtype=x.dtype)
+    ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
@@ -789,6 +792,15 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     ).sum(),
     "positions of one sample stacked, against other samples": lambda x, y: (
         torch.stack([x.flatten(0, 1)[4], x.flatten(0, 1)[5]]) * x[2:, 0]
+    ).sum(),
+    "values chosen from different samples, softmaxed": lambda x, y: (
+        x.amax(0).softmax(-1) * 2
+    ).sum(),
+    "values chosen from different samples, a log-sum-exp": lambda x, y: (
+        x.max(0).values.logsumexp(-1).sum()
+    ),
+    "the maximum within each group, softmaxed over the groups": lambda x, y: (
+        x.view(2, 2, N, N).amax(1).softmax(0) * 2
     ).sum(),
 }
 

@@ -187,13 +187,20 @@ def merge_infos(results: set[Info]) -> Info:
     return Lost(_DIFFERENT_PLACES)
 
 
-def mixes_unplaced(name: str, info: Lost) -> str | None:
+def mixes_unplaced(name: str, info: Lost, numel: int) -> str | None:
     """Why an op acting along a dimension mixes samples held in no known place (``info``,
     a plain :class:`Lost` that holds them: ``o.repeat(...)``, ``kron(ones, o)``), where it
     is one that mixes them along the batch: leanprop cannot tell the batch is not that
-    dimension. None for any other."""
+    dimension. Also values chosen from different samples (``o.amax(0)``, ``numel`` of them)
+    weighed against each other (a softmax over them: each value's weight reads the others').
+    None for any other."""
+    across = name in _MIXES or name in _MIXES_WHERE_LOST or name in _CENTRING
+    if type(info) is Combined and not info.summed and numel > 1:
+        if across or name in ("logsumexp", "special_logsumexp"):
+            return f"'{name}' across values chosen from different samples ({info.reason})"
+        return None
     if type(info) is not Lost or not holds_samples(info):
         return None
-    if name in _MIXES or name in _MIXES_WHERE_LOST or name in _CENTRING:
+    if across:
         return f"'{name}' on samples in places leanprop cannot tell ({info.reason})"
     return None

@@ -588,7 +588,7 @@ class BatchTracker:
             return r, None, False
         if type(info) is Combined and info.summed and t.numel() > 1:
             return r, reads_summed(name, which, info, batched), False
-        return r, mixes_unplaced(name, info), False
+        return r, mixes_unplaced(name, info, t.numel()), False
 
     def _mixed_before(self, batched: list[tuple[int | str, Tensor, Info]]) -> str | None:
         """Why one of the operands ``batched`` mixes samples already (None where none does)."""
