@@ -54,7 +54,16 @@ from .._torch_compat import (
 )
 from ..errors import BatchError, LeanpropError, LeanpropValueError, UnsupportedModelError
 from . import broadcast, ops
-from .batch import BatchDim, BatchTracker, Lost, op_name, packed_data, tensors_in, to_front
+from .batch import (
+    BatchDim,
+    BatchTracker,
+    Lost,
+    how_to_keep,
+    op_name,
+    packed_data,
+    tensors_in,
+    to_front,
+)
 from .clipping import Clipping, ClipState
 from .compute import Observer, Work, compute
 from .cycle import Call, Cycle, ParamState
@@ -1124,9 +1133,8 @@ class PerSample:
         if isinstance(info, Lost):
             raise BatchError(
                 f"per_sample: {type(site.module).__name__} '{site.name}' got an input in which "
-                f"leanprop cannot tell which dimension holds the samples: {info.reason}. Make "
-                "the batch a dimension of its own before this module (e.g. keep [N, T, D] "
-                "instead of flattening samples together), or report the op that lost it."
+                f"leanprop cannot tell which dimension holds the samples: {info.reason}. "
+                f"{how_to_keep(info)}"
             )
         return info
 

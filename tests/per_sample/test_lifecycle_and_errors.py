@@ -2166,6 +2166,36 @@ def test_parts_of_a_reordered_batch_put_together_are_not_taken_for_the_batch(rej
         F.cross_entropy(model(x), y).backward()
 
 
+class HeadsForParts(nn.Module):
+    """A head for each part of the batch (by a slice, or a mask)."""
+
+    def __init__(self, by_mask: bool) -> None:
+        super().__init__()
+        self.a, self.h1, self.h2 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.by_mask = by_mask
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        if self.by_mask:
+            mask = x[:, 0] > 0
+            return torch.cat([self.h1(h[mask]), self.h2(h[~mask])])
+        return torch.cat([self.h1(h[:2]), self.h2(h[2:])])
+
+
+@pytest.mark.parametrize("by_mask", [False, True], ids=["by-a-slice", "by-a-mask"])
+def test_a_layer_run_on_part_of_the_batch_is_a_clear_error(by_mask):
+    """It said to keep the batch a dimension of its own, which it is: now it says only some
+    samples reach the layer, and how to run it on the whole batch instead."""
+    torch.manual_seed(0)
+    model = HeadsForParts(by_mask).double()
+    x = torch.tensor([[1.0, 0, 0, 0], [-1, 0, 0, 0], [1, 0, 0, 0], [-1, 0, 0, 0]]).double()
+    with (
+        pytest.raises(BatchError, match=r"Linear 'h1'.*Only some of the samples.*torch\.where"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        F.cross_entropy(model(x), torch.tensor([1, 0, 3, 2])).backward()
+
+
 class BiasEscape(nn.Module):
     """A wide layer called twice (its totals are sums, checked), its bias used again in an
     in-place op outside it; inputs in [0, 255]: the weight's gradient is thousands of times

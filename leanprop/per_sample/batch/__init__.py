@@ -23,7 +23,7 @@ The modules, in the order a newcomer reads them: ``infos.py`` (what is said of a
 samples) and ``tracker.py`` (the state of one forward, updated op by op).
 """
 
-from .infos import BatchDim, Lost, packed_data, to_front
+from .infos import BatchDim, Lost, how_to_keep, packed_data, to_front
 from .rules import op_name, tensors_in
 from .tracker import BatchTracker, Lookup
 
@@ -32,6 +32,7 @@ __all__ = [
     "BatchTracker",
     "Lookup",
     "Lost",
+    "how_to_keep",
     "op_name",
     "packed_data",
     "tensors_in",

@@ -159,3 +159,22 @@ def to_front(t: Tensor, info: BatchDim, n: int) -> Tensor:
     if info.inner != 1:
         t = t.reshape(n, info.inner, *t.shape[1:])
     return t
+
+
+def how_to_keep(info: Lost) -> str:
+    """What a user can do where a layer gets ``info``'s input (no dimension holding the
+    batch in order), as a sentence."""
+    if isinstance(info, Selected):
+        return (
+            "Only some of the samples reach it, and a layer run on part of the batch has no "
+            "per-sample rule yet: run it on the whole batch and pick from its output (e.g. "
+            "torch.where(mask[:, None], head_a(h), head_b(h)) instead of head_a(h[mask]))."
+        )
+    if isinstance(info, Reordered):
+        return "Apply it before the samples are reordered, or put them back in order first."
+    if isinstance(info, Grouped):
+        return "Reshape the samples back into one dimension ([N, ...]) before this module."
+    return (
+        "Make the batch a dimension of its own before this module (e.g. keep [N, T, D] "
+        "instead of flattening samples together), or report the op that lost it."
+    )
