@@ -1277,8 +1277,8 @@ class PerSample:
             return None
         if site.rule is None and self._computing:
             return None
-        if self._computing or not torch.is_grad_enabled():
-            return None
+        if self._computing or not torch.is_grad_enabled() or self.layer_outputs_only:
+            return None  # (a checkpoint recomputing in the curvature's passes: ggn refuses)
         leaves, _ = tree_flatten(out)
         if site.rule is not None:
             bd = self._rule_batch(site, args[0] if args else None)

@@ -816,6 +816,10 @@ LARGE_LOSSES = {  # (loss, mixes): on inputs too large to replay moves on whole
     "halves side by side, a softmax over each pair": (
         lambda x: (torch.stack([x[:2], x[2:]], 1).softmax(1) * 2).sum(), True),
     "halves against each other": (lambda x: (x.flip(0)[:2] * x[:2]).sum(), True),
+    "halves concatenated along time, squared": (
+        lambda x: torch.cat([x[:2], x[2:]], 1).square().sum(), False),
+    "halves concatenated along time, softmaxed along it": (
+        lambda x: (torch.cat([x[:2], x[2:]], 1).softmax(1) * 2).sum(), True),
 }  # fmt: skip
 
 

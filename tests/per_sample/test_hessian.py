@@ -220,21 +220,32 @@ def test_embeddings_and_op_level_layers_natively():
 
 
 class _Checkpointed(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = False, chain: bool = False) -> None:
         super().__init__()
         self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.reentrant, self.chain = reentrant, chain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        block = lambda t: torch.tanh(self.b(torch.sigmoid(t)))  # noqa: E731
-        return self.c(checkpoint(block, self.a(x), use_reentrant=False))
+        if self.chain:  # (an MLP: the curvature's columns all at once)
+            block = lambda t: torch.tanh(self.b(t))  # noqa: E731
+        else:
+            block = lambda t: torch.tanh(self.b(torch.sigmoid(t)))  # noqa: E731
+        return self.c(checkpoint(block, self.a(x), use_reentrant=self.reentrant))
 
 
+@pytest.mark.parametrize(
+    "reentrant, chain", [(False, False), (False, True), (True, False), (True, True)],
+    ids=["non-reentrant", "non-reentrant-in-a-chain", "reentrant", "reentrant-in-a-chain"],
+)  # fmt: skip
 @pytest.mark.parametrize("quantity", [leanprop.DiagGGNExact(), leanprop.DiagHessian()])
-def test_curvature_through_a_checkpoint_is_refused(quantity):
+def test_curvature_through_a_checkpoint_is_refused(quantity, reentrant, chain):
     """Non-reentrant checkpointing recomputes part of the forward in each pass: the GGN's
-    diagonal was off by up to 0.18 and the block's next backward computed nothing, silently."""
+    diagonal was off by up to 0.18 and the block's next backward computed nothing, silently.
+    In a chain of layers, the columns' pass raised a BatchError about a layer's output. A
+    reentrant one's block ran under no_grad, unrecorded: its parameters got no quantity, and
+    nothing said so."""
     torch.manual_seed(0)
-    model = _Checkpointed().double()
+    model = _Checkpointed(reentrant, chain).double()
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
     with leanprop.per_sample(model, BatchGrad()) as ctx:
         out = model(x)
@@ -243,6 +254,21 @@ def test_curvature_through_a_checkpoint_is_refused(quantity):
         with pytest.raises(UnsupportedModelError, match="no per-sample quantities"):
             nn.CrossEntropyLoss()(out, y).backward()  # (says so, not silently nothing)
     assert not any(hasattr(p, quantity.attr) for p in model.parameters())
+
+
+def test_curvature_through_a_reentrant_checkpoint_of_the_first_layers_is_refused():
+    """The block's layers ran under no_grad and were never recorded: the GGN's columns went
+    around them, and its parameters silently got no quantity (the others did)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4).double(), nn.Linear(4, 3).double()
+    model = nn.ModuleDict({"a": a, "b": b})
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 1, 2, 0, 1])
+    with leanprop.per_sample(model, BatchGrad()) as ctx:
+        out = b(checkpoint(lambda t: torch.tanh(a(t)), x, use_reentrant=True))
+        with pytest.raises(UnsupportedModelError, match="recomputed part of the forward"):
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
+    assert not any(hasattr(p, "diag_ggn_exact") for p in model.parameters())
 
 
 def test_the_facade_refuses_activations_whose_samples_it_cannot_place():

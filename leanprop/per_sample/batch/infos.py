@@ -81,6 +81,9 @@ def as_picks(positions: Sequence[int]) -> range | tuple[int, ...]:
     return spaced if list(spaced) == list(positions) else tuple(positions)
 
 
+MAX_GROUPED = 4096  # (samples spread over more positions than that: not followed)
+
+
 @dataclass(frozen=True)
 class Grouped(Lost):
     """The samples spread over several dimensions: split into groups by a reshape

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .indexing import index_result, picks_by_index, picks_of, rows_at
 from .infos import (
+    MAX_GROUPED,
     BatchDim,
     Combined,
     Grouped,
@@ -185,7 +186,6 @@ def reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[
 
 
 SPLIT = "a reshape split the batch dimension"
-_MAX_GROUPED = 4096  # (samples spread over more positions than that: not followed)
 
 
 def _grouped(block: int, n: int, out_shape: Sequence[int], e: int) -> Info:
@@ -197,7 +197,7 @@ def _grouped(block: int, n: int, out_shape: Sequence[int], e: int) -> Info:
         if rest == 0 or block % rest or math.prod(out_shape[e : e + c]) != n * (block // rest):
             continue
         inner = block // rest
-        if out_shape[e + c - 1] % inner == 0 and n * inner <= _MAX_GROUPED:
+        if out_shape[e + c - 1] % inner == 0 and n * inner <= MAX_GROUPED:
             ids = tuple(p // inner for p in range(n * inner))  # (positions row-major)
             return Grouped(SPLIT, tuple(range(e, e + c)), tuple(out_shape[e : e + c]), ids)
         break

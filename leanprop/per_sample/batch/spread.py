@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .infos import (
+    MAX_GROUPED,
     REORDERED,
     BatchDim,
     Combined,
@@ -191,6 +192,8 @@ def read(ids: Tensor, reason: str, n: int) -> Info:
     index = tuple(slice(None) if e in varying else 0 for e in range(ids.dim()))
     table = ids[index] if ids.dim() else ids
     if len(varying) > 1:
+        if table.numel() > MAX_GROUPED:
+            return Lost(SPREAD_LOST)
         sizes = tuple(table.shape)
         return Grouped(SPREAD, tuple(varying), sizes, tuple(table.reshape(-1).tolist()))
     picks = table.reshape(-1).tolist()

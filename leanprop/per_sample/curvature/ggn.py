@@ -191,6 +191,9 @@ def compute_ggn(
     hessian = [q for q in by_mc.get(None, []) if q.hessian]
     second_order = [q for q in by_mc.get(None, []) if q.second_order]
     recomputed = sum(c.recomputed for c in contexts)
+    # (a reentrant checkpoint's block ran under no_grad: its layers were not recorded, and a
+    # pass that skips them would leave their parameters without quantities, unsaid)
+    reentrant = _through_reentrant_checkpoint(output)
 
     def refuse_recomputation(cause: BaseException | None = None) -> None:
         checkpointed = (
@@ -198,7 +201,7 @@ def compute_ggn(
             and not isinstance(cause, UnsupportedModelError)
             and is_checkpoint_error(cause)
         )
-        if checkpointed or sum(c.recomputed for c in contexts) != recomputed:
+        if checkpointed or sum(c.recomputed for c in contexts) != recomputed or reentrant:
             for c in contexts:  # (the recomputation left records a backward cannot use)
                 c.forget_forward()
             raise UnsupportedModelError(
@@ -207,6 +210,8 @@ def compute_ggn(
                 "forward without checkpointing to compute curvature."
             ) from cause
 
+    if reentrant:
+        refuse_recomputation()
     try:
         # (reading what autograd saved: a checkpoint may refuse it, see below)
         curved = curved_activations(contexts, output, params) if hessian else []
@@ -282,6 +287,21 @@ def compute_ggn(
                 setattr(p, attr, res[attr])
             elif hasattr(p, attr):
                 delattr(p, attr)
+
+
+def _through_reentrant_checkpoint(output: Tensor) -> bool:
+    """Whether ``output``'s graph goes through a reentrant checkpoint's node
+    (``torch.utils.checkpoint(..., use_reentrant=True)``)."""
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def _output_batch_dim(contexts: Sequence[PerSample], output: Tensor) -> int:
