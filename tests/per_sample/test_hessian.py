@@ -241,9 +241,9 @@ class _Checkpointed(nn.Module):
 def test_curvature_through_a_checkpoint_is_refused(quantity, reentrant, chain):
     """Non-reentrant checkpointing recomputes part of the forward in each pass: the GGN's
     diagonal was off by up to 0.18 and the block's next backward computed nothing, silently.
-    In a chain of layers, the columns' pass raised a BatchError about a layer's output. A
-    reentrant one's block ran under no_grad, unrecorded: its parameters got no quantity, and
-    nothing said so."""
+    In a chain of layers, the columns' pass raised a BatchError about a layer's output. With
+    a reentrant one, DiagHessian's refusal named the checkpoint's node and pointed to
+    DiagGGNExact, which silently skips a checkpoint of the first layers (the next test)."""
     torch.manual_seed(0)
     model = _Checkpointed(reentrant, chain).double()
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
