@@ -280,6 +280,8 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
                                                BatchDim(1)),
     "differences over time": (lambda x: x.diff(dim=1), BatchDim(0)),
     "differences along the batch": (lambda x: x.diff(dim=0), Lost),
+    "padded along time, the batch second": (
+        lambda x: F.pad(x.transpose(0, 1), (0, 0, 0, 0, 1, 1)), BatchDim(1)),
 }  # fmt: skip
 TABLE = torch.arange(N, dtype=torch.float64)[:, None].expand(N, N).clone()
 
@@ -801,6 +803,9 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     ),
     "the maximum within each group, softmaxed over the groups": lambda x, y: (
         x.view(2, 2, N, N).amax(1).softmax(0) * 2
+    ).sum(),
+    "padded along the batch, softmaxed along it": lambda x, y: (
+        F.pad(x, (0, 0, 0, 0, 1, 0)).softmax(0) * 2
     ).sum(),
 }
 

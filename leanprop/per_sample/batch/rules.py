@@ -290,9 +290,11 @@ def result_dim(
         k = len(args[1]) if isinstance(args[1], Sequence) else 1
         return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
     if (name in _BATCH_FIRST_OPS and not _is_tensor_unfold(name, args)) or name == "pad":
-        if name == "pad":
-            k = len(args[1]) // 2
-            return Lost("padding the batch dimension") if bd.dim >= nd - k else bd
+        if name == "pad":  # (x, pad): (before, after) pairs from the last dimension back
+            at = 2 * (nd - 1 - bd.dim)
+            if any(args[1][at : at + 2]):  # (rows of padding among the samples)
+                return Lost("padding the batch dimension (may reorder samples)")
+            return bd
         if bd.dim != 0:
             return Lost(f"{name} needs the batch first")
         if bd.inner != 1:
