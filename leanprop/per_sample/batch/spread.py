@@ -32,7 +32,7 @@ from .infos import (
     dims_arg,
     norm_dim,
 )
-from .mixing import holds_samples
+from .mixing import SIDE_BY_SIDE, holds_samples
 from .rules import VIEWS, reshaped, result_dim
 
 if TYPE_CHECKING:
@@ -45,11 +45,6 @@ MOVES = frozenset({
     "swapdims", "permute", "movedim", "moveaxis", "t", "T", "mT", "flip", "fliplr", "flipud",
     "roll", "rot90", "unsqueeze", "squeeze", "expand", "expand_as", "repeat", "tile",
     "contiguous", "clone", "diagonal", *VIEWS,
-})  # fmt: skip
-# ops that put their operands together (replayed on each operand's ids)
-JOINS = frozenset({
-    "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack",
-    "row_stack",
 })  # fmt: skip
 _PROPERTIES = frozenset({"T", "mT"})
 _ALONG_ONE = frozenset({"cat", "concat", "concatenate", "stack"})
@@ -106,10 +101,10 @@ def replay(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, ids: Tensor,
     out: Tensor, k: int,
 ) -> Tensor | None:  # fmt: skip
-    """Output ``k`` (``out``) of the moving op ``name`` run on ``ids`` in place of its operand
-    ``which`` (the first); None where it cannot be (another operand, arguments it does not
-    take as they are)."""
-    if which != 0 or name not in MOVES:
+    """Output ``k`` (``out``) of the moving op ``name`` run on ``ids`` (from :func:`ids_for`,
+    which gives them for moving ops only) in place of its operand ``which`` (the first); None
+    where it cannot be (another operand, arguments it does not take as they are)."""
+    if which != 0:
         return None
     try:
         if name == "getitem":
@@ -136,7 +131,7 @@ def joined(
     """``cat``, ``stack`` and the like replayed on their operands' ids, where every operand is
     a batched one whose samples' positions are known (``batched``); else None."""
     parts = args[0] if args and isinstance(args[0], list | tuple) else None
-    if name not in JOINS or not parts or len(batched) != len(parts):
+    if name not in SIDE_BY_SIDE or not parts or len(batched) != len(parts):
         return None
     keep = None  # (cat and stack act along one dimension: the others' size needs no ids)
     if name in _ALONG_ONE:
@@ -216,10 +211,9 @@ def grouped_result(
     output ``k``, ``out``; and what became of each of those dimensions, each followed as if
     it held the samples (for the mixing rules: a reduction over one sums within the groups,
     a softmax along one mixes them). A moving op is replayed on the samples' ids."""
-    ids = ids_for(name, x, info)
-    moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
+    moved = replayed(name, args, kwargs, which, x, info, out, k, info.reason, tracker.n or 0)
     if moved is not None:
-        return read(moved, info.reason, tracker.n or 0), []
+        return moved, []
     each = []
     for d, size in zip(info.dims, info.sizes, strict=True):
         bd = BatchDim(d)
@@ -250,10 +244,9 @@ def selected_result(
     picks = info.picks
     if info.dim >= x.dim() or x.shape[info.dim] != len(picks):
         return Selected(info.reason, picks), None  # (not its size there: cat([o[:2], zeros]))
-    ids = ids_for(name, x, info)
-    moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
+    moved = replayed(name, args, kwargs, which, x, info, out, k, info.reason, tracker.n or 0)
     if moved is not None:
-        return read(moved, info.reason, tracker.n or 0), None
+        return moved, None
     bd, size = BatchDim(info.dim), x.shape[info.dim]
     r = result_dim(name, args, kwargs, which, x, bd, out, k, size, tracker)
     if type(r) is BatchDim:
@@ -270,17 +263,19 @@ def selected_result(
     return Selected(info.reason, picks), r
 
 
-def moved_batch(
+def replayed(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
-    info: BatchDim, out: Tensor, k: int, n: int,
+    info: Info, out: Tensor, k: int, reason: str, n: int,
 ) -> Info | None:  # fmt: skip
-    """Where a moving op that loses the batch of ``x`` (``o.repeat(2, 1)``, a squeeze of a
-    batch of one) puts its samples, from its replay on their ids; None where it cannot be
-    replayed (or its arguments cannot be read so)."""
+    """Where a moving op puts the samples of ``x`` (``info``) in output ``k``, ``out``, from
+    its replay on their ids (``reason``: why they are no batch there, if they are not; ``n``
+    samples in the batch): a pick of a pick, a reordered pick, a moving op that loses the
+    batch (``o.repeat(2, 1)``, a squeeze of a batch of one); None where the op does not only
+    move values, or cannot be replayed (or its arguments cannot be read so)."""
     try:
         ids = ids_for(name, x, info)
         moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
-        return read(moved, MOVED, n) if moved is not None else None
+        return read(moved, reason, n) if moved is not None else None
     except (IndexError, TypeError, ValueError, KeyError, RuntimeError):
         return None
 

@@ -49,7 +49,7 @@ from .rules import (
     op_name,
     result_dim,
 )
-from .spread import JOINS, grouped_result, joined, moved_batch, read, selected_result
+from .spread import MOVED, grouped_result, joined, read, replayed, selected_result
 
 
 class _ByTensor:
@@ -346,7 +346,7 @@ class BatchTracker:
         outs = _tensor_outputs(out)
         if not outs:
             return
-        if "tensors" in kwargs and name in JOINS:  # (torch.cat(tensors=[...], dim=1))
+        if "tensors" in kwargs and name in SIDE_BY_SIDE:  # (torch.cat(tensors=[...], dim=1))
             args = (kwargs["tensors"], *args)
             kwargs = {k: v for k, v in kwargs.items() if k != "tensors"}
         batched: list[tuple[int | str, Tensor, Info]] = []
@@ -468,7 +468,9 @@ class BatchTracker:
         # (picks put together: cat([o[:2], o[2:]]) holds the batch again, in order; a pair's
         # halves side by side, stack([l[:k], l[k:]], 1), its samples over two dimensions)
         parts = None
-        if name in JOINS and any(type(info) in (Selected, Grouped) for _, _, info in batched):
+        if name in SIDE_BY_SIDE and any(
+            type(info) in (Selected, Grouped) for _, _, info in batched
+        ):
             try:
                 ids = joined(name, args, kwargs, batched)
                 parts = read(ids, REJOINED, n) if ids is not None else None
@@ -496,7 +498,7 @@ class BatchTracker:
                             mixing = mixing or mixes_itself(name, i, info, r, o)
                             joined_rows = joined_rows or _joins(r)
                         if type(r) is Lost:  # (a moving op that loses it: o.repeat(2, 1))
-                            r = moved_batch(name, args, kwargs, i, t, info, o, k, n) or r
+                            r = replayed(name, args, kwargs, i, t, info, o, k, MOVED, n) or r
                 else:
                     r, mixes, concatenated = self._operand_result(
                         name, args, kwargs, i, t, info, o, k, n, batched
