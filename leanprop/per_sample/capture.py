@@ -1493,7 +1493,16 @@ class PerSample:
             handed = state.hand_over(
                 grad, cycle.open and self._clip is None and Variance not in self._kinds
             )
-            state.autograd_grads.append((task, self._cycle.open, None if handed else grad))
+            # held where it is read: by the sum check (at the end of backward) and for the
+            # result nodes of a create_graph backward; a gradient held until then is one
+            # autograd cannot take as .grad: it copies it (twice the gradients' memory)
+            read = torch.is_grad_enabled() or (
+                bool(self._kinds)
+                and (self._check or self._clip is not None or cycle.direct_call is not None)
+            )
+            state.autograd_grads.append(
+                (task, self._cycle.open, grad if read and not handed else None)
+            )
             if wanted:
                 self._complete_calls_of(state.param)
             # (autograd.grad accumulates nothing; without the interception it cannot be told)

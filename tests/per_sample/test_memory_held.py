@@ -100,6 +100,48 @@ def test_a_gradient_handed_to_autograd_is_not_held():
         assert extra <= results + params // 4, (q, extra, results, params)
 
 
+class _Scaled(nn.Module):
+    """A module without a rule of its own: its parameter's gradient comes from autograd (the
+    fallback's individual gradients are not it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(128))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
+
+
+@pytest.mark.parametrize(
+    "use", ["curvature", "nothing asked", "unchecked BatchGrad", "unchecked fallback"]
+)
+def test_a_gradient_nothing_reads_is_not_held(use):
+    """Where no sum check reads it (curvature alone, nothing asked, ``check=False``), each
+    gradient autograd handed over was still held to the end of backward: autograd could not
+    take it as ``.grad`` and copied it (twice the gradients' memory at the peak, and a copy
+    of each). ``.grad`` is now the very tensor autograd handed over."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.Tanh(), _Scaled(), nn.Linear(128, 10))
+    x, y = torch.randn(4, 128), torch.randint(0, 10, (4,))
+    loss_fn = nn.CrossEntropyLoss()
+    handed: dict[str, int] = {}
+    hooks = [
+        p.register_hook(lambda g, k=k: handed.__setitem__(k, g.data_ptr()))
+        for k, p in model.named_parameters()
+    ]  # (registered first: they see what autograd hands over, and hold nothing)
+    quantities = {"unchecked BatchGrad": [BatchGrad()], "unchecked fallback": [BatchGrad()]}
+    check = use not in ("unchecked BatchGrad", "unchecked fallback")
+    with leanprop.per_sample(model, *quantities.get(use, []), check=check) as ctx:
+        out = model(x)
+        if use == "curvature":
+            leanprop.ggn(ctx, out, loss_fn, y, leanprop.DiagGGNExact())
+        loss_fn(out, y).backward()
+    for h in hooks:
+        h.remove()
+    for k, p in model.named_parameters():
+        assert p.grad.data_ptr() == handed[k], k
+
+
 def test_an_op_level_linear_output_is_not_saved():
     """An op-level linear op (``addmm`` on a module's own weights) kept its output to its
     backward, for nothing: its backward needs the input and the weight. An attention
@@ -169,3 +211,19 @@ def test_an_op_captures_outputs_go_with_its_saved_tensors():
         refs = held(model(x))  # (the graph dropped at once: no backward)
         gc.collect()
         assert refs and all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "DiagHessian"])
+def test_curvature_diagonals_are_not_copied_when_written(kind):
+    """Each layer's diagonal was multiplied by the sign of its term (1 for the GGN's) when
+    written: a copy of the largest weight's diagonal beside it at the peak. The peak of
+    ``ggn`` is now its results and the columns (small here)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    x, y = torch.randn(4, 512), torch.randint(0, 10, (4,))
+    results = sum(p.numel() * 4 for p in model.parameters())
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        with leanprop.track_memory(existing=[model, x, out]) as mem:
+            leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), y, getattr(leanprop, kind)())
+    assert mem.peak_bytes < 1.25 * results, (mem.peak_bytes, results)
