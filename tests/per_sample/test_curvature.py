@@ -280,6 +280,59 @@ def test_kflr_is_the_ggn_block_where_it_is_exact(conv):
                     torch.testing.assert_close(torch.kron(b, a), full, rtol=1e-10, atol=1e-12)
 
 
+def _input_factor_oracle(conv: nn.Module, x: Tensor) -> Tensor:
+    """``A = 1/N sum_{n,l} P[n, :, l] P[n, :, l]^T`` with the patches ``P[n, k, l]`` read off
+    the convolution as the derivative of output channel 0 at position l with respect to
+    weight element ``(0, k)`` (no unfold of ours)."""
+
+    def channel0(w: Tensor) -> Tensor:
+        weight = torch.cat([w[None], conv.weight[1:].detach()])
+        return conv._conv_forward(x, weight, None)[:, 0].flatten(1)  # [N, L]
+
+    p = torch.func.jacrev(channel0)(conv.weight[0].detach()).flatten(2)  # [N, L, K]
+    return torch.einsum("nlk,nlj->kj", p, p) / x.shape[0]
+
+
+@pytest.mark.parametrize("conv", [1, 2, 3], ids=["conv1d", "conv2d", "conv3d"])
+@pytest.mark.parametrize("kind", ["KFLR", "KFAC"])
+def test_convolution_factors_from_the_batched_columns(conv, kind, monkeypatch):
+    """A CNN's Kronecker factors come from the loss factor's columns backpropagated by
+    autograd to the layers' outputs, without the engine's per-sample passes: ``A`` is the
+    patches' (an oracle read off the convolution), the weight's ``B`` is the bias's (its exact
+    GGN block, checked above), and both equal those of one engine pass per column (the same
+    Monte-Carlo draws)."""
+    ggn_module = importlib.import_module("leanprop.per_sample.curvature.ggn")
+    model, x, y = _kron_problem(conv, 5)
+    model = nn.Sequential(*model[:2], type(model[0])(3, 2, 3, padding=2, stride=2, dilation=2),
+                          *model[2:-1], nn.LazyLinear(3)).double()  # fmt: skip
+    model(x)
+    loss_fn = nn.CrossEntropyLoss()
+    got, calls = [], []
+    real = ggn_module._passes
+    for passes in (False, True):
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(ggn_module, "_passes", lambda *a, **k: calls.append(1) or real(*a, **k))
+            if passes:
+                m.setattr(ggn_module, "_batched", lambda *a: None)
+            q = getattr(leanprop, kind)(*(() if kind == "KFLR" else (3,)))
+            with leanprop.per_sample(model) as ctx:
+                gen = torch.Generator().manual_seed(1)
+                leanprop.ggn(ctx, model(x), loss_fn, y, q, generator=gen)
+        assert len(calls) == int(passes)
+        got.append({k: getattr(p, q.attr) for k, p in model.named_parameters()})
+    for k in got[0]:
+        for ours, theirs in zip(got[0][k], got[1][k], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12, msg=k)
+    for i in (0, 2):
+        conv_layer = model[i]
+        inputs = x if i == 0 else model[:2](x).detach()
+        b, a = got[0][f"{i}.weight"]
+        torch.testing.assert_close(a, _input_factor_oracle(conv_layer, inputs), rtol=1e-10,
+                                   atol=1e-12)  # fmt: skip
+        torch.testing.assert_close(b, got[0][f"{i}.bias"][0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("conv", "kind"), [(None, "KFLR"), (2, "KFLR"), (None, "KFRA")],
     ids=["linear-KFLR", "conv2d-KFLR", "linear-KFRA"],
@@ -882,17 +935,18 @@ def test_closed_form_sum_grad_squared_is_checked():
 
 @pytest.mark.parametrize("d", [1, 2, 3])
 def test_kronecker_input_patches_are_the_convolutions(d):
-    """The im2col patches ``A`` is built from (a hand-written unfold for 1d and 3d) satisfy
-    ``conv(x, W) = W_flat @ patches`` for the layer's stride, dilation and padding."""
-    from leanprop.per_sample.curvature.kronecker import unfolded
+    """The im2col patches ``A`` is built from (``[C_in k..., N L]``: samples and positions
+    together) satisfy ``conv(x, W) = W_flat @ patches`` for the layer's stride, dilation and
+    padding, in 1d, 2d and 3d."""
+    from leanprop.per_sample.curvature.kronecker import patches as unfold
 
     torch.manual_seed(0)
     conv_cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1]
     conv = conv_cls(2, 3, (3, 2, 2)[:d], stride=(2, 1, 1)[:d], padding=(1, 2, 0)[:d],
                     dilation=(1, 2, 1)[:d], bias=False).double()  # fmt: skip
     x = torch.randn(4, 2, *(7, 8, 6)[:d], dtype=torch.float64)
-    patches = unfolded(conv, x)
-    got = torch.einsum("ok,nkl->nol", conv.weight.flatten(1), patches)
+    patches = unfold(conv, x)  # [K, N L]
+    got = (conv.weight.flatten(1) @ patches).unflatten(1, (x.shape[0], -1)).transpose(0, 1)
     torch.testing.assert_close(got, conv(x).flatten(2), rtol=1e-12, atol=1e-12)
 
 
@@ -1408,3 +1462,22 @@ def test_create_graph_with_autograd_off_is_refused():
         out = case.model(case.x)
         with torch.no_grad(), pytest.raises(LeanpropValueError, match="autograd off"):
             leanprop.ggn(ctx, out, nn.CrossEntropyLoss(), case.y, *EXACT, create_graph=True)
+
+
+def test_each_samples_bias_diagonals_of_two_quantities_are_their_own():
+    """A bias's per-sample GGN diagonal is the columns' squares themselves, written without a
+    copy: two per-sample quantities that equal it (the GGN's and the Hessian's, of a model
+    without curved activations) each get a tensor of their own (one changed in place leaves
+    the other as it was)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.BatchDiagGGNExact(),
+                     leanprop.BatchDiagHessian(), leanprop.DiagGGNExact())  # fmt: skip
+    for p in model.parameters():
+        ggn, hess = leanprop.BatchDiagGGNExact.attr, leanprop.BatchDiagHessian.attr
+        a, b = getattr(p, ggn), getattr(p, hess)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        torch.testing.assert_close(a.sum(0), p.diag_ggn_exact, rtol=1e-12, atol=1e-14)

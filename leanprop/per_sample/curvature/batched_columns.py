@@ -15,16 +15,22 @@ M passes through the engine by one, and the per-sample work by two products per 
 Hessian's terms of a curved activation (``hessian.py``: one column per unit and sign) go back
 the same way where linear layers alone lie behind the activation, in batches of columns.
 
+For the Kronecker factors alone (KFLR, KFAC) the layers may be convolutions too: ``B`` needs
+only each column's output gradient (summed over the output positions) and ``A`` the saved
+input, so the columns go back by autograd to the layers' outputs, one at a time (a CNN's
+output gradients are large), with no per-sample work.
+
 It applies where the graph between the output and the parameters holds only torch's own
-autograd nodes and the replaced linear ops (``fused.py``) whose input is ``[N, I]`` with the
-samples first, each parameter reached through exactly one of them; anywhere else (and for the
-square roots, products and Kronecker factors), ``ggn.py``'s passes run.
+autograd nodes and the replaced linear ops (``fused.py``; for the factors alone, also
+convolutions) whose input has the samples first (``[N, I]`` for a linear layer), each
+parameter reached through exactly one of them; anywhere else (and for the square roots and
+products), ``ggn.py``'s passes run.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -37,6 +43,7 @@ from ..capture import PerSample
 from ..stats import widen
 from .contexts import own_work
 from .hessian import Curved
+from .kronecker import CONVS, input_factor, unsupported_conv
 from .quantities import CurvatureQuantity
 
 
@@ -49,10 +56,27 @@ def linear_layer(node: Any) -> bool:
     return x.dim() == 2 and bd.dim == 0 and bd.inner == 1 and x.shape[0] == node.call.n
 
 
-def linear_layers(root: Any, params: Sequence[nn.Parameter]) -> list[Any] | None:
-    """The replaced linear ops between autograd node ``root`` (an output's ``grad_fn``, or an
-    activation input's node) and ``params``, if the graph is one the batched columns cover
-    (see the module docstring), else None."""
+def kronecker_layer(node: Any) -> bool:
+    """A :func:`linear_layer`, or a replaced convolution whose input is ``[N, C, *S]`` with
+    the samples first and whose Kronecker factors are defined (``kronecker.py``): the layers
+    whose Kronecker factors (alone) the columns give."""
+    if linear_layer(node):
+        return True
+    if type(node).__name__ != "FusedOpBackward" or not isinstance(node.module, CONVS):
+        return False
+    x, bd = node.saved_tensors[0], node.call.in_bd
+    return (
+        bd.dim == 0 and bd.inner == 1 and x.shape[0] == node.call.n
+        and unsupported_conv(node.module) is None
+    )  # fmt: skip
+
+
+def linear_layers(
+    root: Any, params: Sequence[nn.Parameter], accept: Callable[[Any], bool] = linear_layer
+) -> list[Any] | None:
+    """The replaced linear ops (``accept``: the layers taken) between autograd node ``root``
+    (an output's ``grad_fn``, or an activation input's node) and ``params``, if the graph is
+    one the batched columns cover (see the module docstring), else None."""
     wanted = {id(p) for p in params}
     layers, seen, todo = [], set(), [root]
     parents: dict[int, int] = {}  # id(parameter) -> nodes reaching it
@@ -65,14 +89,14 @@ def linear_layers(root: Any, params: Sequence[nn.Parameter]) -> list[Any] | None
         if variable is not None:  # AccumulateGrad
             continue
         if isinstance(node, BackwardCFunction):  # a Python autograd function
-            if not linear_layer(node):
+            if not accept(node):
                 return None
             layers.append(node)
         for child, _ in node.next_functions:
             leaf = getattr(child, "variable", None)
             if leaf is not None and id(leaf) in wanted:
-                if not (isinstance(node, BackwardCFunction) and linear_layer(node)):
-                    return None  # a parameter used outside a linear layer
+                if not (isinstance(node, BackwardCFunction) and accept(node)):
+                    return None  # a parameter used outside the layers taken
                 parents[id(leaf)] = parents.get(id(leaf), 0) + 1
             todo.append(child)
     if any(count > 1 for count in parents.values()):  # (shared: two layers, or twice in one)
@@ -110,7 +134,8 @@ def layer_columns(
     reached); the layer whose output ``start`` is (an activation's input) gets the columns.
     Along a chain of linear layers and the activations :data:`_CHAIN_RULES` knows (an MLP):
     by their Jacobians directly; anywhere else, by autograd (vmapped over the columns)."""
-    chained = _along_chain(start, columns, layers)
+    with own_work(contexts):  # (products of ours, not the model's ops)
+        chained = _along_chain(start, columns, layers)
     if chained is not None:
         return chained
     direct = start.node if isinstance(start, GradientEdge) else None
@@ -161,7 +186,7 @@ def _along_chain(start: Tensor | GradientEdge, columns: Tensor, layers: list[Any
     found: dict[Any, Tensor] = {}
     left, s, result = set(layers), columns.detach(), None
     while left:
-        if node in left and not node.hooked:
+        if node in left and not node.hooked and isinstance(node.module, nn.Linear):
             found[node] = s
             left.discard(node)
             if not left:
@@ -179,27 +204,77 @@ def _along_chain(start: Tensor | GradientEdge, columns: Tensor, layers: list[Any
     return [found.get(node) for node in layers]
 
 
+def column_results(
+    contexts: Sequence[PerSample],
+    output: Tensor,
+    factor: Tensor,
+    layers: list[Any],
+    params: list[nn.Parameter],
+    quantities: list[CurvatureQuantity],
+    results: list[dict[str, object]],
+) -> bool:
+    """Write ``quantities`` (:func:`covers` them) of ``layers``' parameters to ``results``
+    from the loss factor's columns ``factor`` ``[M, *output.shape]``: all at once through
+    linear layers; a column at a time where there are convolutions (Kronecker factors alone:
+    their output gradients are large, and each column's ``B`` adds up). Returns True (for
+    ``_batched``: None where vmap cannot run the backward)."""
+    diagonals = any(not q.kronecker for q in quantities)
+    kronecker = any(q.kronecker for q in quantities)
+    linear = all(isinstance(node.module, nn.Linear) for node in layers)
+    step = factor.shape[0] if linear else 1
+    squares: list[Tensor | None] = [None] * len(layers)
+    outer: list[Tensor | None] = [None] * len(layers)
+    for start in range(0, factor.shape[0], step):
+        found = layer_columns(contexts, output, factor[start : start + step], layers)
+        with own_work(contexts):
+            if diagonals:
+                squares = _added(squares, squares_of(found))
+            if kronecker:
+                outer = _added(outer, output_factors(layers, found))
+    with own_work(contexts):
+        add_diagonals(layers, squares, params, quantities, results)
+        add_kronecker_factors(layers, outer, params, quantities, results)
+    return True
+
+
+def _added(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Two lists of values added elementwise (None: no value)."""
+    return [x if y is None else y if x is None else x + y for x, y in zip(a, b, strict=True)]
+
+
+def output_factors(layers: list[Any], found: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """``B = sum_{m,n} S S^T`` ``[O, O]`` of each layer from its columns ``S``
+    (:func:`layer_columns`; a convolution's ``[M, N, C_out, *S]`` summed over the output
+    positions first, as ``kronecker.py`` defines it); None where a layer is not reached.
+    Additive over the columns: the sum of those of column chunks is that of all."""
+    out: list[Tensor | None] = []
+    for s in found:
+        if s is not None:
+            s = s.flatten(3).sum(3) if s.dim() > 3 else s  # [M, N, O]
+            s = s.reshape(-1, s.shape[-1])  # [M N, O]
+            s = s.mT @ s
+        out.append(s)
+    return out
+
+
 def add_kronecker_factors(
     layers: list[Any],
-    found: Sequence[Tensor | None],
+    outer: Sequence[Tensor | None],
     params: list[nn.Parameter],
     quantities: list[CurvatureQuantity],
     results: list[dict[str, object]],
 ) -> None:
-    """KFLR/KFAC (``kronecker.py``'s definition) of each layer from its columns ``S``
-    :func:`layer_columns`: weight ``[B, A]``, bias ``[B]``, ``B = sum_{m,n} S S^T``,
-    ``A = 1/N sum_n a_n a_n^T``."""
+    """KFLR/KFAC (``kronecker.py``'s definition) of each layer from its
+    :func:`output_factors` ``B``: weight ``[B, A]``, bias ``[B]``, with ``A`` the input's
+    factor (``1/N sum_n a_n a_n^T`` of a linear layer's input ``[N, I]``)."""
     if not any(q.kronecker for q in quantities):
         return
-    b_of: dict[Any, Tensor] = {}  # layer -> B, formed once for its weight and bias
-    for node, s, name, i in _layer_params(layers, found, params):
-        if node not in b_of:
-            flat = s.reshape(-1, s.shape[-1])  # [M N, O]
-            b_of[node] = flat.mT @ flat
-        b = b_of[node]
+    a_of: dict[Any, Tensor] = {}  # layer -> A
+    for node, b, name, i in _layer_params(layers, outer, params):
         if name == "weight":
-            a = node.saved_tensors[0].detach()  # [N, I]
-            factors = [b, a.mT @ a / a.shape[0]]
+            if node not in a_of:
+                a_of[node] = input_factor(node.module, node.saved_tensors[0].detach())
+            factors = [b, a_of[node]]
         else:
             factors = [b]
         for q in quantities:
@@ -219,16 +294,23 @@ def add_diagonals(
     ``[N, O]`` to ``results`` (set where there is none yet): weight ``t[n] ⊗ a[n]²`` each
     sample's (their sum ``tᵀ a²``), bias ``t[n]``."""
     for node, t, name, i in _layer_params(layers, squares, params):
-        a2 = widen(node.saved_tensors[0].detach()).square()  # [N, I]
+        a2 = None  # [N, I], for the weight
+        taken = False  # (t itself is one quantity's, not two results' shared)
         for q in quantities:
             if q.kronecker:
                 continue
             if name == "bias":
-                value = t if q.per_sample else t.sum(0)
+                value = (t.clone() if taken else t) if q.per_sample else t.sum(0)
+                taken = taken or q.per_sample
             else:
+                if a2 is None:
+                    a2 = widen(node.saved_tensors[0].detach()).square()
                 value = t[:, :, None] * a2[:, None, :] if q.per_sample else t.t() @ a2
-            old = results[i].get(q.attr)
-            results[i][q.attr] = sign * value if old is None else old + sign * value
+            old = results[i].get(q.attr)  # (no copy of a value added as it is)
+            if old is not None:
+                results[i][q.attr] = torch.add(old, value, alpha=sign)
+            else:
+                results[i][q.attr] = value if sign == 1.0 else sign * value
 
 
 def _layer_params(
@@ -271,8 +353,5 @@ def residual_squares(
         columns = root.new_zeros(len(chunk), n, k)
         picked = torch.arange(len(chunk), device=root.device)
         columns[picked, :, chunk] = root[:, chunk].t()
-        found = column_squares(contexts, act.z, columns, layers)
-        total = [
-            a if b is None else b if a is None else a + b for a, b in zip(total, found, strict=True)
-        ]
+        total = _added(total, column_squares(contexts, act.z, columns, layers))
     return total

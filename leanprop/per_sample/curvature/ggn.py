@@ -27,12 +27,12 @@ from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
 from ..stats import widen
 from .batched_columns import (
     add_diagonals,
-    add_kronecker_factors,
+    column_results,
     covers,
-    layer_columns,
+    kronecker_layer,
+    linear_layer,
     linear_layers,
     residual_squares,
-    squares_of,
 )
 from .contexts import own_work
 from .hessian import (
@@ -179,21 +179,23 @@ def compute_ggn(
             "or inference mode): the quantities would carry no graph. Call it with "
             "autograd on, or without create_graph."
         )
-    check_loss(loss_fn, output, target)
-    bd = _output_batch_dim(contexts, output)
+    # (reading shapes and the graph: work of ours, not ops of the model's to follow)
+    with own_work(contexts):
+        check_loss(loss_fn, output, target)
+        bd = _output_batch_dim(contexts, output)
+        # the factor is formed with the samples first, then laid out as the output
+        output_front = output.movedim(bd, 0)
+        target_front = target.movedim(bd, 0) if target.dim() > bd else target
+        # (a reentrant checkpoint's block ran under no_grad: its layers were not recorded,
+        # and a pass that skips them would leave their parameters without quantities, unsaid)
+        reentrant = _through_reentrant_checkpoint(output)
     params = list({p: None for c in contexts for p in c.model.parameters() if p.requires_grad})
     names = [q.attr for q in ALL_QUANTITIES]
     saved_attrs = [{a: getattr(p, a) for a in names if hasattr(p, a)} for p in params]
     results: list[dict[str, object]] = [{} for _ in params]
-    # the factor is formed with the samples first, then laid out as the output
-    output_front = output.movedim(bd, 0)
-    target_front = target.movedim(bd, 0) if target.dim() > bd else target
     hessian = [q for q in by_mc.get(None, []) if q.hessian]
     second_order = [q for q in by_mc.get(None, []) if q.second_order]
     recomputed = sum(c.recomputed for c in contexts)
-    # (a reentrant checkpoint's block ran under no_grad: its layers were not recorded, and a
-    # pass that skips them would leave their parameters without quantities, unsaid)
-    reentrant = _through_reentrant_checkpoint(output)
 
     def refuse_recomputation(cause: BaseException | None = None) -> None:
         checkpointed = (
@@ -232,19 +234,18 @@ def compute_ggn(
                 for p, factors in found.items():
                     results[at[id(p)]][KFRA.attr] = factors
             if qs:
-                layers = None
-                if covers(qs) and not create_graph:
-                    layers = linear_layers(output.grad_fn, params)
-                found = None
-                if layers is not None:  # an MLP: all the columns at once
+                layers, done = None, None
+                if covers(qs) and not create_graph:  # (Kronecker factors: of convolutions too)
+                    accept = kronecker_layer if all(q.kronecker for q in qs) else linear_layer
+                    with own_work(contexts):
+                        layers = linear_layers(output.grad_fn, params, accept)
+                if layers is not None:  # an MLP (or a CNN): the columns batched
                     for c in contexts:  # (what the passes would refuse)
                         c.raise_pending_refusal()
-                    found = _batched(layer_columns, contexts, output, factor, layers)
-                if found is not None:
-                    with own_work(contexts):
-                        add_diagonals(layers, squares_of(found), params, qs, results)
-                        add_kronecker_factors(layers, found, params, qs, results)
-                else:
+                    done = _batched(
+                        column_results, contexts, output, factor, layers, params, qs, results
+                    )
+                if done is None:
                     _passes(contexts, output, factor, params, qs, results, create_graph)
         refuse_recomputation()
         loss = None

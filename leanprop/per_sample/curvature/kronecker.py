@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -24,20 +23,20 @@ from ...errors import UnsupportedModelError
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def unfolded(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: Tensor) -> Tensor:
-    """The input as im2col patches ``[N, C_in * prod(k), positions]``."""
-    if isinstance(module, nn.Conv2d):
-        return F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
-    # 1d/3d: as a 2d/3d unfold by hand (the patches in the weight's element order)
+def patches(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: Tensor) -> Tensor:
+    """The input's im2col patches with the samples and positions together,
+    ``[C_in * prod(k), N * positions]`` (the patch elements in the weight's order): one copy
+    of a padded, strided view of ``x``, laid out for one matrix product over samples and
+    positions at once (``F.unfold``'s ``[N, K, L]`` needs another copy or a slower
+    contraction over two dimensions)."""
     d = x.dim() - 2
     k, s, p, dil = module.kernel_size, module.stride, module.padding, module.dilation
     x = F.pad(x, [q for i in reversed(range(d)) for q in (p[i], p[i])])
     for i in range(d):
         x = x.unfold(2 + i, dil[i] * (k[i] - 1) + 1, s[i])[..., :: dil[i]]
-    n, c = x.shape[:2]
-    positions = x.shape[2 : 2 + d]
-    x = x.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d))
-    return x.reshape(n, c * math.prod(k), math.prod(positions))
+    # x: [N, C, *positions, *k] -> [C, *k, N, *positions]
+    x = x.permute(1, *range(2 + d, 2 + 2 * d), 0, *range(2, 2 + d))
+    return x.reshape(x.shape[0] * math.prod(k), -1)
 
 
 def unsupported_conv(module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> str | None:
@@ -62,9 +61,9 @@ def input_factor(module: nn.Module, x: Tensor) -> Tensor:
     convolution (``x`` ``[N, C_in, *S]``: ``[C_in k..., C_in k...]``), averaged over the
     samples."""
     if isinstance(module, nn.Linear):
-        return x.mT @ x / x.shape[0]
-    cols = unfolded(module, x)  # [N, K, L]
-    return torch.einsum("nkl,njl->kj", cols, cols) / x.shape[0]
+        return (x.mT @ x).div_(x.shape[0])
+    cols = patches(module, x)  # [K, N L]
+    return (cols @ cols.mT).div_(x.shape[0])
 
 
 class KroneckerFactors:

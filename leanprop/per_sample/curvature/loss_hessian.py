@@ -85,16 +85,12 @@ def _cross_entropy_scale(loss_fn: nn.CrossEntropyLoss, target: Tensor, c: int) -
     w = loss_fn.weight
     ignored = target == loss_fn.ignore_index
     keep = (~ignored).double()
+    if w is None:  # (every class weighs 1: so does each kept position, smoothed or not)
+        return keep / keep.sum() if loss_fn.reduction == "mean" else keep
     safe = torch.where(ignored, torch.zeros_like(target), target)
-    w_y = (
-        torch.ones(target.shape, dtype=torch.float64, device=target.device)
-        if w is None
-        else w[safe].double()
-    )
-    w_y = w_y * keep
+    w_y = w[safe].double() * keep
     eps = loss_fn.label_smoothing
-    w_mean = 1.0 if w is None else w.double().sum() / c
-    s = (1 - eps) * w_y + eps * w_mean * keep
+    s = (1 - eps) * w_y + eps * (w.double().sum() / c) * keep
     return s / w_y.sum() if loss_fn.reduction == "mean" else s
 
 
