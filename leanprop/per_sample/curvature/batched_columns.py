@@ -43,7 +43,7 @@ from ..capture import PerSample
 from ..stats import widen
 from .contexts import own_work
 from .hessian import Curved
-from .kronecker import CONVS, input_factor, unsupported_conv
+from .kronecker import CONVS, input_factor, output_factor, unsupported_conv
 from .quantities import CurvatureQuantity
 
 
@@ -244,17 +244,11 @@ def _added(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> list[Tenso
 
 def output_factors(layers: list[Any], found: Sequence[Tensor | None]) -> list[Tensor | None]:
     """``B = sum_{m,n} S S^T`` ``[O, O]`` of each layer from its columns ``S``
-    (:func:`layer_columns`; a convolution's ``[M, N, C_out, *S]`` summed over the output
-    positions first, as ``kronecker.py`` defines it); None where a layer is not reached.
+    (:func:`layer_columns`, ``[M, N, O]`` or a convolution's ``[M, N, C_out, *S]``:
+    ``kronecker.output_factor`` of the columns' gradients together); None where a layer is
+    not reached.
     Additive over the columns: the sum of those of column chunks is that of all."""
-    out: list[Tensor | None] = []
-    for s in found:
-        if s is not None:
-            s = s.flatten(3).sum(3) if s.dim() > 3 else s  # [M, N, O]
-            s = s.reshape(-1, s.shape[-1])  # [M N, O]
-            s = s.mT @ s
-        out.append(s)
-    return out
+    return [None if s is None else output_factor(s.flatten(0, 1)) for s in found]
 
 
 def add_kronecker_factors(

@@ -66,6 +66,15 @@ def input_factor(module: nn.Module, x: Tensor) -> Tensor:
     return (cols @ cols.mT).div_(x.shape[0])
 
 
+def output_factor(g: Tensor) -> Tensor:
+    """The output-side factor's part ``sum_n g_n g_n^T`` ``[O, O]`` of output gradients ``g``:
+    a linear layer's ``[N, O]``, or a convolution's ``[N, C_out, *S]`` summed over the output
+    positions first."""
+    if g.dim() > 2:
+        g = g.flatten(2).sum(2)  # [N, C_out]
+    return g.mT @ g
+
+
 class KroneckerFactors:
     """Accumulates each observed layer's ``B`` over the passes of one factor; ``A`` from the
     first pass's inputs."""
@@ -99,13 +108,11 @@ class KroneckerFactors:
                     f"{self.name}: Linear with inputs of shape {tuple(x.shape)}; Kronecker "
                     "factors are defined for [N, in_features] inputs (as in BackPACK)."
                 )
-            b = g.mT @ g
         else:
             why = unsupported_conv(module)
             if why is not None:
                 raise UnsupportedModelError(f"{self.name}: {why}.")
-            summed = g.flatten(2).sum(2)  # [N, C_out]
-            b = summed.mT @ summed
+        b = output_factor(g)
         if module not in self.a:
             self.a[module] = input_factor(module, x)
         self.b[module] = b if module not in self.b else self.b[module] + b
