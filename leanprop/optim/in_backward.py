@@ -37,7 +37,10 @@ Clipping: while any InBackward hooks parameters, ``torch.nn.utils.clip_grad_norm
 a guard (installed once, removed with the last InBackward): with ``max_norm=inf`` it returns the
 global norm of the last backward's gradients as backward produced them, before any clipping
 (what trainers log; recorded per bucket before its step); clipping gradients already stepped
-and freed is refused with what to use instead.
+and freed is refused with what to use instead. ``clip_grad_value_``, ``clip_grads_with_norm_``
+and accelerate's ``Accelerator.clip_grad_norm_`` (which takes the norm of the gradients that
+are there, so would see none) are guarded alike. ``torch.nn.utils.get_total_norm`` takes
+gradients, not parameters, so cannot be: read ``opt.last_grad_norm`` instead.
 
 A backward run inside another (``checkpoint(use_reentrant=True)``) that accumulates gradients
 of these parameters is refused: stepping there would step them once per inner backward with
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import sys
 import warnings
 import weakref
 from collections import Counter
@@ -123,9 +127,18 @@ _WRAPPED_API = (
 )
 
 
-# what the guards hand ordinary calls to
-_TORCH_CLIP, _TORCH_CLIP_VALUE = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
-_CLIP_ORIGINAL: list[Any] = []  # what the guards replaced (norm, value), while installed
+# what the guards hand ordinary calls to: the functions they replaced, while installed
+# ((module or class, name) -> the original), else torch's own
+_GUARDED: dict[tuple[Any, str], Any] = {}
+_TORCH_CLIPPING = {
+    name: getattr(torch.nn.utils, name, None)
+    for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+}
+
+
+def _original(name: str) -> Any:
+    """torch's ``torch.nn.utils.<name>`` as the guards found it."""
+    return _GUARDED.get((torch.nn.utils, name), _TORCH_CLIPPING[name])
 
 
 def _owners(params: Iterable[Tensor]) -> list[InBackward]:
@@ -158,7 +171,7 @@ def _guarded_clip_grad_norm_(
     gradients it is torch's, and their optimizer learns that the caller clips."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     stepped = [p for p in params if _stepped_in_last_backward(p)]
-    torch_clip = _CLIP_ORIGINAL[0] if _CLIP_ORIGINAL else _TORCH_CLIP
+    torch_clip = _original("clip_grad_norm_")
     finite = float(max_norm) != float("inf")
     if not stepped:
         if finite:
@@ -220,25 +233,82 @@ def _guarded_clip_grad_value_(
             "get their gradients held for step() from the first step on."
         )
     _note_clipping(params, "value")
-    torch_clip = _CLIP_ORIGINAL[1] if _CLIP_ORIGINAL else _TORCH_CLIP_VALUE
-    torch_clip(params, clip_value, foreach=foreach)
+    _original("clip_grad_value_")(params, clip_value, foreach=foreach)
+
+
+def _guarded_clip_grads_with_norm_(
+    parameters: Any, max_norm: float, total_norm: Tensor, foreach: bool | None = None
+) -> None:
+    """torch's ``clip_grads_with_norm_`` (the scaling half of ``clip_grad_norm_``; accelerate
+    calls it after taking the norm itself): refused for gradients InBackward already stepped
+    and freed (torch would silently scale nothing), except where the user chose InBackward's
+    approximate clipping (``clip_grad_norm=``), which stands in for it. On held gradients it is
+    torch's, and their optimizer learns that the caller clips."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    stepped = [p for p in params if _stepped_in_last_backward(p)]
+    if stepped:
+        if all(o.clip_grad_norm is not None for p in stepped if (o := _owner(p))):
+            return
+        raise UnsupportedModelError(
+            f"clip_grads_with_norm_(max_norm={max_norm!r}) got parameters of an InBackward "
+            "optimizer: their gradients were already stepped and freed during backward, so "
+            "there is nothing left to clip. Use opt.clipped_backward(loss, max_norm) for exact "
+            "clipping, or InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate "
+            "mode. A trainer's clipping is learnt on the optimizer's first step: one that "
+            "starts clipping later (another run with the same optimizer) needs a new "
+            "InBackward."
+        )
+    _note_clipping(params, "norm")
+    _original("clip_grads_with_norm_")(params, max_norm, total_norm, foreach)
+
+
+def _guarded_accelerator_clip(original: Any) -> Any:
+    """accelerate's ``Accelerator.clip_grad_norm_``, which takes the norm of the gradients
+    that are there (``get_total_norm``) and would silently see none of those InBackward
+    stepped and freed: for those, :func:`_guarded_clip_grad_norm_` (their recorded norm, or a
+    clear refusal to clip them); otherwise accelerate's own."""
+
+    @functools.wraps(original)
+    def clip_grad_norm_(
+        accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any
+    ) -> Any:
+        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        if any(_stepped_in_last_backward(p) for p in params):
+            return _guarded_clip_grad_norm_(params, max_norm, norm_type)
+        return original(accelerator, params, max_norm, norm_type, **kwargs)
+
+    return clip_grad_norm_
 
 
 def _guard_clipping(on: bool) -> None:
-    """Route ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` through the guards
-    while any InBackward hooks parameters (calls through a reference taken before that are not
-    seen)."""
+    """Route ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_`` and
+    ``clip_grads_with_norm_``, and accelerate's ``Accelerator.clip_grad_norm_`` once accelerate
+    is imported, through the guards while any InBackward hooks parameters (calls through a
+    reference taken before that are not seen). Called again (accelerate wrapping an
+    optimizer), it adds what is new."""
     import torch.nn.utils.clip_grad as clip_module
 
-    utils = torch.nn.utils
-    if on and not _CLIP_ORIGINAL:
-        _CLIP_ORIGINAL.extend((utils.clip_grad_norm_, utils.clip_grad_value_))
-        utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _guarded_clip_grad_norm_
-        utils.clip_grad_value_ = clip_module.clip_grad_value_ = _guarded_clip_grad_value_
-    elif not on and _CLIP_ORIGINAL and not any(r() is not None for r in _OWNER.values()):
-        utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _CLIP_ORIGINAL[0]
-        utils.clip_grad_value_ = clip_module.clip_grad_value_ = _CLIP_ORIGINAL[1]
-        _CLIP_ORIGINAL.clear()
+    if not on:
+        if _GUARDED and not any(r() is not None for r in _OWNER.values()):
+            for (target, name), original in _GUARDED.items():
+                setattr(target, name, original)
+            _GUARDED.clear()
+        return
+    guards = {
+        "clip_grad_norm_": _guarded_clip_grad_norm_,
+        "clip_grad_value_": _guarded_clip_grad_value_,
+        "clip_grads_with_norm_": _guarded_clip_grads_with_norm_,
+    }
+    for name, guard in guards.items():
+        for target in (torch.nn.utils, clip_module):
+            if hasattr(target, name) and (target, name) not in _GUARDED:
+                _GUARDED[target, name] = getattr(target, name)
+                setattr(target, name, guard)
+    accelerator = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
+    original = vars(accelerator).get("clip_grad_norm_") if accelerator is not None else None
+    if original is not None and (accelerator, "clip_grad_norm_") not in _GUARDED:
+        _GUARDED[accelerator, "clip_grad_norm_"] = original
+        accelerator.clip_grad_norm_ = _guarded_accelerator_clip(original)
 
 
 def _positive(x: Any, allow_inf: bool = False) -> bool:
@@ -561,6 +631,8 @@ class InBackward(torch.optim.Optimizer):
         """The plain optimizer's state dict (loadable by either)."""
         if accelerate_caller() == "__init__":  # Accelerator.prepare wraps it (each run)
             self._accelerate, self._clipping = True, TrainerClipping()
+            if self._hooked:
+                _guard_clipping(True)  # (accelerate's clipping, imported by now)
         return self.inner.state_dict()
 
     # ------------------------------------------------------------------ extras

@@ -883,6 +883,32 @@ def test_clip_grad_value_of_stepped_gradients_is_refused():
     assert model.weight.grad.abs().max() <= 0.1
 
 
+def test_clip_grads_with_norm_of_stepped_gradients_is_refused():
+    """torch's clip_grads_with_norm_ (the scaling half of clip_grad_norm_, which accelerate
+    calls since 1.16) on gradients already stepped and freed scaled nothing, silently: refused;
+    under approximate clipping it has nothing to do; on held gradients it is torch's."""
+    gc.collect()
+    original = torch.nn.utils.clip_grads_with_norm_
+    model = nn.Linear(3, 2)
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    x, total = torch.randn(4, 3), torch.tensor(2.0)
+    model(x).sum().backward()
+    with pytest.raises(UnsupportedModelError, match=r"clip_grads_with_norm_"):
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.1, total)
+    with opt.accumulate():
+        model(x).sum().backward()
+    want = [p.grad * torch.clamp(0.1 / (total + 1e-6), max=1.0) for p in model.parameters()]
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.1, total)
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
+    opt.zero_grad()
+    opt.remove()
+    assert torch.nn.utils.clip_grads_with_norm_ is original
+    approx = InBackward(model.parameters(), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0)
+    model(x).sum().backward()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.1, total)  # (stands in)
+    approx.remove()
+
+
 def test_finite_clip_call_under_approximate_clipping_returns_the_norm():
     """With InBackward's approximate clipping chosen, a trainer's clip_grad_norm_(params, c)
     returns the pre-clip norm (the approximate rule stands in for it) instead of raising."""

@@ -5,6 +5,7 @@ trainer's step allows it, and holding the gradients for ``step()`` where it does
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import warnings
 
@@ -234,7 +235,8 @@ def _small_adam(ours: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True, clip: bool = False,
-                    device_placement: bool = True) -> nn.Module:  # fmt: skip
+                    device_placement: bool = True, norms: list | None = None,
+                    clip_after: int | None = None) -> nn.Module:  # fmt: skip
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -247,10 +249,13 @@ def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True, clip: b
                                  device_placement=device_placement)  # fmt: skip
     model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4))
     try:
-        for (x,) in loader:
+        for i, (x,) in enumerate(loader):
             with acc.accumulate(model):
                 acc.backward(model(x).square().mean())
-                if clip and acc.sync_gradients:  # a clip the guard does not see
+                if norms is not None and acc.sync_gradients:  # (what HF Trainer logs)
+                    max_norm = float("inf") if clip_after is None or i < clip_after else 1.0
+                    norms.append(acc.clip_grad_norm_(model.parameters(), max_norm))
+                if clip and acc.sync_gradients:  # the user's own clipping, in two calls
                     grads = [p.grad for p in model.parameters()]
                     norm = torch.nn.utils.get_total_norm(grads)
                     torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.01, norm)
@@ -264,18 +269,47 @@ def _accelerate_run(ours: bool, accumulate: int, call_step: bool = True, clip: b
     return model
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["", "unseen-clipping"])
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clipping-in-two-calls"])
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_accelerate_loop_trains_bit_identically(accumulate, clip, monkeypatch):
     """An accelerate loop (prepare, accumulate, backward, step): bit-identical to the plain
-    optimizer, micro-batches before the last held, the last stepped in backward; with a
-    clipping the guard does not see (get_total_norm + clip_grads_with_norm_), held at every
-    step (it was skipped from the second step on, silently)."""
+    optimizer, micro-batches before the last held, the last stepped in backward; with the
+    user's clipping as get_total_norm + clip_grads_with_norm_, held at every step (it was
+    skipped from the second step on, silently)."""
     plain = _accelerate_run(False, accumulate, clip=clip)
     counts = _count_steps(monkeypatch)
     ours = _accelerate_run(True, accumulate, clip=clip)
     _assert_same(plain, ours)
     assert (counts["backward"] > 0) != clip, counts
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_accelerator_clip_grad_norm_reads_the_stepped_norm(accumulate, monkeypatch):
+    """accelerate's ``Accelerator.clip_grad_norm_(params, inf)``, which HF Trainer calls every
+    step to log the norm: bit-identical to the plain loop's, the steps in backward. From
+    accelerate 1.16 on it takes the norm of the gradients that are there itself, and returned
+    0 for gradients stepped and freed, silently."""
+    plain_norms: list[torch.Tensor] = []
+    our_norms: list[torch.Tensor] = []
+    plain = _accelerate_run(False, accumulate, norms=plain_norms)
+    counts = _count_steps(monkeypatch)
+    ours = _accelerate_run(True, accumulate, norms=our_norms)
+    _assert_same(plain, ours)
+    assert len(our_norms) == len(plain_norms) >= 3
+    assert all(torch.equal(a, b) for a, b in zip(our_norms, plain_norms, strict=True))
+    assert counts["backward"] > 0 and all(n > 0 for n in our_norms)
+
+
+def test_accelerator_clip_grad_norm_of_stepped_gradients_is_refused():
+    """A loop that starts clipping after the first steps (learnt: none) would clip gradients
+    already stepped and freed: accelerate 1.16 clipped nothing, silently; refused. The guard
+    goes with the last InBackward."""
+    accelerate = pytest.importorskip("accelerate")
+    original = vars(accelerate.Accelerator)["clip_grad_norm_"]
+    with pytest.raises(UnsupportedModelError, match=r"nothing left to clip"):
+        _accelerate_run(True, 1, norms=[], clip_after=3)
+    gc.collect()  # (no other InBackward alive: the guard is gone)
+    assert vars(accelerate.Accelerator)["clip_grad_norm_"] is original
 
 
 def test_accelerate_without_device_placement_refuses_the_first_micro_batch():
