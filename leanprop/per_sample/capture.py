@@ -696,7 +696,7 @@ class PerSample:
         )
         if not same_samples:
             self._cycle.next_forward()  # its contributions are told from an earlier forward's
-        self._root_running = True
+        self._root_running = self._cycle.model_forward = True
         if self._intercept is not None:
             if not same_samples:
                 self._tracker.clear()
@@ -1170,15 +1170,19 @@ class PerSample:
         """A module of the model called on its own (the model's forward not running): what
         it records is not followed from the model's inputs, and a weight it shares with
         another module (a tied embedding and head) may be split wrongly, so this forward's
-        quantities are checked even with ``check=False``."""
+        quantities are checked even with ``check=False``. Not one: a checkpoint's recompute
+        inside backward of the model's forward (a non-reentrant one replaying it; a reentrant
+        one recording its part of it, which ran under no_grad)."""
         if (
             not self._root_running and torch.is_grad_enabled() and site.module is not self.model
             and not self._recomputing()  # (a non-reentrant checkpoint replays the forward)
         ):  # fmt: skip
             # the first call of a new forward: start it here, so that a model call taking its
             # output does not drop it
-            if self._cycle.backward_done and not self._recomputing():
+            if self._cycle.backward_done:
                 self._abort_cycle()
+            elif self._cycle.model_forward and current_graph_task_id() != -1:
+                return  # (a reentrant checkpoint's part of the model's forward)
             self._cycle.direct_call = site.name
 
     def _recomputing(self) -> bool:

@@ -276,6 +276,7 @@ class Cycle:
     scratch: Scratch = field(default_factory=Scratch)  # chunks' temporaries, one backward's
     dropped_n: int | None = None  # samples of an earlier forward dropped before its backward
     direct_call: str | None = None  # a module of the model called on its own in this forward
+    model_forward: bool = False  # the model's own forward ran (recording) in this forward
     keep_calls: bool = False  # module-level calls stay for another backward (curvature passes)
     # a create_graph backward closes the forward's sinks: a later backward that differentiates
     # its results (their autograd nodes, ``result_nodes``, reached from its roots, or its
@@ -471,7 +472,7 @@ class Cycle:
         self.n = None
         self.backward_done = False
         self.dropped_n = None
-        self.direct_call = None
+        self.direct_call, self.model_forward = None, False
 
     def verify(self) -> None:
         """The individual gradients must add up to what autograd computed in this backward,

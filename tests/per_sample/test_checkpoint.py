@@ -158,6 +158,42 @@ class CheckpointedTail(nn.Module):
         return self.b(self.mid(h))
 
 
+class _Scaled(nn.Module):
+    """A module without a rule of its own: its parameter's gradient comes from autograd (not
+    from the individual gradients), before the checkpoint, so it arrives after the recompute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
+
+
+def test_a_reentrant_checkpoints_recompute_is_not_a_module_called_on_its_own():
+    """A reentrant checkpoint's recompute (its part of the forward, run inside backward) was
+    taken for a module called on its own: the quantities were checked even with
+    ``check=False``, each later gradient held to the end of backward for it (autograd then
+    copied it), and a failing check blamed the checkpointed module. ``.grad`` is now the very
+    tensor autograd handed over, and the results exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Scaled(4), CheckpointedTail()).double()
+    x = torch.randn(5, 5, 4, dtype=torch.float64)
+    expected = loop_oracle(model, x)
+    handed: dict[str, int] = {}
+    hooks = [
+        p.register_hook(lambda g, k=k: handed.__setitem__(k, g.data_ptr()))
+        for k, p in model.named_parameters()
+    ]  # (registered first: they see what autograd hands over, and hold nothing)
+    with leanprop.per_sample(model, BatchGrad(), check=False):
+        model(x).square().sum().backward()
+    for h in hooks:
+        h.remove()
+    for k, p in model.named_parameters():
+        assert p.grad.data_ptr() == handed[k], k
+        assert_close(p.grad_batch, expected[k], f"{k}.grad_batch", 1e-9, 1e-12)
+
+
 def test_nested_contexts_around_a_reentrant_checkpoint():
     """Both contexts' cycles end with the outermost backward (the inner context's op
     interception runs it, so the outer one never sees the call)."""
