@@ -395,6 +395,30 @@ class NanoGPT(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
+class ShiftedDecoderIds(nn.Module):
+    """A decoder's input ids made as HF's ``shift_tokens_right`` makes them (BART, T5,
+    Whisper): written into a fresh tensor by slice assignment, then filled in place. The ids
+    carried no batch: no quantities at all (none, silently, with ``check=False``)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 4) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids: Tensor) -> Tensor:  # [N, T]
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 2
+        shifted.masked_fill_(shifted == -100, 1)
+        return self.head(torch.tanh(self.emb(shifted)))
+
+
+@model
+def shifted_decoder_ids() -> Built:
+    m = ShiftedDecoderIds()
+    x = torch.randint(0, 11, (N, N))
+    return m, lambda: token_losses(m(x), x), {}
+
+
 def token_losses(logits: Tensor, y: Tensor) -> Tensor:
     """``[N]``: each sample's summed token cross-entropy."""
     ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
@@ -703,8 +727,17 @@ def hf_models() -> dict[str, Callable[[], Built]]:
         audio, y = torch.randn(N, 60), torch.randint(0, 2, (N,))
         return m, lambda: F.cross_entropy(m(input_values=audio).logits, y, reduction="none"), {}
 
+    def t5() -> Built:  # decoder ids by _shift_right; relative position bias; tied head
+        cfg = tf.T5Config(
+            vocab_size=30, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+            relative_attention_num_buckets=4, decoder_start_token_id=0,
+        )  # fmt: skip
+        m = tf.T5ForConditionalGeneration(cfg)
+        ids = torch.randint(1, 30, (N, N))
+        return m, lambda: token_losses(m(input_ids=ids, labels=ids).logits, ids), {}
+
     return {
         "hf_gpt2": gpt2, "hf_gpt2_wide": gpt2_wide, "hf_llama": llama, "hf_bert": bert,
         "hf_vit": vit, "hf_bart": bart, "hf_bart_classifier": bart_classifier,
-        "hf_bloom": bloom, "hf_falcon": falcon, "hf_wav2vec2": wav2vec2,
+        "hf_bloom": bloom, "hf_falcon": falcon, "hf_wav2vec2": wav2vec2, "hf_t5": t5,
     }  # fmt: skip

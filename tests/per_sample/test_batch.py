@@ -61,7 +61,39 @@ def follow(op, quick=False):
     return [(o, tracker.info(o)) for o in outs]
 
 
+def assigned(shape, *writes):
+    """``dest = x.new_zeros(shape(x)); dest[index] = value(x)`` for each ``(index, value)``
+    of ``writes``: ``dest``, which carried no batch before."""
+
+    def op(x):
+        dest = x.new_zeros(shape(x))
+        for index, value in writes:
+            dest[index] = value(x)
+        return dest
+
+    return op
+
+
 KEEP = {
+    # (HF's shift_tokens_right, each sample's entries all written)
+    "assigned into a fresh tensor, shifted along time": assigned(
+        lambda x: x.shape,
+        ((slice(None), slice(1, None)), lambda x: x[:, :-1]),
+        ((slice(None), slice(None, 1)), lambda x: x[:, -1:]),
+    ),
+    "assigned behind an ellipsis": assigned(
+        lambda x: x.shape,
+        ((Ellipsis, slice(1, None)), lambda x: x[..., :-1]),
+        ((Ellipsis, 0), lambda x: x[..., -1]),
+    ),
+    "assigned, the batch second": assigned(lambda x: x.shape, (slice(None), lambda x: x.mT)),
+    "assigned into a moved batch": assigned(
+        lambda x: (N, N, N), ((slice(None),), lambda x: x.transpose(0, 1))
+    ),
+    "assigned below a new dimension": assigned(lambda x: (1, N, N, N), (0, lambda x: x)),
+    "assigned beside itself": assigned(
+        lambda x: (N, N, N, 2), ((..., 0), lambda x: x), ((..., 1), lambda x: x)
+    ),
     "tuple index before the samples": lambda x: x.transpose(0, 1)[(0, 1), ...],
     "baddbmm by keyword": lambda x: x[:, :1].baddbmm(batch1=x[..., :2], batch2=x[:, :2], alpha=0),
     "matmul by keyword": lambda x: torch.matmul(input=x, other=torch.eye(N, dtype=x.dtype)),
@@ -198,7 +230,20 @@ KEEP = {
     ),
 }
 
+
+def _written_into_a_view(x):
+    dest = x.new_zeros(x.shape)
+    dest[:, 1:].copy_(x[:, :-1])
+    return dest
+
+
 LOSE = {
+    "assigned into part of the batch dimension": assigned(
+        lambda x: (N + 1, N, N), (slice(1, None), lambda x: x)
+    ),
+    "assigned by an index tensor": assigned(lambda x: x.shape, (torch.arange(N), lambda x: x)),
+    "assigned from one sample": assigned(lambda x: x.shape, (slice(None), lambda x: x[:1])),
+    "written into a view of a fresh tensor": _written_into_a_view,
     "boolean mask, not as many per sample": lambda x: x[torch.ones(N, N).tril().bool()],
     "boolean mask beside the samples": lambda x: x[:, torch.ones(N, dtype=torch.bool)],
     "list index into the samples": lambda x: x[[0, 1]],

@@ -55,6 +55,7 @@ def test_model_pattern(name):
         "hf_bloom",
         "hf_falcon",
         "hf_wav2vec2",
+        "hf_t5",
     ],
 )
 def test_hf_model_in_training_mode(name):

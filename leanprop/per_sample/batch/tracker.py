@@ -18,6 +18,7 @@ from ..._torch_compat import (
     saved_tensor_hooks_in_effect,
 )
 from ...errors import UnsupportedModelError
+from .indexing import assigned_result
 from .infos import (
     REORDERED,
     BatchDim,
@@ -343,6 +344,9 @@ class BatchTracker:
         name = op_name(func)
         if name in NON_TENSOR or name in FACTORIES:
             return
+        if name == "setitem":
+            self._assigned(args)
+            return
         outs = _tensor_outputs(out)
         if not outs:
             return
@@ -402,6 +406,32 @@ class BatchTracker:
                         self._lookups[outs[0]] = found
             return
         self._record(name, args, kwargs, outs, batched, by_edge, replay)
+        if _writes(func, kwargs):
+            self._written_through_view(outs[0])
+
+    def _assigned(self, args: Sequence[Any]) -> None:
+        """``dest[index] = value`` (``Tensor.__setitem__``, which returns nothing): a ``dest``
+        that carried no batch carries the batch of ``value`` (see ``assigned_result``); one
+        that did keeps it where it was."""
+        if len(args) < 3 or not isinstance(args[0], Tensor) or not isinstance(args[2], Tensor):
+            return
+        dest, value = args[0], args[2]
+        info = self.info(value)
+        if info is None or self.info(dest) is not None:
+            return
+        self._info[dest] = assigned_result(args[1], dest, value, info)
+        reason = self._mixed.get(value)
+        if reason is not None and dest.requires_grad:
+            self._mixed[dest] = reason
+        self._written_through_view(dest)
+
+    def _written_through_view(self, t: Tensor) -> None:
+        """An op wrote values into ``t`` in place: where ``t`` is a view of a tensor that
+        carries no batch and now carries one, the samples are in part of that tensor, in no
+        place leanprop follows (``buf[:, 1:].copy_(x)``)."""
+        base = t._base
+        if base is not None and self.info(base) is None and self.info(t) is not None:
+            self._info[base] = Lost("values that carry the batch written into a view of a tensor")
 
     def batched_only(
         self, args: Sequence[Any], kwargs: dict[str, Any]
@@ -453,10 +483,15 @@ class BatchTracker:
         name = op_name(func)
         if name in NON_TENSOR or name in FACTORIES:
             return
+        if name == "setitem":
+            self._assigned(args)
+            return
         outs = _tensor_outputs(out)
         batched = by_value(name, args, kwargs, batched) if outs else []
         if batched:
             self._record(name, args, kwargs, outs, batched, False, replay)
+            if _writes(func, kwargs):
+                self._written_through_view(outs[0])
 
     def _record(
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], outs: list[Tensor],
@@ -663,6 +698,15 @@ def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup 
     if padding is not None and padding < 0:
         padding += weight.shape[0]
     return Lookup(ids, weight, padding)
+
+
+def _writes(func: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` writes into its first argument in place (``x.copy_(y)``, ``x += y``)
+    or into ``out=``."""
+    raw = getattr(func, "__name__", "")
+    return (
+        (raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i") or ("out" in kwargs)
+    )
 
 
 def _tensor_outputs(out: Any) -> list[Tensor]:
