@@ -419,6 +419,58 @@ def shifted_decoder_ids() -> Built:
     return m, lambda: token_losses(m(x), x), {}
 
 
+class StepsIntoABuffer(nn.Module):
+    """A recurrent cell's states written step by step into a preallocated buffer, by
+    assignment and by ``copy_`` into its views: the buffer carried no batch."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.inp, self.rec, self.head = nn.Linear(3, d), nn.Linear(d, d), nn.Linear(2 * d, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, T, 3]
+        n, t, _ = x.shape
+        d = self.rec.in_features
+        h = x.new_zeros(n, d)
+        out = x.new_zeros(n, t, 2 * d)
+        for s in range(t):
+            h = torch.tanh(self.inp(x[:, s]) + self.rec(h))
+            out[:, s, :d] = h
+            out[:, s, d:].copy_(h.square())
+        return self.head(out).sum(1)
+
+
+@model
+def steps_into_a_buffer() -> Built:
+    m = StepsIntoABuffer()
+    x = torch.randn(N, N, 3)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+class Cells(nn.Module):
+    """``nn.RNNCell``, ``nn.GRUCell`` and ``nn.LSTMCell`` stepped over time (a decoder's loop):
+    their ops lost the batch (an error at the head)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.rnn, self.gru, self.lstm = nn.RNNCell(3, d), nn.GRUCell(d, d), nn.LSTMCell(d, d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, T, 3]
+        h = g = state = None
+        for s in range(x.shape[1]):
+            h = self.rnn(x[:, s], h)
+            g = self.gru(h, g)
+            state = self.lstm(g, state)
+        return self.head(state[0])
+
+
+@model
+def rnn_cells_stepped() -> Built:
+    m = Cells()
+    x = torch.randn(N, N, 3)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
 def token_losses(logits: Tensor, y: Tensor) -> Tensor:
     """``[N]``: each sample's summed token cross-entropy."""
     ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")

@@ -74,6 +74,32 @@ def assigned(shape, *writes):
     return op
 
 
+def _written_into_a_view(x):
+    dest = x.new_zeros(x.shape)
+    dest[:, 1:].copy_(x[:, :-1])
+    dest[:, :1].copy_(x[:, -1:])
+    return dest
+
+
+def _written_step_by_step(x):  # (an RNN's outputs into a preallocated buffer)
+    out = x.new_zeros(N, N, N)
+    for t in range(N):
+        out[:, t].copy_(x[:, t] * 2 - x[:, t])
+    return out
+
+
+def _written_into_part_of_the_batch(x):
+    dest = x.new_zeros(N + 1, N, N)
+    dest[1:].copy_(x)
+    return dest
+
+
+def _assigned_through_a_view(x):
+    dest = x.new_zeros(N, N * N)
+    dest.view(N, N, N)[:, :] = x
+    return dest
+
+
 KEEP = {
     # (HF's shift_tokens_right, each sample's entries all written)
     "assigned into a fresh tensor, shifted along time": assigned(
@@ -91,6 +117,9 @@ KEEP = {
         lambda x: (N, N, N), ((slice(None),), lambda x: x.transpose(0, 1))
     ),
     "assigned below a new dimension": assigned(lambda x: (1, N, N, N), (0, lambda x: x)),
+    "written into views of a fresh tensor": _written_into_a_view,
+    "written into a fresh tensor step by step": _written_step_by_step,
+    "assigned through a view of a fresh tensor": _assigned_through_a_view,
     "assigned beside itself": assigned(
         lambda x: (N, N, N, 2), ((..., 0), lambda x: x), ((..., 1), lambda x: x)
     ),
@@ -231,19 +260,13 @@ KEEP = {
 }
 
 
-def _written_into_a_view(x):
-    dest = x.new_zeros(x.shape)
-    dest[:, 1:].copy_(x[:, :-1])
-    return dest
-
-
 LOSE = {
     "assigned into part of the batch dimension": assigned(
         lambda x: (N + 1, N, N), (slice(1, None), lambda x: x)
     ),
     "assigned by an index tensor": assigned(lambda x: x.shape, (torch.arange(N), lambda x: x)),
     "assigned from one sample": assigned(lambda x: x.shape, (slice(None), lambda x: x[:1])),
-    "written into a view of a fresh tensor": _written_into_a_view,
+    "written into part of a fresh tensor along the batch": _written_into_part_of_the_batch,
     "boolean mask, not as many per sample": lambda x: x[torch.ones(N, N).tril().bool()],
     "boolean mask beside the samples": lambda x: x[:, torch.ones(N, dtype=torch.bool)],
     "list index into the samples": lambda x: x[[0, 1]],
@@ -323,12 +346,21 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
     "distances to a codebook": (lambda x: torch.cdist(x, TABLE[:, None]), BatchDim(0)),
     "distances of a codebook to each sample": (lambda x: torch.cdist(TABLE, x[:, 0]),
                                                BatchDim(1)),
+    "an LSTM cell's step": (  # (a state of another size than the input's features)
+        lambda x: torch.lstm_cell(x[:, 0], (x[:, 1, :2], x[:, 2, :2]), CELL, CELL[:, :2])[1],
+        BatchDim(0)),
+    "a GRU cell's step from a zero state": (
+        lambda x: torch.gru_cell(x[:, 0], x.new_zeros(N, 2), CELL[:6], CELL[:6, :2]),
+        BatchDim(0)),
+    "a GRU cell's step, the batch second": (
+        lambda x: torch.gru_cell(x[:, 0].T, x[:, 1, :2], CELL[:6], CELL[:6, :2]), Lost),
     "differences over time": (lambda x: x.diff(dim=1), BatchDim(0)),
     "differences along the batch": (lambda x: x.diff(dim=0), Lost),
     "padded along time, the batch second": (
         lambda x: F.pad(x.transpose(0, 1), (0, 0, 0, 0, 1, 1)), BatchDim(1)),
 }  # fmt: skip
 TABLE = torch.arange(N, dtype=torch.float64)[:, None].expand(N, N).clone()
+CELL = torch.full((8, N), 0.1, dtype=torch.float64)  # (an RNN cell's weights, H = 2)
 
 
 @pytest.mark.parametrize("name", sorted(MOVED))

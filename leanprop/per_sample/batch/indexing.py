@@ -96,6 +96,21 @@ def assigned_result(index: Any, dest: Tensor, value: Tensor, info: Info) -> Info
     return BatchDim(place[0], info.inner)
 
 
+def base_result(view: Tensor, base: Tensor, info: Info) -> Info:
+    """Where the batch is in ``base``, which carried none, after an op wrote values into
+    ``view`` (one of its views) in place, ``view`` now carrying the batch at ``info``
+    (``out[:, t].copy_(h)`` into a preallocated ``out``): the one dimension of ``base`` with
+    the size and stride of the view's batch dimension (all of it, so every sample's place);
+    else :class:`Lost`."""
+    if not isinstance(info, BatchDim):
+        return Lost("values that carry the batch written into a view of a tensor")
+    size, stride = view.shape[info.dim], view.stride(info.dim)
+    same = [d for d in range(base.dim()) if base.shape[d] == size and base.stride(d) == stride]
+    if size < 2 or len(same) != 1:
+        return Lost("values that carry the batch written into part of a tensor along it")
+    return BatchDim(same[0], info.inner)
+
+
 def _masked_rows(items: list[Any], bd: BatchDim, n: int) -> Info:
     """Where the batch lands in ``x[mask]``: a boolean mask over ``x``'s first dimensions, the
     samples' first, gives each sample's selected elements together, in order; the batch

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 
 RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+# one step of a cell (input [N, I], hx [N, H], an LSTM's as (h, c), weights) -> [N, H] (an
+# LSTM's (h, c)): nn.RNNCell, nn.GRUCell, nn.LSTMCell
+RNN_CELL_OPS = frozenset({"lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"})
 
 
 def is_packed_rnn_op(name: str, args: Sequence[Any]) -> bool:
@@ -265,6 +268,8 @@ def result_dim(
         if bd != BatchDim(expected):
             return Lost(f"{name} with its batch elsewhere than documented")
         return BatchDim(first if k == 0 else 1)
+    if name in RNN_CELL_OPS:
+        return bd if bd == BatchDim(0) and nd == 2 else Lost(f"{name} needs the batch first")
     if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
         return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
     if isinstance(which, str) and (name in _INDEX_OPS or name == "diff"):

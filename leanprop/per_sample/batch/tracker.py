@@ -18,7 +18,7 @@ from ..._torch_compat import (
     saved_tensor_hooks_in_effect,
 )
 from ...errors import UnsupportedModelError
-from .indexing import assigned_result
+from .indexing import assigned_result, base_result
 from .infos import (
     REORDERED,
     BatchDim,
@@ -427,11 +427,12 @@ class BatchTracker:
 
     def _written_through_view(self, t: Tensor) -> None:
         """An op wrote values into ``t`` in place: where ``t`` is a view of a tensor that
-        carries no batch and now carries one, the samples are in part of that tensor, in no
-        place leanprop follows (``buf[:, 1:].copy_(x)``)."""
+        carried no batch and now carries one, that tensor carries it too (see
+        ``base_result``)."""
         base = t._base
-        if base is not None and self.info(base) is None and self.info(t) is not None:
-            self._info[base] = Lost("values that carry the batch written into a view of a tensor")
+        info = self.info(t) if base is not None else None
+        if info is not None and self.info(base) is None:
+            self._info[base] = base_result(t, base, info)
 
     def batched_only(
         self, args: Sequence[Any], kwargs: dict[str, Any]
