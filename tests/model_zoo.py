@@ -464,6 +464,23 @@ class Cells(nn.Module):
         return self.head(state[0])
 
 
+class Bilinear(nn.Module):
+    """``nn.Bilinear`` of two views of each sample, on ``[N, T, I]``: its op was unknown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.bil = nn.Linear(3, 4), nn.Bilinear(4, 3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, T, 3]
+        return self.bil(torch.tanh(self.inp(x)), x)
+
+
+def bilinear_of_two_views() -> Built:  # (not in ZOO: torch's bilinear has no autocast rule)
+    m = Bilinear()
+    x = torch.randn(N, N, 3)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
 @model
 def rnn_cells_stepped() -> Built:
     m = Cells()

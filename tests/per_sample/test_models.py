@@ -14,7 +14,7 @@ from leanprop import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from leanprop.testing import individual_gradients_of_losses, quantities_from_individual
 
 from ..helpers import assert_close
-from ..model_zoo import ZOO, hf_models
+from ..model_zoo import ZOO, bilinear_of_two_views, hf_models
 
 ALL = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
 
@@ -41,6 +41,11 @@ pytestmark = pytest.mark.usefixtures("float64_default")
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_model_pattern(name):
     check(ZOO[name])
+
+
+def test_bilinear_layer():
+    """``nn.Bilinear`` on ``[N, T, I]``: its op lost the batch (an error)."""
+    check(bilinear_of_two_views)
 
 
 @pytest.mark.parametrize(

@@ -278,9 +278,9 @@ def result_dim(
     if isinstance(which, str) or name in _ELEMENTWISE:
         return _elementwise(name, args, kwargs, x, bd, out)
     # the layers' ops next (each layer's call passes here): no branch below takes their names
-    if name in ("linear", "embedding", "embedding_bag"):
-        if name == "linear" and bd.dim == nd - 1:
-            return Lost("a linear layer sums over the batch dimension")
+    if name in ("linear", "bilinear", "embedding", "embedding_bag"):
+        if name in ("linear", "bilinear") and bd.dim == nd - 1:
+            return Lost(f"a {name} layer sums over the batch dimension")
         if name == "embedding_bag" and nd == 1:
             return Lost("embedding_bag with offsets")
         if name == "embedding" and which == 1 and bd.dim == 0:  # (rows of a batched table)
