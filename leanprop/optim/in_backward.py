@@ -159,6 +159,28 @@ def _note_clipping(params: list[Tensor], kind: str) -> None:
         o._clipping.saw(kind)
 
 
+def _params_of(parameters: Any) -> list[Tensor]:
+    """A clipping call's parameters (one tensor or an iterable of them) as a list."""
+    return [parameters] if isinstance(parameters, Tensor) else list(parameters)
+
+
+def _approximate(stepped: list[Tensor]) -> bool:
+    """Every one of ``stepped`` belongs to an InBackward with approximate clipping."""
+    return all(o.clip_grad_norm is not None for p in stepped if (o := _owner(p)))
+
+
+def _nothing_left_to_clip(call: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{call} got parameters of an InBackward optimizer: their gradients were already "
+        "stepped and freed during backward, so there is nothing left to clip (only reading the "
+        "2-norm, clip_grad_norm_(params, inf), works). Use opt.clipped_backward(loss, "
+        "max_norm) for exact clipping, or InBackward(..., clip_grad_norm=max_norm) for the "
+        "cheaper approximate mode. A trainer's clipping is learnt on the optimizer's first "
+        "step: one that starts clipping later (another run with the same optimizer) needs a "
+        "new InBackward."
+    )
+
+
 def _guarded_clip_grad_norm_(
     parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -169,7 +191,7 @@ def _guarded_clip_grad_norm_(
     as ``clip_grad_norm_`` returns it); clipping them is refused, except where the user chose
     InBackward's approximate clipping (``clip_grad_norm=``), which stands in for it. On held
     gradients it is torch's, and their optimizer learns that the caller clips."""
-    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    params = _params_of(parameters)
     stepped = [p for p in params if _stepped_in_last_backward(p)]
     torch_clip = _original("clip_grad_norm_")
     finite = float(max_norm) != float("inf")
@@ -181,16 +203,9 @@ def _guarded_clip_grad_norm_(
             for o in _owners(params):
                 o._clipping.refresh(params)
         return total
-    approximate = all(o.clip_grad_norm is not None for p in stepped if (o := _owner(p)))
-    if (finite and not approximate) or float(norm_type) != 2.0:
-        raise UnsupportedModelError(
-            f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r}) got parameters "
-            "of an InBackward optimizer: their gradients were already stepped and freed during "
-            "backward, so there is nothing left to clip (only reading the 2-norm, max_norm=inf, "
-            "works). Use opt.clipped_backward(loss, max_norm) for exact clipping, or "
-            "InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate mode. A "
-            "trainer's clipping is learnt on the optimizer's first step: one that starts "
-            "clipping later (another run with the same optimizer) needs a new InBackward."
+    if (finite and not _approximate(stepped)) or float(norm_type) != 2.0:
+        raise _nothing_left_to_clip(
+            f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r})"
         )
     unkept = [type(o).__name__ for p in stepped if (o := _owner(p)) and not o._stepped.keep]
     if unkept:
@@ -214,7 +229,18 @@ def _guarded_clip_grad_norm_(
             "clip_grad_norm_: the total norm of order 2.0 of the gradients is non-finite "
             "(error_if_nonfinite=True)."
         )
+    if finite:  # (the approximate rule stands in for the stepped ones; held ones are clipped)
+        _clip_held(params, max_norm, total, foreach)
     return total
+
+
+def _clip_held(params: list[Tensor], max_norm: float, total: Tensor, foreach: Any) -> None:
+    """torch's ``clip_grads_with_norm_`` on those of ``params`` whose gradients are there
+    (another optimizer's, or held for ``step()``), their optimizers told."""
+    held = [p for p in params if p.grad is not None]
+    if held:
+        _note_clipping(held, "norm")
+        _original("clip_grads_with_norm_")(held, max_norm, total, foreach)
 
 
 def _guarded_clip_grad_value_(
@@ -223,7 +249,7 @@ def _guarded_clip_grad_value_(
     """torch's ``clip_grad_value_``; refused for gradients InBackward already stepped and
     freed (torch would silently clip nothing); on held gradients their optimizer learns that
     the caller clips."""
-    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    params = _params_of(parameters)
     if any(_stepped_in_last_backward(p) for p in params):
         raise UnsupportedModelError(
             f"clip_grad_value_(clip_value={clip_value!r}) got parameters of an InBackward "
@@ -244,22 +270,11 @@ def _guarded_clip_grads_with_norm_(
     and freed (torch would silently scale nothing), except where the user chose InBackward's
     approximate clipping (``clip_grad_norm=``), which stands in for it. On held gradients it is
     torch's, and their optimizer learns that the caller clips."""
-    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    params = _params_of(parameters)
     stepped = [p for p in params if _stepped_in_last_backward(p)]
-    if stepped:
-        if all(o.clip_grad_norm is not None for p in stepped if (o := _owner(p))):
-            return
-        raise UnsupportedModelError(
-            f"clip_grads_with_norm_(max_norm={max_norm!r}) got parameters of an InBackward "
-            "optimizer: their gradients were already stepped and freed during backward, so "
-            "there is nothing left to clip. Use opt.clipped_backward(loss, max_norm) for exact "
-            "clipping, or InBackward(..., clip_grad_norm=max_norm) for the cheaper approximate "
-            "mode. A trainer's clipping is learnt on the optimizer's first step: one that "
-            "starts clipping later (another run with the same optimizer) needs a new "
-            "InBackward."
-        )
-    _note_clipping(params, "norm")
-    _original("clip_grads_with_norm_")(params, max_norm, total_norm, foreach)
+    if stepped and not _approximate(stepped):
+        raise _nothing_left_to_clip(f"clip_grads_with_norm_(max_norm={max_norm!r})")
+    _clip_held(params, max_norm, total_norm, foreach)
 
 
 def _guarded_accelerator_clip(original: Any) -> Any:
@@ -272,7 +287,7 @@ def _guarded_accelerator_clip(original: Any) -> Any:
     def clip_grad_norm_(
         accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any
     ) -> Any:
-        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        params = _params_of(parameters)
         if any(_stepped_in_last_backward(p) for p in params):
             return _guarded_clip_grad_norm_(params, max_norm, norm_type)
         return original(accelerator, params, max_norm, norm_type, **kwargs)
@@ -294,19 +309,29 @@ def _guard_clipping(on: bool) -> None:
                 setattr(target, name, original)
             _GUARDED.clear()
         return
-    guards = {
-        "clip_grad_norm_": _guarded_clip_grad_norm_,
-        "clip_grad_value_": _guarded_clip_grad_value_,
-        "clip_grads_with_norm_": _guarded_clip_grads_with_norm_,
-    }
-    for name, guard in guards.items():
+    guards = zip(
+        _TORCH_CLIPPING,
+        (_guarded_clip_grad_norm_, _guarded_clip_grad_value_, _guarded_clip_grads_with_norm_),
+        strict=True,
+    )
+    for name, guard in guards:
         for target in (torch.nn.utils, clip_module):
             if hasattr(target, name) and (target, name) not in _GUARDED:
                 _GUARDED[target, name] = getattr(target, name)
                 setattr(target, name, guard)
+    _guard_accelerate()
+
+
+def _guard_accelerate() -> None:
+    """Wrap accelerate's ``Accelerator.clip_grad_norm_`` once accelerate is imported (checked
+    where the guards are installed, where accelerate wraps an optimizer, and as each backward
+    begins: accelerate may be imported after the InBackward is made, and a loop need not
+    prepare the optimizer)."""
     accelerator = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
-    original = vars(accelerator).get("clip_grad_norm_") if accelerator is not None else None
-    if original is not None and (accelerator, "clip_grad_norm_") not in _GUARDED:
+    if accelerator is None or (accelerator, "clip_grad_norm_") in _GUARDED:
+        return
+    original = vars(accelerator).get("clip_grad_norm_")
+    if original is not None:
         _GUARDED[accelerator, "clip_grad_norm_"] = original
         accelerator.clip_grad_norm_ = _guarded_accelerator_clip(original)
 
@@ -797,6 +822,8 @@ class InBackward(torch.optim.Optimizer):
 
     def _queue_end(self, task: int) -> None:
         """Step what is left when the backward ``task`` ends."""
+        if _GUARDED:  # (accelerate imported since: its clipping guarded before it is called)
+            _guard_accelerate()
         self._callback_queued = True
         self._queued_task = task
         queue_callback(self.end_backward)

@@ -59,6 +59,7 @@ from .batch import (
     BatchTracker,
     Lost,
     how_to_keep,
+    in_place,
     op_name,
     packed_data,
     tensors_in,
@@ -849,8 +850,7 @@ class PerSample:
         if not (self._check or self._clip is not None):
             return []
         found = self._tracker.escaping(args, kwargs)
-        raw = getattr(func, "__name__", "")
-        if found and ((raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i")):
+        if found and in_place(func):
             for place, params in found:
                 if place == (0,):  # (args[0]: the tensor changed in place)
                     t = args[0]
@@ -984,8 +984,7 @@ class PerSample:
         parameters or derive from them, when the op also takes a batched tensor."""
         if not torch.is_grad_enabled() or "out" in kwargs or not self._tracking():
             return {}
-        raw = getattr(func, "__name__", "")
-        if (raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i"):
+        if in_place(func):
             return {}  # in-place: leave it (the sum check refuses an escaped use)
         quick = tensors_in(args, kwargs)  # cheap first look (one level of nesting)
         if not any(self._tracker.derived_params(t) for t in quick):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import sys
 
 import pytest
 import torch
@@ -907,6 +908,53 @@ def test_clip_grads_with_norm_of_stepped_gradients_is_refused():
     model(x).sum().backward()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.1, total)  # (stands in)
     approx.remove()
+
+
+@pytest.mark.parametrize("call", ["clip_grad_norm_", "clip_grads_with_norm_"])
+def test_approximate_clipping_still_clips_the_other_parameters_of_the_call(call):
+    """A clipping call over InBackward's parameters (approximate clipping: its rule stands in)
+    and a plain optimizer's: the plain optimizer's gradients are clipped as torch clips them
+    (they were left unclipped, silently)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    opt = InBackward(a.parameters(), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0)
+    x = torch.randn(4, 3)
+    (a(x).sum() + b(x).sum()).backward()
+    before = [p.grad.clone() for p in b.parameters()]
+    params = [*a.parameters(), *b.parameters()]
+    if call == "clip_grad_norm_":
+        total = torch.nn.utils.clip_grad_norm_(params, 0.01)  # (the stepped ones' too)
+    else:
+        total = torch.tensor(50.0)
+        torch.nn.utils.clip_grads_with_norm_(params, 0.01, total)
+    factor = torch.clamp(0.01 / (total + 1e-6), max=1.0)
+    for p, g in zip(b.parameters(), before, strict=True):
+        assert torch.equal(p.grad, g * factor)
+    opt.remove()
+
+
+def test_accelerate_imported_after_the_optimizer_is_guarded(monkeypatch):
+    """accelerate imported after the InBackward was made, its optimizer never prepared:
+    ``Accelerator.clip_grad_norm_`` read 0 for the stepped gradients and clipped none of them,
+    silently. Guarded from the next backward on."""
+    accelerate = pytest.importorskip("accelerate")
+    gc.collect()  # (no other InBackward alive: no guard installed)
+    torch.manual_seed(0)
+    model, ref = nn.Linear(3, 2), nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    with monkeypatch.context() as hidden:
+        hidden.delitem(sys.modules, "accelerate.accelerator")
+        opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    acc = accelerate.Accelerator(cpu=True)
+    inf = float("inf")
+    want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    assert torch.equal(acc.clip_grad_norm_(model.parameters(), inf), want)
+    with pytest.raises(UnsupportedModelError, match=r"nothing left to clip"):
+        acc.clip_grad_norm_(model.parameters(), 0.01)
+    opt.remove()
 
 
 def test_finite_clip_call_under_approximate_clipping_returns_the_norm():

@@ -94,6 +94,32 @@ def _written_into_part_of_the_batch(x):
     return dest
 
 
+def _written_into_a_view_of_itself(x):
+    d = x.clone()
+    d[:, 0].copy_(x[:, 1])
+    d.view(N * N, N).mul_(1.0)  # (a flattened view: the samples stay where they are)
+    return d
+
+
+def _other_values_written(how):
+    """``d`` shifted as HF does, then written again with values not each sample's own."""
+
+    def op(x):
+        d = x.new_zeros(x.shape)
+        d[:, 1:] = x[:, :-1]
+        if how == "one sample's":
+            d[:, 0] = x[0, 0]
+        elif how == "a batch mean":
+            d[:, 0] = x[:, 0].mean(0)
+        elif how == "samples along time":
+            d[:, :1] = x.transpose(0, 1)[:, :1]
+        else:  # into a view of it
+            d[:, 0].copy_(x[0, 0])
+        return d
+
+    return op
+
+
 def _assigned_through_a_view(x):
     dest = x.new_zeros(N, N * N)
     dest.view(N, N, N)[:, :] = x
@@ -118,6 +144,7 @@ KEEP = {
     ),
     "assigned below a new dimension": assigned(lambda x: (1, N, N, N), (0, lambda x: x)),
     "written into views of a fresh tensor": _written_into_a_view,
+    "written into a view of a tensor that carries the batch": _written_into_a_view_of_itself,
     "written into a fresh tensor step by step": _written_step_by_step,
     "assigned through a view of a fresh tensor": _assigned_through_a_view,
     "assigned beside itself": assigned(
@@ -261,6 +288,10 @@ KEEP = {
 
 
 LOSE = {
+    **{
+        f"{how} values written into each sample's": _other_values_written(how)
+        for how in ("one sample's", "a batch mean", "samples along time", "a view: one sample's")
+    },
     "assigned into part of the batch dimension": assigned(
         lambda x: (N + 1, N, N), (slice(1, None), lambda x: x)
     ),

@@ -372,3 +372,79 @@ def test_chunked_lm_head_options_compose_with_per_sample(reduction, options):
         ref = quantities_from_individual(expected[k])
         for q in kinds:
             assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-9, 1e-12)
+
+
+class _OtherSampleWritten(nn.Module):
+    """HF's shift of each sample's states, then the first slot overwritten with sample 0's:
+    the write was not followed (the tensor already carried the batch), and every sample's
+    results were wrong with the sum check passing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        d = h.new_zeros(h.shape)
+        d[:, 1:] = h[:, :-1]
+        d[:, 0] = h[0, 0]
+        return self.b(d)
+
+
+class _ClsCopy(nn.Module):
+    """A tensor computed from a parameter alone (a cls token's copy), then the batch written
+    into it: the parameter got no quantities (silently with ``check=False``)."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.cls, self.lin, self.first = nn.Parameter(torch.randn(3)), nn.Linear(3, 3), first
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, T, 3]
+        n, t, d = x.shape
+        if self.first:
+            h = self.cls.expand(n, t + 1, d).clone()
+        else:
+            h = x.new_zeros(n, t + 1, d)
+            h[:, 0] = self.cls
+        h[:, 1:] = self.lin(x)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize(
+    "model", [_OtherSampleWritten(), _ClsCopy(True), _ClsCopy(False)],
+    ids=["another sample written", "batch into a cls copy", "batch beside a cls written"],
+)  # fmt: skip
+def test_writes_that_mix_or_hide_a_parameter_are_refused(model, check):
+    x = torch.randn(4, 4, 3, dtype=torch.float64)
+    model.double()
+    with pytest.raises(BatchError, match=r"written into"), leanprop.per_sample(
+        model, BatchGrad(), check=check
+    ):  # fmt: skip
+        model(x).square().sum().backward()
+
+
+def test_a_parameter_written_after_the_batch_is_exact():
+    """``h[:, 0] = cls`` into the batched tensor: each sample's share of the cls token."""
+    torch.manual_seed(0)
+
+    class Cls(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cls, self.lin = nn.Parameter(torch.randn(3)), nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n, t, d = x.shape
+            h = x.new_zeros(n, t + 1, d)
+            h[:, 1:] = self.lin(x)
+            h[:, 0] = self.cls
+            return torch.tanh(h)
+
+    model = Cls().double()
+    x = torch.randn(4, 4, 3, dtype=torch.float64)
+
+    def loss_of(i):
+        return model(x[i : i + 1]).square().sum()
+
+    check(model, lambda: model(x).square().sum(), loss_of, 4)

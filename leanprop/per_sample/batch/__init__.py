@@ -25,7 +25,7 @@ the samples) and ``tracker.py`` (the state of one forward, updated op by op).
 """
 
 from .infos import BatchDim, Lost, how_to_keep, packed_data, to_front
-from .rules import op_name, tensors_in
+from .rules import in_place, op_name, tensors_in
 from .tracker import BatchTracker, Lookup
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Lookup",
     "Lost",
     "how_to_keep",
+    "in_place",
     "op_name",
     "packed_data",
     "tensors_in",

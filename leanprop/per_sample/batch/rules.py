@@ -72,6 +72,12 @@ def op_name(func: Any) -> str:
     return name
 
 
+def in_place(func: Any) -> bool:
+    """Whether ``func`` changes its first argument in place (``x.add_(y)``, ``x += y``)."""
+    raw = getattr(func, "__name__", "")
+    return (raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i")
+
+
 _ARITH = {"add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "and", "or", "xor", "mod"}
 
 

@@ -47,6 +47,7 @@ from .rules import (
     NON_TENSOR,
     REJOINED,
     combines,
+    in_place,
     op_name,
     result_dim,
 )
@@ -405,34 +406,63 @@ class BatchTracker:
                     if found is not None:
                         self._lookups[outs[0]] = found
             return
+        writes = _writes(func, kwargs)
+        before = self.info(outs[0]) if writes else None
         self._record(name, args, kwargs, outs, batched, by_edge, replay)
-        if _writes(func, kwargs):
-            self._written_through_view(outs[0])
+        if writes:
+            self._written_through_view(outs[0], before)
 
     def _assigned(self, args: Sequence[Any]) -> None:
-        """``dest[index] = value`` (``Tensor.__setitem__``, which returns nothing): a ``dest``
-        that carried no batch carries the batch of ``value`` (see ``assigned_result``); one
-        that did keeps it where it was."""
+        """``dest[index] = value`` (``Tensor.__setitem__``, which returns nothing). Where
+        ``value`` carries the batch: a ``dest`` that carried none carries it where the value's
+        lands (see ``assigned_result``); one that did keeps it only where the value's lands in
+        the same place (another sample's values, a batch mean, or samples along another
+        dimension written into each sample's: lost); one computed from parameters alone is
+        lost (its parameters' contributions would not be taken). Where ``value`` is computed
+        from parameters alone, a ``dest`` that carried nothing derives from them too."""
         if len(args) < 3 or not isinstance(args[0], Tensor) or not isinstance(args[2], Tensor):
             return
         dest, value = args[0], args[2]
-        info = self.info(value)
-        if info is None or self.info(dest) is not None:
+        info, had = self.info(value), self.info(dest)
+        if info is None:
+            params = self.derived_params(value)
+            if params and had is None:
+                self._derived[dest] = self.derived_params(dest) | params
             return
-        self._info[dest] = assigned_result(args[1], dest, value, info)
+        landed = assigned_result(args[1], dest, value, info)
+        if self.derived_params(dest):
+            landed = Lost(
+                "values that carry the batch written into a tensor computed from parameters "
+                "alone (a cls token's copy): write the parameters into the batched tensor "
+                "instead (torch.cat([cls.expand(N, -1, -1), h], 1), or h[:, 0] = cls)"
+            )
+        if had is None or had != landed:
+            self._info[dest] = landed if had is None else Lost(
+                "values of other samples, or of samples in another place, written into a "
+                "tensor that carries the batch"
+            )  # fmt: skip
         reason = self._mixed.get(value)
         if reason is not None and dest.requires_grad:
             self._mixed[dest] = reason
-        self._written_through_view(dest)
+        self._written_through_view(dest, had)
 
-    def _written_through_view(self, t: Tensor) -> None:
-        """An op wrote values into ``t`` in place: where ``t`` is a view of a tensor that
-        carried no batch and now carries one, that tensor carries it too (see
-        ``base_result``)."""
+    def _written_through_view(self, t: Tensor, before: Info | None) -> None:
+        """An op wrote values into ``t`` in place, a view of another tensor, where ``t``'s
+        batch was at ``before``: a tensor that carried no batch carries it where ``t``'s lands
+        (see ``base_result``); one that did keeps it where it was unless the write moved the
+        view's."""
         base = t._base
         info = self.info(t) if base is not None else None
-        if info is not None and self.info(base) is None:
+        if info is None:
+            return
+        had = self.info(base)
+        if had is None:
             self._info[base] = base_result(t, base, info)
+        elif info != before:
+            self._info[base] = Lost(
+                "values of other samples, or of samples in another place, written into a view "
+                "of a tensor that carries the batch"
+            )
 
     def batched_only(
         self, args: Sequence[Any], kwargs: dict[str, Any]
@@ -490,9 +520,11 @@ class BatchTracker:
         outs = _tensor_outputs(out)
         batched = by_value(name, args, kwargs, batched) if outs else []
         if batched:
+            writes = _writes(func, kwargs)
+            before = self.info(outs[0]) if writes else None
             self._record(name, args, kwargs, outs, batched, False, replay)
-            if _writes(func, kwargs):
-                self._written_through_view(outs[0])
+            if writes:
+                self._written_through_view(outs[0], before)
 
     def _record(
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], outs: list[Tensor],
@@ -704,10 +736,7 @@ def _lookup(args: Sequence[Any], kwargs: dict[str, Any], params: set) -> Lookup 
 def _writes(func: Any, kwargs: dict[str, Any]) -> bool:
     """Whether ``func`` writes into its first argument in place (``x.copy_(y)``, ``x += y``)
     or into ``out=``."""
-    raw = getattr(func, "__name__", "")
-    return (
-        (raw.endswith("_") and not raw.endswith("__")) or raw.startswith("__i") or ("out" in kwargs)
-    )
+    return in_place(func) or "out" in kwargs
 
 
 def _tensor_outputs(out: Any) -> list[Tensor]:
