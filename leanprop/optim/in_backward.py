@@ -657,7 +657,7 @@ class InBackward(torch.optim.Optimizer):
         if accelerate_caller() == "__init__":  # Accelerator.prepare wraps it (each run)
             self._accelerate, self._clipping = True, TrainerClipping()
             if self._hooked:
-                _guard_clipping(True)  # (accelerate's clipping, imported by now)
+                _guard_accelerate()  # (imported by now)
         return self.inner.state_dict()
 
     # ------------------------------------------------------------------ extras
@@ -822,8 +822,7 @@ class InBackward(torch.optim.Optimizer):
 
     def _queue_end(self, task: int) -> None:
         """Step what is left when the backward ``task`` ends."""
-        if _GUARDED:  # (accelerate imported since: its clipping guarded before it is called)
-            _guard_accelerate()
+        _guard_accelerate()  # (accelerate imported since: guarded before a clip calls it)
         self._callback_queued = True
         self._queued_task = task
         queue_callback(self.end_backward)

@@ -51,14 +51,16 @@ def index_result(index: Any, ndim: int, bd: BatchDim, n: int, tracker: BatchTrac
     return BatchDim(out_dim + bd.dim - in_dim, bd.inner)
 
 
-def assigned_result(index: Any, dest: Tensor, value: Tensor, info: Info) -> Info:
-    """Where the batch is in ``dest`` after ``dest[index] = value``, ``dest`` carrying none
-    before and ``value`` carrying it at ``info`` (HF's ``shift_tokens_right``: ``shifted[:, 1:]
-    = ids[:, :-1]`` into ``ids.new_zeros(ids.shape)``, the decoder's input ids of BART, T5,
-    Whisper): the dimension of ``dest`` that the batch of ``value`` lands in, where the index
-    takes all of it (every sample's place); values summed over the samples as they are; else
-    :class:`Lost` (the samples in part of ``dest`` only, or an index leanprop does not
-    follow), never a tensor taken for batch-free."""
+def assigned_result(
+    index: Any, dest: Tensor, value: Tensor, info: Info, tracker: BatchTracker
+) -> Info:  # fmt: skip
+    """Where the batch of ``value`` (at ``info``) lands in ``dest`` by ``dest[index] = value``
+    (HF's ``shift_tokens_right``: ``shifted[:, 1:] = ids[:, :-1]`` into
+    ``ids.new_zeros(ids.shape)``, the decoder's input ids of BART, T5, Whisper): the dimension
+    of ``dest`` that ``dest[index]`` takes whole (every sample's place, as :func:`index_result`
+    follows a dimension through the index) as the one the value's batch is in; values summed
+    over the samples as they are; else :class:`Lost` (the samples in part of ``dest`` only, or
+    an index leanprop does not follow)."""
     if isinstance(info, Combined):
         return info
     if not isinstance(info, BatchDim):
@@ -72,28 +74,17 @@ def assigned_result(index: Any, dest: Tensor, value: Tensor, info: Info) -> Info
     consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
     if not basic or items.count(Ellipsis) > 1 or consumed > dest.dim():
         return Lost("values that carry the batch assigned into a tensor by an advanced index")
-    # each dimension of dest[index]: (the dimension of dest it is, whether it is all of it),
-    # or None for a new one
-    places: list[tuple[int, bool] | None] = []
-    at = 0
-    for it in [*items, *([Ellipsis] if Ellipsis not in items else [])]:
-        if it is Ellipsis:
-            skip = dest.dim() - consumed
-            places += [(at + k, True) for k in range(skip)]
-            at += skip
-        elif it is None:
-            places.append(None)
-        elif isinstance(it, slice):
-            size = dest.shape[at]
-            places.append((at, range(*it.indices(size)) == range(size)))
-            at += 1
-        else:  # an integer
-            at += 1
-    view_dim = info.dim + len(places) - value.dim()
-    place = places[view_dim] if 0 <= view_dim < len(places) else None
-    if place is None or not place[1] or dest.shape[place[0]] != value.shape[info.dim]:
+    ints = sum(1 for it in items if isinstance(it, int))
+    view_dim = info.dim + (dest.dim() - ints + items.count(None)) - value.dim()
+    whole = [
+        d for d in range(dest.dim())
+        if dest.shape[d] == value.shape[info.dim]
+        and index_result(index, dest.dim(), BatchDim(d), dest.shape[d], tracker)
+        == BatchDim(view_dim)
+    ]  # fmt: skip
+    if len(whole) != 1:
         return Lost("values that carry the batch assigned into part of a tensor along it")
-    return BatchDim(place[0], info.inner)
+    return BatchDim(whole[0], info.inner)
 
 
 def base_result(view: Tensor, base: Tensor, info: Info) -> Info:

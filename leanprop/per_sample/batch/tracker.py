@@ -429,7 +429,7 @@ class BatchTracker:
             if params and had is None:
                 self._derived[dest] = self.derived_params(dest) | params
             return
-        landed = assigned_result(args[1], dest, value, info)
+        landed = assigned_result(args[1], dest, value, info, self)
         if self.derived_params(dest):
             landed = Lost(
                 "values that carry the batch written into a tensor computed from parameters "
