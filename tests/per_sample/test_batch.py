@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import warnings
 
 import pytest
 import torch
@@ -127,6 +128,18 @@ def _assigned_through_a_view(x):
 
 
 KEEP = {
+    "renorm of each sample": lambda x: x.renorm(2, 0, 1e9),
+    "as_strided as it is": lambda x: x.as_strided(x.shape, x.stride()),
+    "as_strided of each sample's first rows": lambda x: x.as_strided((N, 2, N), (N * N, N, 1)),
+    "as_strided with the samples last": lambda x: x.as_strided((N, N, N), (N, 1, N * N)),
+    "as_strided, the samples and features swapped": lambda x: x.as_strided(
+        (N, N, N), (1, N, N * N)
+    ),
+    "fftshift of other dimensions": lambda x: torch.fft.fftshift(x, (1, 2)),
+    "as_strided as it is, the batch second": lambda x: (
+        x.transpose(0, 1).contiguous().as_strided((N, N, N), (N * N, N, 1))
+    ),
+    "sorted within each sample": lambda x: x.sort().values,
     # (HF's shift_tokens_right, each sample's entries all written)
     "assigned into a fresh tensor, shifted along time": assigned(
         lambda x: x.shape,
@@ -287,7 +300,54 @@ KEEP = {
 }
 
 
+def _index_reduced(x, keywords=False):
+    index = torch.zeros(N, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (index_reduce is in beta)
+        if keywords:
+            return torch.zeros_like(x).index_reduce(dim=0, index=index, source=x, reduce="prod")
+        return x.index_reduce(0, index, x, "prod")
+
+
+_MASK = torch.arange(N**3).view(N, N, N) % 3 == 0
+
+
 LOSE = {
+    # ops acting across the samples that were taken as elementwise (silently wrong results)
+    "renorm of sub-tensors that span the samples": lambda x: x.renorm(2, 1, 1.0),
+    "as_strided windows across the samples": lambda x: x.as_strided((N, N, N), (N, 1, N)),
+    "as_strided rows spanning two samples": lambda x: x.as_strided((N - 1, 2 * N * N), (N * N, 1)),
+    "fftshift of every dimension": lambda x: torch.fft.fftshift(x),
+    "fftshift of the samples": lambda x: torch.fft.fftshift(x, 0),
+    "hfft along the samples": lambda x: torch.fft.hfft(x, N, 0),
+    "index_reduce into samples": lambda x: _index_reduced(x),
+    "the gradient over every dimension": lambda x: torch.gradient(x)[0],
+    "a linear layer with the samples' weights": lambda x: F.linear(x[:, 0], x[:, 0]),
+    "a linear layer with the samples' bias": lambda x: F.linear(
+        x[:, 0], torch.ones(N, N).double(), x[:, 0, 0]
+    ),
+    "a convolution with the samples' weights": lambda x: F.conv1d(x, x),
+    "a convolution with the samples' bias": lambda x: F.conv1d(
+        x, torch.ones(N, N, 1, dtype=x.dtype), x[:, 0, 0]
+    ),
+    "prelu with the samples' weight": lambda x: F.prelu(x, x[:, 0, 0]),
+    "the samples sorted along the batch": lambda x: x.msort(),
+    "a sample's place along the batch written over": lambda x: torch.select_scatter(
+        x, torch.zeros(N, N, dtype=x.dtype), 0, 1
+    ),
+    "the samples placed along the batch by slice_scatter": lambda x: torch.slice_scatter(
+        torch.zeros(2 * N, N, N, dtype=x.dtype), x, 0, 1, N + 1
+    ),
+    "the samples scattered onto a diagonal": lambda x: torch.diagonal_scatter(
+        torch.zeros(N, N, N, dtype=x.dtype), x[:, 0], 0, 1, 2
+    ),
+    "masked_scatter of the samples": lambda x: torch.zeros_like(x).masked_scatter(_MASK, x),
+    "masked_scatter of the samples by keyword": lambda x: torch.zeros_like(x).masked_scatter(
+        _MASK, source=x
+    ),
+    "as_strided_scatter of the samples": lambda x: torch.as_strided_scatter(
+        torch.zeros_like(x), x, (N, N, N), (1, N, N * N)
+    ),
     **{
         f"{how} values written into each sample's": _other_values_written(how)
         for how in ("one sample's", "a batch mean", "samples along time", "a view: one sample's")
@@ -386,6 +446,37 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
     "a GRU cell's step, the batch second": (
         lambda x: torch.gru_cell(x[:, 0].T, x[:, 1, :2], CELL[:6], CELL[:6, :2]), Lost),
     "differences over time": (lambda x: x.diff(dim=1), BatchDim(0)),
+    "a linear layer's output features from the samples' weights": (
+        lambda x: F.linear(torch.ones(2, N, dtype=x.dtype), x[:, 0]), BatchDim(1)),
+    "a bilinear layer's output features from the samples' weights": (
+        lambda x: F.bilinear(torch.ones(2, N, dtype=x.dtype), torch.ones(2, N, dtype=x.dtype), x),
+        BatchDim(1)),
+    "a norm's channels from the samples' weight": (
+        lambda x: F.group_norm(torch.ones(2, N, 3, dtype=x.dtype), 1, x[:, 0, 0]), BatchDim(1)),
+    "a convolution's output channels from the samples' weights": (
+        lambda x: F.conv1d(torch.ones(2, N, 3, dtype=x.dtype), x[:, :, :1]), BatchDim(1)),
+    "a transposed convolution's output channels from the samples' weights": (
+        lambda x: F.conv_transpose1d(
+            torch.ones(2, N, 3, dtype=x.dtype), x[:, :, :1].transpose(0, 1)),
+        BatchDim(1)),
+    "a transposed convolution contracting the samples of its weight": (
+        lambda x: F.conv_transpose1d(torch.ones(2, N, 3, dtype=x.dtype), x[:, :, :1]), Lost),
+    "a linear layer's bias of each sample broadcast over time": (
+        lambda x: F.linear(torch.ones(2, N, N, dtype=x.dtype), torch.ones(N, N, dtype=x.dtype),
+                           x[:, :1, 0]), BatchDim(1)),
+    "a linear layer's bias of each sample": (
+        lambda x: F.linear(x[:, 0], torch.ones(N, N, dtype=x.dtype), x[:, 1]), BatchDim(0)),
+    "each sample written into a slice of its own": (
+        lambda x: torch.select_scatter(torch.zeros(N, 2, N, N, dtype=x.dtype), x, 1, 0),
+        BatchDim(0)),
+    "each sample written into a slice of its own, the batch second": (
+        lambda x: torch.select_scatter(torch.zeros(2, N, N, N, dtype=x.dtype), x, 0, 1),
+        BatchDim(1)),
+    "a slice of each sample scattered into zeros": (
+        lambda x: torch.slice_scatter(torch.zeros(N, N, 2 * N, dtype=x.dtype), x, 2, 0, N),
+        BatchDim(0)),
+    "prelu's channels from the samples' weight": (
+        lambda x: F.prelu(torch.ones(2, N, 3, dtype=x.dtype), x[:, 0, 0]), BatchDim(1)),
     "differences along the batch": (lambda x: x.diff(dim=0), Lost),
     "padded along time, the batch second": (
         lambda x: F.pad(x.transpose(0, 1), (0, 0, 0, 0, 1, 1)), BatchDim(1)),
@@ -914,6 +1005,36 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     ).sum(),
     "padded along the batch, softmaxed along it": lambda x, y: (
         F.pad(x, (0, 0, 0, 0, 1, 0)).softmax(0) * 2
+    ).sum(),
+    # ops along the batch in the loss, and their results meeting the samples
+    "sub-tensors spanning the samples renormalised": lambda x, y: x.renorm(2, 1, 0.5).pow(3).sum(),
+    "a Hermitian spectrum over the batch": lambda x, y: torch.fft.hfft(x, N, 0).pow(3).sum(),
+    "an inverse Hermitian spectrum over the batch, dim by keyword": lambda x, y: (
+        torch.fft.ihfft(x, dim=0).abs().pow(3).sum()
+    ),
+    "samples multiplied together by index_reduce": lambda x, y: _index_reduced(x).pow(3).sum(),
+    "samples multiplied together by index_reduce, source by keyword": lambda x, y: (
+        _index_reduced(x, keywords=True).pow(3).sum()
+    ),
+    "a convolution with the samples for its weight": lambda x, y: F.conv1d(x, x).pow(3).sum(),
+    "a linear layer contracting the samples of its weight": lambda x, y: (
+        F.linear(torch.ones(3, N, dtype=x.dtype), x[:, :, 0].T).pow(3).sum()
+    ),
+    "a bilinear layer contracting the samples of its weight": lambda x, y: (
+        F.bilinear(
+            torch.ones(3, N, dtype=x.dtype), torch.ones(3, N, dtype=x.dtype), x.transpose(0, 1)
+        )
+        .pow(3)
+        .sum()
+    ),
+    "windows across the samples by as_strided, times the samples": lambda x, y: (
+        x * x.as_strided(x.shape, (1, 1, 1))
+    ).sum(),
+    "masked_scatter of the samples, times the samples": lambda x, y: (
+        x * torch.zeros_like(x).masked_scatter(_MASK, x)
+    ).sum(),
+    "as_strided of the samples, softmaxed over the batch": lambda x, y: (
+        x.as_strided(x.shape, (1, N, N * N)).softmax(2) * 2
     ).sum(),
 }
 

@@ -448,3 +448,38 @@ def test_a_parameter_written_after_the_batch_is_exact():
         return model(x[i : i + 1]).square().sum()
 
     check(model, lambda: model(x).square().sum(), loss_of, 4)
+
+
+class _AcrossSamples(nn.Module):
+    """A linear layer, then an op acting across the samples with N == D (each was taken as
+    elementwise: per-sample results silently wrong, the sum check passing), then a head."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.lin, self.head, self.op = nn.Linear(4, 4), nn.Linear(4, 1), op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.op(torch.tanh(self.lin(x))))
+
+
+_ACROSS_SAMPLES = {
+    "renorm of columns": lambda h: h.renorm(2, 1, 1.0),
+    "F.linear with the samples as weights": lambda h: F.linear(h, h),
+    "a convolution with the samples as weights": lambda h: F.conv1d(
+        h.unsqueeze(-1), h.unsqueeze(-1)
+    ).squeeze(-1),
+    "fftshift": lambda h: torch.fft.fftshift(h),
+    "as_strided windows across the samples": lambda h: h.as_strided(h.shape, (1, 1)),
+    "masked_scatter": lambda h: torch.zeros_like(h).masked_scatter(
+        torch.ones(4, 4).tril().bool(), h
+    ),
+}
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("name", sorted(_ACROSS_SAMPLES))
+def test_ops_across_the_samples_are_refused(name, check):
+    model = _AcrossSamples(_ACROSS_SAMPLES[name]).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(BatchError), leanprop.per_sample(model, BatchGrad(), check=check):
+        model(x).square().sum().backward()

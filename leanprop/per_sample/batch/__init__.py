@@ -19,7 +19,8 @@ is refused.
 
 The modules, in the order a newcomer reads them: ``infos.py`` (what is said of a tensor),
 ``rules.py`` (where each op puts the batch; with ``indexing.py``, ``matrices.py`` and
-``order.py`` for indexing, matrices and reordered samples), ``spread.py`` (picks of the
+``order.py`` for indexing, matrices and reordered samples, ``unknown.py`` for ops with no
+branch of their own), ``spread.py`` (picks of the
 samples, and samples over several dimensions, followed exactly), ``mixing.py`` (which ops mix
 the samples) and ``tracker.py`` (the state of one forward, updated op by op).
 """

@@ -19,6 +19,11 @@ class BatchDim:
     inner: int = 1
 
 
+# the end of a reason where the samples are moved to places leanprop cannot tell (their
+# meeting with each other, or with other samples, may mix them: mixing.holds_samples)
+MAY_REORDER = "(may reorder samples)"
+
+
 @dataclass(frozen=True)
 class Lost:
     """The tensor depends on the batch, but no single dimension holds the samples."""

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .infos import BatchDim, Combined, Info, Lost, Selected
+from .infos import MAY_REORDER, BatchDim, Combined, Info, Lost, Selected
 from .matrices import FFTS, MATRIX_FUNCTIONS
-from .rules import CLASS_LOSSES, SAMPLE_LOSSES, UNKNOWN_ALONG, VIEWS
+from .rules import CLASS_LOSSES, CONVOLUTIONS, SAMPLE_LOSSES, UNKNOWN_ALONG, VIEWS
 
 # ops that mix the samples themselves where they act along the batch (a reordering keeps each
 # value one sample's: what it meets next tells)
@@ -24,7 +24,8 @@ _MIXES = frozenset(
 _MIXES_WHERE_LOST = frozenset({
     "layer_norm", "rms_norm", "cdist", "pdist", "cov", "corrcoef", "diff", "linalg_matrix_norm",
     "linalg_norm", "cosine_similarity", "pairwise_distance", *FFTS,
-    "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", *MATRIX_FUNCTIONS,
+    "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft", "renorm",
+    "index_reduce", *MATRIX_FUNCTIONS,
     # (losses over the classes, or over each sample's features, taking the samples for them;
     # windows of neighbouring samples: x.unfold(0, 2, 1))
     *CLASS_LOSSES, *SAMPLE_LOSSES, "unfold",
@@ -34,10 +35,7 @@ _MIXES_WHERE_LOST = frozenset({
 # ops taking the batch first whose results mix the samples where it is elsewhere: with the
 # samples as channels (a convolution sums over channels, a group norm normalises groups of
 # them), or as positions (a pool averages neighbours, an interpolation weighs them)
-_MIXES_AS_CHANNELS = frozenset({
-    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "local_response_norm", "group_norm",
-})  # fmt: skip
+_MIXES_AS_CHANNELS = frozenset({*CONVOLUTIONS, "local_response_norm", "group_norm"})
 
 
 _MIXES_AS_POSITIONS = frozenset({
@@ -68,9 +66,9 @@ _LINEAR = frozenset({
     "mT", "movedim", "moveaxis", "squeeze", "unsqueeze", "select", "narrow", "split", "chunk",
     "unbind", "tensor_split", "getitem", "flip", "roll", "index_select", "gather",
     "take_along_dim", "diagonal", "diag", "diag_embed", "trace", "cumsum", "tril", "triu",
-    "max", "min", "amax", "amin", "sort", "topk", "kthvalue", "median", "nanmedian", "cummax",
-    "cummin", "pad", "sum_to_size", "relu", "relu6", "leaky_relu", "hardtanh", "clamp", "clip",
-    "abs", "maximum", "minimum", "fmax", "fmin", *VIEWS,
+    "max", "min", "amax", "amin", "sort", "msort", "topk", "kthvalue", "median", "nanmedian",
+    "cummax", "cummin", "pad", "sum_to_size", "relu", "relu6", "leaky_relu", "hardtanh",
+    "clamp", "clip", "abs", "maximum", "minimum", "fmax", "fmin", *VIEWS,
 })  # fmt: skip
 
 
@@ -86,9 +84,10 @@ def mixes_itself(name: str, which: int | str, bd: BatchDim, r: Info, out: Tensor
     normalisation over the samples, a convolution taking them for channels, a variance over
     them, a norm over them that is not one value for the batch (the norm of everything is a
     function of the summed squares, as any function of the summed loss)."""
-    where_lost = (  # (an operand by keyword: the shape-only rule's Lost, no mixing told)
+    where_lost = (  # (an operand by keyword: the shape-only rule's Lost, no mixing told;
+        # but a source put together along the batch: index_reduce(..., source=o))
         name in _MIXES_WHERE_LOST
-        and isinstance(which, int)
+        and (isinstance(which, int) or which == "source")
         and (which == 0 or name not in MATRIX_FUNCTIONS)
     )
     off_front = (name in _MIXES_AS_CHANNELS and bd.dim != 0) or (
@@ -138,7 +137,7 @@ def holds_samples(info: Info) -> bool:
     if type(info) is not Lost:
         return not isinstance(info, Combined)
     return info.reason == _DIFFERENT_PLACES or info.reason.endswith(
-        ("mixes samples", "reorders samples", "(may reorder samples)")
+        ("mixes samples", "reorders samples", MAY_REORDER)
     )
 
 

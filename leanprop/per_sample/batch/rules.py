@@ -2,7 +2,8 @@
 branch per family of ops (layers, views and transposes, picks along the batch, reductions,
 products, losses), elementwise ops first (the hot path). Indexing lives in ``indexing.py``,
 matrix products and functions of matrices in ``matrices.py``, reordered samples in
-``order.py``."""
+``order.py``, ops with no branch of their own (their dimension argument by signature, strided
+views) in ``unknown.py``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import Tensor
 from .indexing import index_result, picks_by_index, picks_of, rows_at
 from .infos import (
     MAX_GROUPED,
+    MAY_REORDER,
     BatchDim,
     Combined,
     Grouped,
@@ -36,6 +38,7 @@ from .matrices import (
     rare_result,
     tensordot_result,
 )
+from .unknown import PLACING_SOURCES, STRIDED_VIEWS, UNKNOWN_ALONG, acts_along_batch
 
 if TYPE_CHECKING:
     from .tracker import BatchTracker
@@ -85,15 +88,20 @@ VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_u
 
 
 # ops that reverse or rotate positions along the dimensions they name
-REORDERING = frozenset({"flip", "roll", "flipud", "fliplr", "rot90"})
+REORDERING = frozenset({
+    "flip", "roll", "flipud", "fliplr", "rot90", "fft_fftshift", "fft_ifftshift",
+})  # fmt: skip
+
+
+_REORDERED_AT = {"flip": 1, "roll": 2, "rot90": 2, "fft_fftshift": 1, "fft_ifftshift": 1}
 
 
 def reordered_dims(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
-    """The dimensions ``flip``, ``roll`` (all of them: ``[]``), ``flipud``, ``fliplr`` and
-    ``rot90`` reorder."""
+    """The dimensions ``flip``, ``roll``, ``fftshift`` and ``ifftshift`` (all of them by default:
+    ``[]``), ``flipud``, ``fliplr`` and ``rot90`` reorder."""
     if name in ("flipud", "fliplr"):
         return [0 if name == "flipud" else 1]
-    d = dims_arg(args, kwargs, {"flip": 1, "roll": 2, "rot90": 2}[name], "dims")
+    d = dims_arg(args, kwargs, _REORDERED_AT[name], "dims", "dim")
     d = [0, 1] if d is None and name == "rot90" else d
     return [] if d is None else [d] if isinstance(d, int) else list(d)
 
@@ -106,8 +114,10 @@ _PICKS = frozenset({
 _SPLIT_DIMS = {"vsplit": (0,), "hsplit": (0, 1), "dsplit": (2,)}
 _DIM_OPS = {  # same shape, acts along one dimension: mixes samples if that is the batch
     "softmax", "log_softmax", "_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax",
-    "cummin", "sort", "argsort", "normalize", "glu", "special_softmax", "special_log_softmax",
+    "cummin", "sort", "argsort", "msort", "normalize", "glu", "special_softmax",
+    "special_log_softmax",
 }  # fmt: skip
+_DIM_OPS_DEFAULTS = {"normalize": 1, "msort": 0, "sort": -1, "argsort": -1, "glu": -1}
 
 
 # the positions of the index ops' tensor arguments passed by keyword
@@ -119,8 +129,9 @@ _INDEX_OPS = {
     "index_select": (1, None), "gather": (1, None), "scatter": (1, None),
     "scatter_add": (1, None), "scatter_reduce": (1, None), "index_add": (1, None),
     "index_copy": (1, None), "index_fill": (1, None), "take_along_dim": (2, None),
-    "topk": (2, -1), "kthvalue": (2, -1), "renorm": (2, None), "softmin": (1, None),
+    "topk": (2, -1), "kthvalue": (2, -1), "softmin": (1, None), "index_reduce": (1, None),
     "fft_fft": (2, -1), "fft_ifft": (2, -1), "fft_rfft": (2, -1), "fft_irfft": (2, -1),
+    "fft_hfft": (2, -1), "fft_ihfft": (2, -1),
 }  # fmt: skip
 
 
@@ -137,9 +148,12 @@ _SELECTIONS = {
 }  # fmt: skip
 
 
-_BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it there
+CONVOLUTIONS = frozenset({
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "group_norm", "batch_norm", "instance_norm", "max_pool1d", "max_pool2d", "max_pool3d",
+})  # fmt: skip
+_BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it there
+    *CONVOLUTIONS, "group_norm", "batch_norm", "instance_norm", "max_pool1d", "max_pool2d",
+    "max_pool3d",
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
     "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
     "interpolate", "upsample", "unfold", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d",
@@ -233,12 +247,45 @@ _ELEMENTWISE = frozenset({
 })  # fmt: skip
 
 
-def _adds(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """``index_add``, ``scatter_add``, ``scatter_reduce`` by sum or mean: the source's values
-    added up into the places the index names."""
-    if name == "scatter_reduce":
-        return dims_arg(args, kwargs, 4, "reduce") in ("sum", "mean")
-    return name in ("index_add", "scatter_add")
+def _reduced_as(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """How ``index_add``, ``scatter_add``, ``scatter_reduce`` and ``index_reduce`` put the
+    source's values together in the places the index names: ``"sum"`` (added up: a sum or
+    mean), ``"pick"`` (one chosen: amax, amin), None for others (a product)."""
+    if name in ("index_add", "scatter_add"):
+        return "sum"
+    if name not in ("scatter_reduce", "index_reduce"):
+        return None
+    reduce = dims_arg(args, kwargs, 4, "reduce")
+    return "sum" if reduce in ("sum", "mean") else "pick" if reduce in ("amax", "amin") else None
+
+
+# ops that write a source into a slice of their input: (input, src, dim, ...)
+_SCATTERS = frozenset({"select_scatter", "slice_scatter", "diagonal_scatter"})
+
+
+def _scatter_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, bd: BatchDim,
+    nd: int, od: int,
+) -> Info:  # fmt: skip
+    """Where ``select_scatter``, ``slice_scatter`` and ``diagonal_scatter`` put the batch of
+    their input (``which`` 0: kept where they write along other dimensions) or of their
+    source (1: ``src`` is the output without the selected dimension, or a slice of it along
+    another dimension). A write along the batch dimension puts values in some samples'
+    places: lost."""
+    if name == "diagonal_scatter":  # (input, src, offset, dim1, dim2)
+        d1, d2 = dims_arg(args, kwargs, 3, "dim1"), dims_arg(args, kwargs, 4, "dim2")
+        d1, d2 = 0 if d1 is None else int(d1), 1 if d2 is None else int(d2)
+        dims = {norm_dim(d1, od), norm_dim(d2, od)}
+        if which in (0, "input") and bd.dim not in dims:
+            return bd
+        return Lost(f"{name} along the batch dimension, or of a batched diagonal {MAY_REORDER}")
+    d = dims_arg(args, kwargs, 2, "dim")
+    d = norm_dim(0 if d is None else int(d), od)
+    if which in (0, "input"):
+        return bd if d != bd.dim else Lost(f"{name} along the batch dimension {MAY_REORDER}")
+    if name == "select_scatter":  # (src: the output without dimension d)
+        return BatchDim(bd.dim + (bd.dim >= d), bd.inner)
+    return bd if d != bd.dim else Lost(f"{name} of the samples along the batch {MAY_REORDER}")
 
 
 def _is_tensor_unfold(name: str, args: Sequence[Any]) -> bool:
@@ -281,7 +328,17 @@ def result_dim(
     if isinstance(which, str) and (name in _INDEX_OPS or name == "diff"):
         # (x.index_add(0, g, source=o); diff's prepend and append, laid out as the input)
         which = _INDEX_KEYWORDS.get(which, 3 if which in ("prepend", "append") else which)
-    if isinstance(which, str) or name in _ELEMENTWISE:
+    if name in _LAYER_OPERANDS and _is_layer_parameter(name, which):
+        return _layer_parameter_result(name, args, kwargs, which, bd, nd, od)
+    if which in PLACING_SOURCES.get(name, ()):
+        return Lost(f"{name} places its source's values in an order of its own {MAY_REORDER}")
+    if name in _SCATTERS:
+        return _scatter_result(name, args, kwargs, which, bd, nd, od)
+    if name in _ELEMENTWISE:
+        return _elementwise(name, args, kwargs, x, bd, out)
+    if isinstance(which, str):
+        if acts_along_batch(name, args, kwargs, nd, bd, op_name):
+            return Lost(f"'{name}' {UNKNOWN_ALONG}")
         return _elementwise(name, args, kwargs, x, bd, out)
     # the layers' ops next (each layer's call passes here): no branch below takes their names
     if name in ("linear", "bilinear", "embedding", "embedding_bag"):
@@ -389,8 +446,9 @@ def result_dim(
         d = dims_arg(args, kwargs, pos, "dim", "axis")
         d = default if d is None else d
         along = d is not None and norm_dim(int(d), nd) == bd.dim
-        if which == 3 and along and _adds(name, args, kwargs):
-            return Combined(f"{name} adds samples together")  # (into groups: index_add)
+        reduced = _reduced_as(name, args, kwargs) if which == 3 and along else None
+        if reduced is not None:  # (into groups: index_add)
+            return Combined(f"{name} puts samples together", summed=reduced == "sum")
         if name == "index_select" and which == 2 and nd == 1 and d is not None:  # (rows at ids)
             return BatchDim(norm_dim(int(d), od), bd.inner)
         picks_at = 1 if name == "take_along_dim" else 2  # (input, indices, dim), (x, dim, index)
@@ -403,6 +461,13 @@ def result_dim(
         if which != 0 or d is None or norm_dim(int(d), nd) == bd.dim:
             return Lost(f"{name} along the batch dimension (or with a batched index)")
         return BatchDim(bd.dim, bd.inner) if name != "unfold" else bd
+    if name == "renorm":  # (x, p, dim, maxnorm): each sub-tensor along dim scaled on its own
+        d = dims_arg(args, kwargs, 2, "dim")
+        if which != 0 or d is None or norm_dim(int(d), nd) != bd.dim:
+            return Lost("renorm of sub-tensors that span the samples")
+        return bd
+    if name in STRIDED_VIEWS and which == 0:  # (its replay on the samples' ids, spread.py)
+        return Lost(f"{name} with a layout that may put samples together {MAY_REORDER}")
     if _is_tensor_unfold(name, args):
         return Lost("unfold along the batch dimension") if norm_dim(args[1], nd) == bd.dim else bd
     if name in ("outer", "ger"):
@@ -430,8 +495,8 @@ def result_dim(
             return Lost("gumbel_softmax along the batch dimension mixes samples")
         return bd
     if name in _DIM_OPS:
-        d = dims_arg(args, kwargs, 1, "dim")
-        d = 1 if name == "normalize" and d is None else d
+        d = None if name == "msort" else dims_arg(args, kwargs, 1, "dim")
+        d = _DIM_OPS_DEFAULTS.get(name) if d is None else d
         if d is None or norm_dim(int(d), nd) == bd.dim:
             return Lost(f"{name} along the batch dimension mixes samples")
         return bd
@@ -489,14 +554,58 @@ def result_dim(
         return tensordot_result(args, kwargs, which, bd)
     if name == "kron":
         return kron_result(args, which, x, bd, out)
-    d = kwargs.get("dim", kwargs.get("axis")) if kwargs else None
-    dims = d if isinstance(d, list | tuple) else [d]
-    if d is not None and any(isinstance(k, int) and norm_dim(k, nd) == bd.dim for k in dims):
-        return Lost(f"'{name}' {UNKNOWN_ALONG}")  # (torch.cumulative_trapezoid(x, dim=0))
+    if acts_along_batch(name, args, kwargs, nd, bd, op_name):  # (torch.cross(a, b, 0))
+        return Lost(f"'{name}' {UNKNOWN_ALONG}")
     return _elementwise(name, args, kwargs, x, bd, out)
 
 
-UNKNOWN_ALONG = "(an op leanprop does not know) along the batch dimension may mix samples"
+# layer ops' operands other than the data (parameters, or tensors in their place), by position
+# and keyword: (x, weight, bias), bilinear's (x1, x2, weight, bias), the norms' (x, running
+# mean, running var, weight, bias), group_norm's (x, groups, weight, bias), prelu's (x, weight)
+_LAYER_OPERANDS = {
+    **{name: (1, 2) for name in ("linear", *CONVOLUTIONS)},
+    "bilinear": (2, 3), "batch_norm": (1, 2, 3, 4), "instance_norm": (1, 2, 3, 4),
+    "group_norm": (2, 3), "prelu": (1,), "embedding_bag": (1,),
+}  # fmt: skip
+_PARAMETER_KEYWORDS = frozenset({"weight", "bias", "running_mean", "running_var"})
+
+
+def _is_layer_parameter(name: str, which: int | str) -> bool:
+    return which in _PARAMETER_KEYWORDS or which in _LAYER_OPERANDS[name]
+
+
+def _layer_parameter_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, bd: BatchDim,
+    nd: int, od: int,
+) -> Info:  # fmt: skip
+    """Where the batch of a layer's weight or bias computed from the batch lands: a linear
+    layer's output features (its weight's rows ``[O, I]``; its bias broadcast from the
+    right), a convolution's output channels (its weight's ``[O, C/G, *K]`` first dimension,
+    a transposed one's second without groups; its bias ``[O]``), a norm's or prelu's
+    channels (dimension 1). Where the layer contracts it (a linear layer's input features, a
+    convolution's input channels or kernel offsets), the samples are summed together;
+    embedding_bag's table rows are picked and pooled into bags: lost. (Such a parameter is
+    not the module's: the per-sample rules see only the data's batch.)"""
+    is_bias = which == "bias" or (
+        name in ("linear", "bilinear", *CONVOLUTIONS) and which == _LAYER_OPERANDS[name][-1]
+    )
+    summed = Combined(f"{name} contracts its weight's batch dimension: sums samples together")
+    if name in ("linear", "bilinear"):
+        if is_bias:
+            return BatchDim(od - (nd - bd.dim), bd.inner)
+        return BatchDim(od - 1, bd.inner) if bd.dim == 0 and nd >= 2 else summed
+    if name in CONVOLUTIONS:  # (output [N, O, *S] or unbatched [O, *S])
+        channels = od - 1 - int(name[-2])
+        if is_bias:
+            return BatchDim(channels, bd.inner)
+        if "transpose" not in name:
+            out_dim = 0  # (weight [O, C/G, *K])
+        else:  # (weight [C, O/G, *K]: with groups, each group's own output channels)
+            out_dim = 1 if dims_arg(args, kwargs, 6, "groups") in (None, 1) else None
+        return BatchDim(channels, bd.inner) if bd.dim == out_dim else summed
+    if name in ("batch_norm", "instance_norm", "group_norm", "prelu"):
+        return BatchDim(1 if od >= 2 else 0, bd.inner)  # (per channel [C])
+    return Lost(f"{name} with a table computed from the batch: its rows pooled into bags")
 
 
 CONCATENATED = "concatenation along the batch dimension"

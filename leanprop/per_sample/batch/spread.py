@@ -34,6 +34,7 @@ from .infos import (
 )
 from .mixing import SIDE_BY_SIDE, holds_samples
 from .rules import VIEWS, reshaped, result_dim
+from .unknown import STRIDED_VIEWS
 
 if TYPE_CHECKING:
     from .tracker import BatchTracker
@@ -263,6 +264,34 @@ def selected_result(
     return Selected(info.reason, picks), r
 
 
+def _end(t: Tensor) -> int:
+    """One past the last storage element ``t``'s strided layout reaches (0 where empty)."""
+    if t.numel() == 0:
+        return 0
+    reach = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() + reach + 1
+
+
+def strided_replay(ids: Tensor, x: Tensor, out: Tensor) -> Tensor | None:
+    """``out = x.as_strided(size, stride, offset)`` replayed on the samples' ids (``ids``,
+    of ``x``'s shape): the ids written where ``x``'s elements lie in a storage of their own,
+    read back through ``out``'s layout. None where ``out`` reads storage ``x`` does not hold
+    (another tensor's elements: a view's base) or ``x``'s elements share storage."""
+    end = max(_end(x), _end(out))
+    if end > _MAX_IDS or any(st < 0 for st in (*x.stride(), *out.stride())):
+        return None
+    store = torch.full((end,), -1, dtype=ids.dtype, device=ids.device)
+    laid = store.as_strided(x.shape, x.stride(), x.storage_offset())
+    try:
+        laid.copy_(ids)
+    except RuntimeError:  # (elements that share storage: written to by several)
+        return None
+    if not bool((laid == ids).all()):
+        return None
+    moved = store.as_strided(out.shape, out.stride(), out.storage_offset())
+    return None if bool((moved < 0).any()) else moved
+
+
 def replayed(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, x: Tensor,
     info: Info, out: Tensor, k: int, reason: str, n: int,
@@ -273,8 +302,12 @@ def replayed(
     batch (``o.repeat(2, 1)``, a squeeze of a batch of one); None where the op does not only
     move values, or cannot be replayed (or its arguments cannot be read so)."""
     try:
-        ids = ids_for(name, x, info)
-        moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
+        if name in STRIDED_VIEWS:
+            ids = ids_of(x, info) if which == 0 else None
+            moved = strided_replay(ids, x, out) if ids is not None else None
+        else:
+            ids = ids_for(name, x, info)
+            moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None
         return read(moved, reason, n) if moved is not None else None
     except (IndexError, TypeError, ValueError, KeyError, RuntimeError):
         return None
