@@ -136,6 +136,12 @@ KEEP = {
         (N, N, N), (1, N, N * N)
     ),
     "fftshift of other dimensions": lambda x: torch.fft.fftshift(x, (1, 2)),
+    "as_strided_copy, the samples and features swapped": lambda x: torch.as_strided_copy(
+        x, (N, N, N), (1, N, N * N)
+    ),
+    "as_strided of a view at an offset": lambda x: x[:, 1:].as_strided(
+        (N, N - 1, N), x.stride(), x.storage_offset() + N
+    ),
     "as_strided as it is, the batch second": lambda x: (
         x.transpose(0, 1).contiguous().as_strided((N, N, N), (N * N, N, 1))
     ),
@@ -300,10 +306,14 @@ KEEP = {
 }
 
 
-def _index_reduced(x, keywords=False):
+def _index_reduced(x, keywords=False, within=False):
     index = torch.zeros(N, dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (index_reduce is in beta)
+        if within:  # (along time, into 2 places)
+            return torch.ones(N, 2, N, dtype=x.dtype).index_reduce(
+                1, torch.tensor([0, 1, 0, 1]), x, "prod"
+            )
         if keywords:
             return torch.zeros_like(x).index_reduce(dim=0, index=index, source=x, reduce="prod")
         return x.index_reduce(0, index, x, "prod")
@@ -332,6 +342,14 @@ LOSE = {
     ),
     "prelu with the samples' weight": lambda x: F.prelu(x, x[:, 0, 0]),
     "the samples sorted along the batch": lambda x: x.msort(),
+    "the samples sorted along the batch, the input by keyword": lambda x: torch.msort(input=x),
+    "as_strided_copy windows across the samples": lambda x: torch.as_strided_copy(
+        x, (N, N, N), (N, 1, N)
+    ),
+    "as_strided in place, the samples and features swapped": lambda x: x.clone().as_strided_(
+        (N, N, N), (1, N, N * N)
+    ),
+    "as_strided reading past the view": lambda x: x[:, :2].as_strided(x.shape, x.stride()),
     "a sample's place along the batch written over": lambda x: torch.select_scatter(
         x, torch.zeros(N, N, dtype=x.dtype), 0, 1
     ),
@@ -475,6 +493,15 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
     "a slice of each sample scattered into zeros": (
         lambda x: torch.slice_scatter(torch.zeros(N, N, 2 * N, dtype=x.dtype), x, 2, 0, N),
         BatchDim(0)),
+    "a transpose copied": (lambda x: torch.transpose_copy(x, 0, 1), BatchDim(1)),
+    "a permutation copied": (lambda x: torch.permute_copy(x, (2, 0, 1)), BatchDim(1)),
+    "a conjugate transpose": (lambda x: x[:, 0].H, BatchDim(1)),
+    "sub-tensors renormalised, the input by keyword": (
+        lambda x: torch.renorm(input=x, p=2, dim=1, maxnorm=0.5), Lost),
+    "a linear layer over the batch, the input by keyword": (
+        lambda x: F.linear(input=x[:, 0].T, weight=torch.ones(2, N, dtype=x.dtype)), Lost),
+    "each sample's values multiplied together within it": (
+        lambda x: _index_reduced(x, within=True), BatchDim(0)),
     "prelu's channels from the samples' weight": (
         lambda x: F.prelu(torch.ones(2, N, 3, dtype=x.dtype), x[:, 0, 0]), BatchDim(1)),
     "differences along the batch": (lambda x: x.diff(dim=0), Lost),
@@ -1032,6 +1059,18 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
     ).sum(),
     "masked_scatter of the samples, times the samples": lambda x, y: (
         x * torch.zeros_like(x).masked_scatter(_MASK, x)
+    ).sum(),
+    "one sample's as_strided over every sample, softmaxed over the batch": lambda x, y: (
+        x[0].as_strided(x.shape, x.stride()).softmax(0) * 2
+    ).sum(),
+    "samples multiplied together by scatter_reduce": lambda x, y: (
+        torch.ones(2, N, N, dtype=x.dtype)
+        .scatter_reduce(0, (y % 2)[:, None, None].expand(N, N, N), x, reduce="prod")
+        .pow(3)
+        .sum()
+    ),
+    "a transpose copied, then softmaxed over the batch": lambda x, y: (
+        torch.transpose_copy(x, 0, 1).softmax(1) * 2
     ).sum(),
     "as_strided of the samples, softmaxed over the batch": lambda x, y: (
         x.as_strided(x.shape, (1, N, N * N)).softmax(2) * 2

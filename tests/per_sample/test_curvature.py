@@ -1026,6 +1026,27 @@ def test_positive_curvature_products_against_oracle(modify, loss):
             torch.testing.assert_close(got, p.hmp(mat).flatten(1), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("activation", [None, nn.ReLU])
+def test_positive_curvature_products_without_curved_activations_are_the_hessians(activation):
+    """A linear model, or one with piecewise-linear activations only, has no residual to make
+    non-negative: its PCHMP is the Hessian's (then the GGN's) products, against brute force
+    (no pass to curved activations: there are none)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 5), nn.Linear(5, 3)]
+    if activation is not None:
+        layers.insert(1, activation())
+    model = nn.Sequential(*layers).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    loss_fn = nn.CrossEntropyLoss()
+    with leanprop.per_sample(model) as ctx:
+        leanprop.ggn(ctx, model(x), loss_fn, y, leanprop.PCHMP())
+    hessian = hessian_blocks(model, x, loss_fn, y)
+    for k, p in model.named_parameters():
+        mat = torch.randn(3, *p.shape, dtype=p.dtype)
+        got = p.pchmp(mat).flatten(1)
+        torch.testing.assert_close(got, mat.flatten(1) @ hessian[k], rtol=1e-10, atol=1e-12)
+
+
 def test_positive_curvature_products_refuse_what_diag_hessian_refuses():
     """A model whose Hessian has terms besides the GGN's and its activations' (LayerNorm of a
     parameter-dependent input) is refused, as for DiagHessian; a bad ``modify`` up front."""

@@ -19,6 +19,10 @@ class BatchDim:
     inner: int = 1
 
 
+# the end of a reason where an op combines the samples along the batch other than by a sum
+# or a pick (a product of them: scatter_reduce's "prod"): its result mixes them
+COMBINES_ALONG = "combines samples along the batch dimension"
+
 # the end of a reason where the samples are moved to places leanprop cannot tell (their
 # meeting with each other, or with other samples, may mix them: mixing.holds_samples)
 MAY_REORDER = "(may reorder samples)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .infos import MAY_REORDER, BatchDim, Combined, Info, Lost, Selected
+from .infos import COMBINES_ALONG, MAY_REORDER, BatchDim, Combined, Info, Lost, Selected
 from .matrices import FFTS, MATRIX_FUNCTIONS
 from .rules import CLASS_LOSSES, CONVOLUTIONS, SAMPLE_LOSSES, UNKNOWN_ALONG, VIEWS
 
@@ -25,7 +25,7 @@ _MIXES_WHERE_LOST = frozenset({
     "layer_norm", "rms_norm", "cdist", "pdist", "cov", "corrcoef", "diff", "linalg_matrix_norm",
     "linalg_norm", "cosine_similarity", "pairwise_distance", *FFTS,
     "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft", "renorm",
-    "index_reduce", *MATRIX_FUNCTIONS,
+    *MATRIX_FUNCTIONS,
     # (losses over the classes, or over each sample's features, taking the samples for them;
     # windows of neighbouring samples: x.unfold(0, 2, 1))
     *CLASS_LOSSES, *SAMPLE_LOSSES, "unfold",
@@ -84,17 +84,19 @@ def mixes_itself(name: str, which: int | str, bd: BatchDim, r: Info, out: Tensor
     normalisation over the samples, a convolution taking them for channels, a variance over
     them, a norm over them that is not one value for the batch (the norm of everything is a
     function of the summed squares, as any function of the summed loss)."""
-    where_lost = (  # (an operand by keyword: the shape-only rule's Lost, no mixing told;
-        # but a source put together along the batch: index_reduce(..., source=o))
+    where_lost = (  # (an operand by keyword: the shape-only rule's Lost, no mixing told)
         name in _MIXES_WHERE_LOST
-        and (isinstance(which, int) or which == "source")
+        and isinstance(which, int)
         and (which == 0 or name not in MATRIX_FUNCTIONS)
     )
     off_front = (name in _MIXES_AS_CHANNELS and bd.dim != 0) or (
         name in _MIXES_AS_POSITIONS and bd.dim >= 2
     )
     if type(r) is Lost and (
-        name in _MIXES or where_lost or off_front or r.reason.endswith(UNKNOWN_ALONG)
+        name in _MIXES
+        or where_lost
+        or off_front
+        or r.reason.endswith((UNKNOWN_ALONG, COMBINES_ALONG))
     ):
         return r.reason
     if type(r) is Combined and (

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .indexing import index_result, picks_by_index, picks_of, rows_at
 from .infos import (
+    COMBINES_ALONG,
     MAX_GROUPED,
     MAY_REORDER,
     BatchDim,
@@ -38,7 +39,13 @@ from .matrices import (
     rare_result,
     tensordot_result,
 )
-from .unknown import PLACING_SOURCES, STRIDED_VIEWS, UNKNOWN_ALONG, acts_along_batch
+from .unknown import (
+    PLACING_SOURCES,
+    STRIDED_LOST,
+    STRIDED_VIEWS,
+    UNKNOWN_ALONG,
+    acts_along_batch,
+)
 
 if TYPE_CHECKING:
     from .tracker import BatchTracker
@@ -60,8 +67,21 @@ def is_packed_rnn_op(name: str, args: Sequence[Any]) -> bool:
     )
 
 
+# ops that copy what a view would show: followed as the view
+_VIEW_COPIES = {
+    f"{view}_copy": view
+    for view in (
+        "as_strided", "detach", "diagonal", "expand", "narrow", "permute", "select", "split",
+        "split_with_sizes", "squeeze", "t", "transpose", "unbind", "unfold", "unsqueeze", "view",
+        "view_as_real", "view_as_complex", "alias",
+    )
+}  # fmt: skip
+
+
 def op_name(func: Any) -> str:
     name = getattr(func, "__name__", "")
+    if name in _VIEW_COPIES:
+        return _VIEW_COPIES[name]
     if name == "__get__":  # a property (x.mT, x.T): name of the property
         name = getattr(getattr(func, "__self__", None), "__name__", name)
     if name.startswith("__") and name.endswith("__"):
@@ -247,16 +267,24 @@ _ELEMENTWISE = frozenset({
 })  # fmt: skip
 
 
+# index ops that place their source's slices along one dimension, laid out as the input along
+# the others: (x, dim, index, source)
+_PLACED_ALONG = frozenset({"index_add", "index_copy", "index_reduce"})
+
+
+_REDUCED_AS = {"sum": "sum", "mean": "sum", "add": "sum", "amax": "pick", "amin": "pick",
+               "prod": "product", "multiply": "product"}  # fmt: skip
+
+
 def _reduced_as(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
-    """How ``index_add``, ``scatter_add``, ``scatter_reduce`` and ``index_reduce`` put the
-    source's values together in the places the index names: ``"sum"`` (added up: a sum or
-    mean), ``"pick"`` (one chosen: amax, amin), None for others (a product)."""
+    """How an index op puts the source's values together in the places the index names:
+    ``"sum"`` (added up: ``index_add``, a sum or mean), ``"pick"`` (one chosen: amax, amin),
+    ``"product"``; None where it only places them (``index_copy``, ``scatter``)."""
     if name in ("index_add", "scatter_add"):
         return "sum"
-    if name not in ("scatter_reduce", "index_reduce"):
+    if name not in ("scatter_reduce", "index_reduce", "scatter"):
         return None
-    reduce = dims_arg(args, kwargs, 4, "reduce")
-    return "sum" if reduce in ("sum", "mean") else "pick" if reduce in ("amax", "amin") else None
+    return _REDUCED_AS.get(dims_arg(args, kwargs, 4, "reduce"))
 
 
 # ops that write a source into a slice of their input: (input, src, dim, ...)
@@ -325,6 +353,8 @@ def result_dim(
         return bd if bd == BatchDim(0) and nd == 2 else Lost(f"{name} needs the batch first")
     if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
         return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
+    if which in ("input", "self") and name != "where":  # (the data by keyword: torch's first)
+        which = 0
     if isinstance(which, str) and (name in _INDEX_OPS or name == "diff"):
         # (x.index_add(0, g, source=o); diff's prepend and append, laid out as the input)
         which = _INDEX_KEYWORDS.get(which, 3 if which in ("prepend", "append") else which)
@@ -375,7 +405,7 @@ def result_dim(
         return BatchDim({d0: d1, d1: d0}.get(bd.dim, bd.dim), bd.inner)
     if name == "T" and nd != 2:  # reverses every dimension
         return BatchDim(nd - 1 - bd.dim, bd.inner)
-    if name in ("t", "mT", "mH", "adjoint") or name == "T":
+    if name in ("t", "mT", "mH", "adjoint", "H") or name == "T":
         swap = {nd - 1: nd - 2, nd - 2: nd - 1}
         return BatchDim(swap.get(bd.dim, bd.dim), bd.inner)
     if name == "permute":
@@ -447,8 +477,14 @@ def result_dim(
         d = default if d is None else d
         along = d is not None and norm_dim(int(d), nd) == bd.dim
         reduced = _reduced_as(name, args, kwargs) if which == 3 and along else None
-        if reduced is not None:  # (into groups: index_add)
+        if reduced == "product":  # (the source's samples put together: into groups)
+            return Lost(f"{name} of the source {COMBINES_ALONG}")
+        if reduced is not None:
             return Combined(f"{name} puts samples together", summed=reduced == "sum")
+        if which == 3 and along:  # (placed: what meets them tells)
+            return Lost(f"{name} places the source's samples along the batch {MAY_REORDER}")
+        if which == 3 and d is not None and name in _PLACED_ALONG:  # (along another dimension)
+            return bd
         if name == "index_select" and which == 2 and nd == 1 and d is not None:  # (rows at ids)
             return BatchDim(norm_dim(int(d), od), bd.inner)
         picks_at = 1 if name == "take_along_dim" else 2  # (input, indices, dim), (x, dim, index)
@@ -467,7 +503,7 @@ def result_dim(
             return Lost("renorm of sub-tensors that span the samples")
         return bd
     if name in STRIDED_VIEWS and which == 0:  # (its replay on the samples' ids, spread.py)
-        return Lost(f"{name} with a layout that may put samples together {MAY_REORDER}")
+        return Lost(STRIDED_LOST)
     if _is_tensor_unfold(name, args):
         return Lost("unfold along the batch dimension") if norm_dim(args[1], nd) == bd.dim else bd
     if name in ("outer", "ger"):

@@ -264,31 +264,52 @@ def selected_result(
     return Selected(info.reason, picks), r
 
 
-def _end(t: Tensor) -> int:
-    """One past the last storage element ``t``'s strided layout reaches (0 where empty)."""
-    if t.numel() == 0:
-        return 0
-    reach = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
-    return t.storage_offset() + reach + 1
+Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # (size, stride, storage offset)
 
 
-def strided_replay(ids: Tensor, x: Tensor, out: Tensor) -> Tensor | None:
-    """``out = x.as_strided(size, stride, offset)`` replayed on the samples' ids (``ids``,
-    of ``x``'s shape): the ids written where ``x``'s elements lie in a storage of their own,
-    read back through ``out``'s layout. None where ``out`` reads storage ``x`` does not hold
-    (another tensor's elements: a view's base) or ``x``'s elements share storage."""
-    end = max(_end(x), _end(out))
-    if end > _MAX_IDS or any(st < 0 for st in (*x.stride(), *out.stride())):
+def strided_layout(args: Sequence[Any], kwargs: dict[str, Any], x: Tensor) -> Layout:
+    """The layout ``as_strided(x, size, stride, storage_offset=None)`` reads ``x``'s storage
+    by (the offset: ``x``'s own by default), from its arguments (``as_strided_copy``'s output
+    is a fresh tensor: its own layout says nothing)."""
+    offset = dims_arg(args, kwargs, 3, "storage_offset")
+    size, stride = dims_arg(args, kwargs, 1, "size"), dims_arg(args, kwargs, 2, "stride")
+    offset = x.storage_offset() if offset is None else int(offset)
+    return tuple(int(s) for s in size), tuple(int(s) for s in stride), offset
+
+
+def _span(layout: Layout) -> tuple[int, int]:
+    """The first storage element a layout reaches and one past its last (``(0, 0)``: none)."""
+    size, stride, offset = layout
+    if 0 in size:
+        return 0, 0
+    return offset, offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
+
+
+def strided_replay(ids: Tensor, x: Tensor, layout: Layout) -> Tensor | None:
+    """``x.as_strided(*layout)`` replayed on the samples' ids (``ids``, of ``x``'s shape):
+    the ids written where ``x``'s elements lie in a storage of their own, read back through
+    the layout. None where it reads storage ``x`` does not hold (another tensor's elements: a
+    view's base), ``x``'s elements share storage, or the span is too long to replay."""
+    own: Layout = (tuple(x.shape), tuple(x.stride()), x.storage_offset())
+    if any(s < 0 for s in (*own[1], *layout[1])) or len(layout[0]) != len(layout[1]):
         return None
-    store = torch.full((end,), -1, dtype=ids.dtype, device=ids.device)
-    laid = store.as_strided(x.shape, x.stride(), x.storage_offset())
+    spans = [_span(own), _span(layout)]
+    start = min(first for first, end in spans if end > first) if x.numel() else 0
+    end = max(end for _, end in spans)
+    if end - start > _MAX_IDS:
+        return None
+    store = torch.full((max(end - start, 0),), -1, dtype=ids.dtype, device=ids.device)
+    laid = store.as_strided(own[0], own[1], max(own[2] - start, 0))
     try:
         laid.copy_(ids)
     except RuntimeError:  # (elements that share storage: written to by several)
         return None
     if not bool((laid == ids).all()):
         return None
-    moved = store.as_strided(out.shape, out.stride(), out.storage_offset())
+    size, stride, offset = layout
+    if offset < start:
+        return None
+    moved = store.as_strided(size, stride, offset - start)
     return None if bool((moved < 0).any()) else moved
 
 
@@ -302,9 +323,10 @@ def replayed(
     batch (``o.repeat(2, 1)``, a squeeze of a batch of one); None where the op does not only
     move values, or cannot be replayed (or its arguments cannot be read so)."""
     try:
-        if name in STRIDED_VIEWS:
-            ids = ids_of(x, info) if which == 0 else None
-            moved = strided_replay(ids, x, out) if ids is not None else None
+        if name in STRIDED_VIEWS:  # (not in place: x is already the view then)
+            ids = ids_of(x, info) if which == 0 and out is not x else None
+            layout = strided_layout(args, kwargs, x) if ids is not None else None
+            moved = strided_replay(ids, x, layout) if ids is not None else None
         else:
             ids = ids_for(name, x, info)
             moved = replay(name, args, kwargs, which, ids, out, k) if ids is not None else None

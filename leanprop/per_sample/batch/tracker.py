@@ -52,6 +52,7 @@ from .rules import (
     result_dim,
 )
 from .spread import MOVED, grouped_result, joined, read, replayed, selected_result
+from .unknown import STRIDED_LOST, STRIDED_VIEWS
 
 
 class _ByTensor:
@@ -637,6 +638,10 @@ class BatchTracker:
                     if grad and type(r_d) is not BatchDim
                 )
                 return r, next((m for m in reasons if m is not None), None), False
+            if name in STRIDED_VIEWS and type(info) is Selected:  # (one sample's: read by
+                # its layout, which may reach the others)
+                r = replayed(name, args, kwargs, which, t, info, o, k, info.reason, n)
+                return r or Lost(STRIDED_LOST), None, False
             return self._lost_result(name, args, kwargs, which, t, info, batched)
         except _UNREADABLE:
             return Lost(f"'{name}' with arguments leanprop cannot read"), None, False

@@ -15,32 +15,35 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .infos import BatchDim, norm_dim
+from .infos import MAY_REORDER, BatchDim, norm_dim
 
 UNKNOWN_ALONG = "(an op leanprop does not know) along the batch dimension may mix samples"
 
-_DIM_NAMES = ("dim", "dims", "axis")
+_DIM_NAMES = frozenset({"dim", "dims", "axis", "dim0", "dim1", "dim2", "axis0", "axis1"})
 _NO_DEFAULT = inspect.Parameter.empty
 OpName = Callable[[Any], str]  # (rules.op_name: a torch function's name as the rules say it)
 
 
 @functools.cache
-def _dim_params(op_name: OpName) -> dict[str, tuple[int, str, Any]]:
-    """Each overridable torch function's dimension argument, ``name -> (position, keyword,
-    default)``, from the signatures torch lists for its function overrides (read once per
-    process)."""
+def _dim_params(op_name: OpName) -> dict[str, tuple[tuple[int, str, Any], ...]]:
+    """Each overridable torch function's dimension arguments, ``name -> ((position, keyword,
+    default), ...)``, from the signatures torch lists for its function overrides (read once
+    per process)."""
     from torch.overrides import get_testing_overrides
 
-    table: dict[str, tuple[int, str, Any]] = {}
+    table: dict[str, tuple[tuple[int, str, Any], ...]] = {}
     for func, stand_in in get_testing_overrides().items():
         try:
             params = list(inspect.signature(stand_in).parameters.values())
         except (TypeError, ValueError):
             continue
-        for i, p in enumerate(params):
-            if p.name in _DIM_NAMES and p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY):
-                table.setdefault(op_name(func), (i, p.name, p.default))
-                break
+        found = tuple(
+            (i, p.name, p.default)
+            for i, p in enumerate(params)
+            if p.name in _DIM_NAMES and p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)
+        )
+        if found:
+            table.setdefault(op_name(func), found)
     return table
 
 
@@ -56,25 +59,29 @@ def acts_along_batch(
     op_name: OpName,
 ) -> bool:  # fmt: skip
     """Whether an op with no branch of its own acts along the batch dimension ``bd`` of an
-    ``nd``-dim operand: its dimension argument (passed by position or keyword, else its
-    default) names it, or is None (every dimension, or one the op picks itself)."""
+    ``nd``-dim operand: one of its dimension arguments (passed by position or keyword, else
+    its default) names it, or is None (every dimension, or one the op picks itself), or
+    cannot be read (a required one not found where its signature says)."""
     found = _dim_params(op_name).get(name)
     if found is None:  # (no signature: a dimension by keyword only)
-        d = kwargs.get("dim", kwargs.get("axis")) if kwargs else None
-        return d is not None and _names_batch(d, nd, bd)
-    pos, key, default = found
-    if key in kwargs:
-        d = kwargs[key]
-    elif len(args) > pos:
-        d = args[pos]
-    elif default is _NO_DEFAULT:
-        return False
-    else:
-        d = default
-    return d is None or _names_batch(d, nd, bd)
+        given = [kwargs[k] for k in _DIM_NAMES if k in kwargs] if kwargs else []
+        return any(d is not None and _names_batch(d, nd, bd) for d in given)
+    for pos, key, default in found:
+        if key in kwargs:
+            d = kwargs[key]
+        elif len(args) > pos:
+            d = args[pos]
+        elif default is _NO_DEFAULT:
+            return True
+        else:
+            d = default
+        if d is None or _names_batch(d, nd, bd):
+            return True
+    return False
 
 
-STRIDED_VIEWS = frozenset({"as_strided", "as_strided_copy"})
+STRIDED_VIEWS = frozenset({"as_strided"})  # (and as_strided_copy: rules.op_name)
+STRIDED_LOST = f"as_strided with a layout that may put samples together {MAY_REORDER}"
 # ops that put the values of a source operand into the places of another, in an order of
 # their own: the source's samples land in other places
 PLACING_SOURCES = {"as_strided_scatter": (1, "src"), "masked_scatter": (2, "source")}

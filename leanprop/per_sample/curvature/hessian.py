@@ -388,6 +388,8 @@ def activation_gradients(
 ) -> list[Tensor]:
     """``δ = ∂L/∂a`` at each curved activation's output (one pass, nothing accumulates;
     ``create_graph``: as functions of the parameters)."""
+    if not curved:  # (a linear or piecewise-linear model: nothing to differentiate to)
+        return []
     edges = [GradientEdge(c.node, 0) for c in curved]
     found = torch.autograd.grad(
         loss, edges, retain_graph=True, create_graph=create_graph, allow_unused=True
