@@ -134,11 +134,20 @@ def test_custom_modules_work_with_every_quantity():
     _check_against_oracles(model, x, y, extensions.BatchGrad())
 
 
-def _check_against_oracles(model, x, y, batch_grad):
+def test_use_converter_is_accepted_and_changes_nothing():
+    """``extend(model, use_converter=True)`` (BackPACK's graph conversion: leanprop follows
+    any graph without it) gives the same exact quantities on a model with branches."""
+    torch.manual_seed(0)
+    model = _Blocks().double()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    _check_against_oracles(model, x, y, extensions.BatchGrad(), use_converter=True)
+
+
+def _check_against_oracles(model, x, y, batch_grad, use_converter=False):
     """BatchGrad (``batch_grad``), Variance and DiagGGNExact through the facade, against the
     per-sample loop and ``J^T H J``."""
     loss_fn = nn.CrossEntropyLoss()
-    model, lf = extend(model), extend(loss_fn)
+    model, lf = extend(model, use_converter=use_converter), extend(loss_fn)
     try:
         loss = lf(model(x), y)
         with backpack(batch_grad, extensions.Variance(), extensions.DiagGGNExact()):

@@ -78,6 +78,18 @@ def test_cnn_against_autograd(loss_fn):
     _check(model, x, loss_fn, y)
 
 
+@pytest.mark.parametrize("d", [1, 3])
+def test_1d_and_3d_convolutions_against_autograd(d):
+    """Conv1d and Conv3d (padded) with a curved activation before pooling."""
+    torch.manual_seed(0)
+    conv, pool = {1: (nn.Conv1d, nn.MaxPool1d), 3: (nn.Conv3d, nn.AvgPool3d)}[d]
+    model = nn.Sequential(
+        conv(2, 3, 3, padding=1), nn.Tanh(), pool(2), nn.Flatten(), nn.Linear(3 * 2**d, 3)
+    ).double()
+    x = torch.randn(4, 2, *(4,) * d, dtype=torch.float64)
+    _check(model, x, nn.CrossEntropyLoss(), torch.randint(0, 3, (4,)))
+
+
 class _SequenceFirst(nn.Module):
     """``[T, N, D]`` inputs (``batch_dim=1``): the activations hold the samples in dim 1."""
 
