@@ -8,9 +8,12 @@ kernels on CPU, fused kernels on CUDA):
   ``register_post_accumulate_grad_hook``.
 * ``torch_in_backward``: torch's ``_apply_optimizer_in_backward`` (one optimizer per parameter,
   hooked on its gradient accumulator).
-* ``leanprop``: :class:`leanprop.InBackward`, buckets stepped by one optimizer call each
-  (``leanprop_no_norms``: with ``record_norms=False``, without the extra read of each
-  gradient that keeps its norm for ``clip_grad_norm_(params, inf)`` / ``last_grad_norm``).
+* ``leanprop``: :class:`leanprop.InBackward` as it comes, buckets stepped by one optimizer
+  call each; it keeps each gradient's norm (for ``clip_grad_norm_(params, inf)`` /
+  ``last_grad_norm``, one extra read of it) while they are read: this loop reads none, so
+  after its first backward none are kept. ``leanprop_norms``: ``record_norms=True``, kept
+  always (what a trainer that logs the norm pays); ``leanprop_no_norms``:
+  ``record_norms=False``.
 
 Sizes: ``small_b1`` (about 4.2M parameters) and ``gpt2_10m`` (about 10M, InBackward's default
 25 MiB buckets) on CPU; ``gpt2m_b1`` (GPT-2 medium) on CUDA. The leanprop row also gives the
@@ -144,7 +147,7 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
                     delattr(p, attr)
         return summary(model)
 
-    def in_backward(record_norms: bool = True) -> Tensor:
+    def in_backward(record_norms: bool | None = None) -> Tensor:
         model = models[2]
         model.load_state_dict(init)
         opt = leanprop.InBackward(
@@ -162,6 +165,7 @@ def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], 
     variants = {"ordinary": ordinary, "hooks": hooks, "torch_in_backward": torch_in_backward}
     return variants | {
         "leanprop": in_backward,
+        "leanprop_norms": lambda: in_backward(record_norms=True),
         "leanprop_no_norms": lambda: in_backward(record_norms=False),
     }, models
 
@@ -183,7 +187,7 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
     (timed with it). Each figure is the median of the rounds' differences (a slow round slows
     both sides: paired, it cancels):
 
-    * ``"over_step"``: norms recorded (the default), over the plain ``step()`` on the same
+    * ``"over_step"``: norms recorded (``record_norms=True``), over the plain ``step()`` on the same
       tensors;
     * ``"over_kernel"``: norms recorded, over the bare functional kernel on lists built
       beforehand (the floor): the Python of bucketing and checks, plus the norm kernel (on CPU
@@ -196,7 +200,7 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
 
     sets = [[nn.Parameter(torch.randn(8)) for _ in range(tensors)] for _ in range(4)]
     opts = {"lr": 1e-3, "momentum": 0.9, "foreach": True}
-    ours = leanprop.InBackward(sets[0], torch.optim.SGD, **opts)
+    ours = leanprop.InBackward(sets[0], torch.optim.SGD, record_norms=True, **opts)
     bare = leanprop.InBackward(sets[3], torch.optim.SGD, record_norms=False, **opts)
     plain = torch.optim.SGD(sets[1], **opts)
     floor = torch.optim.SGD(sets[2], **opts)
@@ -251,7 +255,8 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> li
         )  # fmt: skip
         ordinary = variants["ordinary"]()
         exact = {
-            k: bool(torch.equal(variants[k](), ordinary)) for k in ("leanprop", "leanprop_no_norms")
+            k: bool(torch.equal(variants[k](), ordinary))
+            for k in ("leanprop", "leanprop_norms", "leanprop_no_norms")
         }
         cfg = SIZES[size]
         for r in (as_dict(r, batch=cfg["batch"], method=f"{size}: {r.name}") for r in res):

@@ -181,6 +181,23 @@ def _nothing_left_to_clip(call: str) -> UnsupportedModelError:
     )
 
 
+def _norms_not_kept(o: InBackward, call: str) -> UnsupportedModelError:
+    """``call`` read the norms of gradients ``o`` stepped and freed without keeping them."""
+    if o._stepped.dropped:
+        why = (
+            "InBackward keeps them by default only while they are read: nothing read them "
+            "after the first backward that stepped, so it stopped keeping them (one read of "
+            "every gradient less). Pass InBackward(..., record_norms=True) to read them "
+            "later, or read them after every backward."
+        )
+    else:
+        why = "it was built with record_norms=False: pass record_norms=True (or leave the default)."
+    return UnsupportedModelError(
+        f"{call}: the gradients of {type(o.inner).__name__}'s parameters were stepped and freed "
+        f"in backward without their norms being kept; {why}"
+    )
+
+
 def _guarded_clip_grad_norm_(
     parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -207,15 +224,13 @@ def _guarded_clip_grad_norm_(
         raise _nothing_left_to_clip(
             f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r})"
         )
-    unkept = [type(o).__name__ for p in stepped if (o := _owner(p)) and not o._stepped.keep]
+    unkept = [o for p in stepped if (o := _owner(p)) and not o._stepped.keep]
     if unkept:
-        raise UnsupportedModelError(
-            "clip_grad_norm_(params, inf) got parameters of an InBackward(record_norms=False): "
-            "their gradients were stepped and freed in backward without their norms being "
-            "kept. Leave record_norms on (the default) to read the gradient norm."
-        )
+        raise _norms_not_kept(unkept[0], "clip_grad_norm_(params, inf)")
     # the last backward among the optimizers involved (another one's older norms are over)
     last = max(o._stepped.task for p in stepped if (o := _owner(p)) is not None)
+    for o in _owners(stepped):
+        o._stepped.read()
     held = iter(grad_norms([p.grad for p in params if p.grad is not None]))
     norms: list[Tensor] = []
     for p in params:
@@ -390,6 +405,10 @@ class InBackward(torch.optim.Optimizer):
         record_norms: keep each stepped gradient's norm (one extra read of every gradient,
             a few percent of a step on CPU): what ``last_grad_norm``, approximate clipping
             and ``clip_grad_norm_(params, inf)`` (trainers' logging) read. Off: those raise.
+            None (the default) decides by use: kept in the first backward that steps, and
+            from then on if they were read before the next backward began (a trainer that
+            logs the norm reads it after every backward); else no longer kept, and a later
+            read raises, saying to pass ``record_norms=True``.
         ddp: the ``DistributedDataParallel`` module whose parameters these are: each DDP bucket
             is stepped once its all-reduce has finished, and DDP's bucket memory is released
             between uses (see :mod:`leanprop.optim.distributed`). Buckets are then DDP's
@@ -410,7 +429,7 @@ class InBackward(torch.optim.Optimizer):
         *,
         bucket_mb: float = 25.0,
         clip_grad_norm: float | None = None,
-        record_norms: bool = True,
+        record_norms: bool | None = None,
         ddp: Any = None,
         fsdp: torch.nn.Module | None = None,
         **kwargs: Any,
@@ -436,7 +455,7 @@ class InBackward(torch.optim.Optimizer):
                 f"InBackward() got clip_grad_norm={clip_grad_norm!r}; it must be a positive, "
                 "finite number (the largest global gradient norm) or None."
             )
-        if clip_grad_norm is not None and not record_norms:
+        if clip_grad_norm is not None and record_norms is False:
             raise LeanpropValueError(
                 "InBackward(clip_grad_norm=..., record_norms=False): approximate clipping "
                 "uses the recorded norms of the previous backward; leave record_norms on."
@@ -467,7 +486,11 @@ class InBackward(torch.optim.Optimizer):
         self._measuring: dict[int, Tensor] | None = None  # id(p) -> grad norm, first pass
         self.clip_grad_norm = clip_grad_norm
         self._approx_coef: Tensor | None = None  # clip factor from last_grad_norm
-        self._stepped = SteppedNorms(keep=record_norms)  # gradient norms of the last backward
+        # gradient norms of the last backward (approximate clipping reads them every time)
+        self._stepped = SteppedNorms(
+            keep=record_norms is not False,
+            auto=record_norms is None and clip_grad_norm is None,
+        )
         self._coef: Tensor | None = None  # clipped_backward, second pass
         # the training loop around (see trainers.py): who drives, what it clips, what is held
         self._lightning_wrapper: weakref.ref | None = None  # Lightning's: steps in step(closure)
@@ -711,6 +734,7 @@ class InBackward(torch.optim.Optimizer):
                 "(previous step's global norm, computed from the all-reduced gradients)."
             )
         self._norm_type = float(norm_type)
+        self._stepped.wanted()  # (a loop that clips reads the norm: kept, as by a read)
         self._measuring = {}
         # only these (other leaves get their gradient once, in the second pass); under FSDP2
         # the graph's leaves are the unsharded parameters, which its hooks reduce: all of them
@@ -796,13 +820,12 @@ class InBackward(torch.optim.Optimizer):
         any clipping), over the parameters it stepped; None before any.
 
         Raises:
-            UnsupportedModelError: built with ``record_norms=False``.
+            UnsupportedModelError: built with ``record_norms=False``, or with the default and
+                the norms were not read after the first backward (no longer kept).
         """
         if not self._stepped.keep:
-            raise UnsupportedModelError(
-                "InBackward(record_norms=False).last_grad_norm: no gradient norm is kept; "
-                "leave record_norms on (the default) to read it."
-            )
+            raise _norms_not_kept(self, "last_grad_norm")
+        self._stepped.read()
         return self._stepped.total(self.param_groups)
 
     def _before_accumulate(self, grad: Tensor) -> None:

@@ -45,19 +45,28 @@ class SteppedNorms:
     last backward pass that accumulated gradients of the optimizer's parameters.
 
     Attributes:
+        keep: whether the norms are kept (one extra read of each gradient).
+        auto: ``keep`` is decided by use: norms kept in a backward that nobody read before
+            the next backward began stop being kept (``dropped``); a read keeps them for good.
+        dropped: ``keep`` was turned off so.
         task: the autograd graph task of that backward (-1: none yet).
         stepped: ``id(p)`` of the parameters stepped in it so far.
-        norms: ``id(p) -> 0-dim norm`` of those, if ``keep`` (one extra read of each gradient).
+        norms: ``id(p) -> 0-dim norm`` of those, if ``keep``.
     """
 
     keep: bool = True
+    auto: bool = False
+    dropped: bool = False
     task: int = -1
     stepped: set[int] = field(default_factory=set)
     norms: dict[int, Tensor] = field(default_factory=dict)
 
     def begin(self, task: int) -> None:
-        """A gradient of backward ``task`` arrived: a new backward forgets the last one's."""
+        """A gradient of backward ``task`` arrived: a new backward forgets the last one's
+        (and, deciding by use, stops keeping norms if the last one's were kept unread)."""
         if task != self.task:
+            if self.auto and self.norms:
+                self.keep, self.auto, self.dropped = False, False, True
             self.task, self.stepped, self.norms = task, set(), {}
 
     def record(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
@@ -65,6 +74,16 @@ class SteppedNorms:
         if self.keep:
             for p, norm in zip(params, grad_norms(grads), strict=True):
                 self.norms[id(p)] = norm
+
+    def read(self) -> None:
+        """The norms were read (deciding by use: they are kept from now on)."""
+        if self.norms:
+            self.auto = False
+
+    def wanted(self) -> None:
+        """The norms are used (exact clipping computes them anyway): kept from now on."""
+        if self.auto:
+            self.auto = False
 
     def total(self, groups: Iterable[dict[str, Any]]) -> Tensor | None:
         """Global 2-norm over ``groups``' parameters (None if nothing was stepped)."""

@@ -433,8 +433,9 @@ def test_norm_read_covers_the_last_backward_only():
     inf = float("inf")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
-    first = InBackward(model[0].parameters(), torch.optim.SGD, lr=0.1)
-    second = InBackward(model[2].parameters(), torch.optim.SGD, lr=0.1)
+    # (norms kept whether read or not: the first backward's are not read here)
+    first = InBackward(model[0].parameters(), torch.optim.SGD, lr=0.1, record_norms=True)
+    second = InBackward(model[2].parameters(), torch.optim.SGD, lr=0.1, record_norms=True)
     x = torch.randn(4, 3)
     model(x).sum().backward()
     h = torch.tanh(model[0](x)).detach()
@@ -452,6 +453,41 @@ def test_norm_read_covers_the_last_backward_only():
     torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(model[2].parameters(), inf), want)
     first.remove()
     second.remove()
+
+
+def test_norms_are_kept_by_default_while_they_are_read():
+    """The default keeps the stepped gradients' norms while something reads them after each
+    backward (a trainer's logging: exactly the plain loop's norms), and stops after a backward
+    whose norms nobody read (one read of every gradient less), a later read then refused with
+    what to pass; record_norms=True keeps them read or not."""
+    inf = float("inf")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    plain_model = copy.deepcopy(model)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    read = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    for _ in range(3):
+        x = torch.randn(5, 3)
+        plain_model(x).square().sum().backward()
+        want = torch.nn.utils.clip_grad_norm_(plain_model.parameters(), inf)
+        plain.step()
+        plain.zero_grad()
+        model(x).square().sum().backward()
+        assert torch.equal(torch.nn.utils.clip_grad_norm_(model.parameters(), inf), want)
+        assert torch.equal(read.last_grad_norm, want)
+    read.remove()
+    for record_norms in (None, True):
+        opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1, record_norms=record_norms)
+        for _ in range(2):  # (nothing reads the first backward's norms)
+            model(torch.randn(5, 3)).sum().backward()
+        if record_norms:
+            assert opt.last_grad_norm is not None
+        else:
+            with pytest.raises(UnsupportedModelError, match="record_norms=True"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), inf)
+            with pytest.raises(UnsupportedModelError, match="only while they are read"):
+                _ = opt.last_grad_norm
+        opt.remove()
 
 
 def test_parameters_moved_between_groups_step_with_their_new_group():

@@ -494,6 +494,13 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
         lambda x: torch.slice_scatter(torch.zeros(N, N, 2 * N, dtype=x.dtype), x, 2, 0, N),
         BatchDim(0)),
     "a transpose copied": (lambda x: torch.transpose_copy(x, 0, 1), BatchDim(1)),
+    "a mixture of experts' gates scattered into each sample's row": (
+        lambda x: torch.zeros(N, N, dtype=x.dtype).scatter(
+            1, x[:, 0].topk(2, dim=1).indices, x[:, 0].topk(2, dim=1).values.softmax(1)),
+        BatchDim(0)),
+    "the samples' values scattered into some rows": (
+        lambda x: torch.zeros(2 * N, N, dtype=x.dtype).scatter(
+            1, torch.zeros(N, 1, dtype=torch.long), x[:, 0, :1]), Lost),
     "a permutation copied": (lambda x: torch.permute_copy(x, (2, 0, 1)), BatchDim(1)),
     "a conjugate transpose": (lambda x: x[:, 0].H, BatchDim(1)),
     "sub-tensors renormalised, the input by keyword": (
@@ -1069,6 +1076,21 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
         .pow(3)
         .sum()
     ),
+    "differences over the batch, the input by keyword": lambda x, y: (
+        torch.diff(input=x, dim=0).pow(3).sum()
+    ),
+    "a spectrum over the batch, the input by keyword": lambda x, y: (
+        torch.fft.fft(input=x, dim=0).real.pow(3).sum()
+    ),
+    "a layer norm over the samples, the input by keyword": lambda x, y: (
+        torch.layer_norm(input=x.transpose(0, 2), normalized_shape=(N,)).pow(3).sum()
+    ),
+    "sub-tensors spanning the samples renormalised, the input by keyword": lambda x, y: (
+        torch.renorm(input=x, p=2, dim=1, maxnorm=0.5).pow(3).sum()
+    ),
+    "addbmm over the samples, times the samples": lambda x, y: (
+        torch.addbmm(torch.zeros(1, N, dtype=x.dtype), x[:, :1], x) * x[:, 0]
+    ).sum(),
     "a transpose copied, then softmaxed over the batch": lambda x, y: (
         torch.transpose_copy(x, 0, 1).softmax(1) * 2
     ).sum(),

@@ -270,6 +270,8 @@ _ELEMENTWISE = frozenset({
 # index ops that place their source's slices along one dimension, laid out as the input along
 # the others: (x, dim, index, source)
 _PLACED_ALONG = frozenset({"index_add", "index_copy", "index_reduce"})
+# the index ops that place their source's values at the index's positions: (x, dim, index, src)
+_SCATTERED = frozenset({"scatter", "scatter_add", "scatter_reduce"})
 
 
 _REDUCED_AS = {"sum": "sum", "mean": "sum", "add": "sum", "amax": "pick", "amin": "pick",
@@ -353,8 +355,6 @@ def result_dim(
         return bd if bd == BatchDim(0) and nd == 2 else Lost(f"{name} needs the batch first")
     if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
         return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
-    if which in ("input", "self") and name != "where":  # (the data by keyword: torch's first)
-        which = 0
     if isinstance(which, str) and (name in _INDEX_OPS or name == "diff"):
         # (x.index_add(0, g, source=o); diff's prepend and append, laid out as the input)
         which = _INDEX_KEYWORDS.get(which, 3 if which in ("prepend", "append") else which)
@@ -485,6 +485,18 @@ def result_dim(
             return Lost(f"{name} places the source's samples along the batch {MAY_REORDER}")
         if which == 3 and d is not None and name in _PLACED_ALONG:  # (along another dimension)
             return bd
+        if which in (2, 3) and d is not None and name in _SCATTERED:  # (along another one:
+            # each row of the output from the index's and source's same row, where the index
+            # covers every row: a mixture of experts' gates, zeros.scatter(1, top, weights))
+            index = dims_arg(args, kwargs, 2, "index")
+            rows = x.shape[bd.dim]
+            if (
+                isinstance(index, Tensor)
+                and index.dim() == nd == od
+                and len(index)
+                and (index.shape[bd.dim] == rows)
+            ):
+                return bd if out.shape[bd.dim] == rows else Lost(f"{name} of some rows")
         if name == "index_select" and which == 2 and nd == 1 and d is not None:  # (rows at ids)
             return BatchDim(norm_dim(int(d), od), bd.inner)
         picks_at = 1 if name == "take_along_dim" else 2  # (input, indices, dim), (x, dim, index)
@@ -557,7 +569,7 @@ def result_dim(
     if name in ("matmul", "mm", "bmm", "dot", "vdot"):
         return matmul_result(args[0], args[1], which, bd, od)
     if name == "addbmm" and which in (1, 2) and bd.dim == 0:
-        return Lost("addbmm sums over the batch dimension")
+        return Combined("addbmm sums over the batch dimension")
     if name in ("addmm", "baddbmm", "addbmm"):
         if which == 0:
             return BatchDim(od - (nd - bd.dim), bd.inner)

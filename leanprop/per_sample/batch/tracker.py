@@ -381,7 +381,7 @@ class BatchTracker:
             if isinstance(v, Tensor):
                 info = self.info(v)
                 if info is not None:
-                    batched.append((key, v, info))
+                    batched.append((_position_of(key), v, info))
                     if by_edge:
                         self._remember_edge(v, info)
                 else:
@@ -498,7 +498,7 @@ class BatchTracker:
             if isinstance(v, Tensor) and id(v) in info_ids:
                 info = self._info.get(v)
                 if info is not None:
-                    batched.append((key, v, info))
+                    batched.append((_position_of(key), v, info))
         return batched
 
     def propagate_batched(
@@ -700,6 +700,13 @@ class BatchTracker:
 
 
 # what an op's arguments may raise where leanprop reads them other than the op does
+def _position_of(key: str) -> int | str:
+    """An operand passed by keyword, numbered by position where torch's signatures put it
+    first (``input``, ``self``: the data, ``torch.renorm(input=o, ...)``), so that the rules
+    and the mixing checks read it as passed by position."""
+    return 0 if key in ("input", "self") else key
+
+
 _UNREADABLE = (IndexError, TypeError, ValueError, KeyError, RuntimeError, ZeroDivisionError)
 
 
