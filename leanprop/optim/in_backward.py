@@ -188,10 +188,10 @@ def _norms_not_kept(o: InBackward, call: str) -> UnsupportedModelError:
             "InBackward keeps them by default only while they are read: nothing read them "
             "after the first backward that stepped, so it stopped keeping them (one read of "
             "every gradient less). Pass InBackward(..., record_norms=True) to read them "
-            "later, or read them after every backward."
+            "later, or read them once after the first backward that steps (then they are kept)."
         )
     else:
-        why = "it was built with record_norms=False: pass record_norms=True (or leave the default)."
+        why = "it was built with record_norms=False: pass record_norms=True."
     return UnsupportedModelError(
         f"{call}: the gradients of {type(o.inner).__name__}'s parameters were stepped and freed "
         f"in backward without their norms being kept; {why}"
@@ -875,7 +875,10 @@ class InBackward(torch.optim.Optimizer):
 
     def begin_backward(self, task: int | None = None) -> None:
         """A backward (``task``, default: the running one) accumulates gradients of these
-        parameters (also inside accumulate()): the last one's gradient norms are over."""
+        parameters (also inside accumulate()): the last one's gradient norms are over.
+        (Approximate clipping, also switched on after construction, reads them each time.)"""
+        if self.clip_grad_norm is not None:
+            self._stepped.wanted()
         self._stepped.begin(current_graph_task_id() if task is None else task)
 
     def _holds(self, task: int, p: Tensor) -> bool:

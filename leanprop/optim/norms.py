@@ -81,9 +81,11 @@ class SteppedNorms:
             self.auto = False
 
     def wanted(self) -> None:
-        """The norms are used (exact clipping computes them anyway): kept from now on."""
-        if self.auto:
-            self.auto = False
+        """The norms are used (clipping reads them): kept from now on, also where they had
+        stopped being kept."""
+        self.auto = False
+        if self.dropped:
+            self.keep, self.dropped = True, False
 
     def total(self, groups: Iterable[dict[str, Any]]) -> Tensor | None:
         """Global 2-norm over ``groups``' parameters (None if nothing was stepped)."""

@@ -601,6 +601,54 @@ def test_pchmp_against_the_definition_and_backpack(modify):
         assert_close(p.pchmp(mat).flatten(1), mat.flatten(1) @ theirs_ref[k], k, 1e-10, 1e-12)
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_products_saved_under_their_savefield():
+    """``HMP/GGNMP/PCHMP(savefield=...)`` as BackPACK's gallery uses them: two PCHMPs of
+    either modification in one block, each stored under its own name, against the blocks'
+    definitions; the same name twice is refused up front, a bad one too."""
+    import copy
+
+    from leanprop.testing import hessian_blocks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)
+    ).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    lf = nn.CrossEntropyLoss()
+    base = copy.deepcopy(model)
+    positive = positive_curvature_blocks(base, x, lf, y)
+    refs = {"pc_clip": positive["clip"], "pc_abs": positive["abs"]}
+    refs["h"] = hessian_blocks(base, x, lf, y)
+    refs["g"] = {k: v[0] for k, v in ggn_blocks(base, x, lf, y).items()}
+    quantities = (
+        extensions.PCHMP(savefield="pc_clip", modify="clip"),
+        extensions.PCHMP(savefield="pc_abs", modify="abs"),
+        extensions.HMP(savefield="h"),
+        extensions.GGNMP(savefield="g"),
+    )
+    ours, ours_loss = extend(model), extend(lf)
+    try:
+        with backpack(*quantities):
+            ours_loss(ours(x), y).backward()
+        for k, p in model.named_parameters():
+            assert not hasattr(p, "pchmp") and not hasattr(p, "hmp") and not hasattr(p, "ggnmp")
+            mat = torch.randn(2, *p.shape, dtype=p.dtype)
+            for name, ref in refs.items():
+                got = getattr(p, name)(mat).flatten(1)
+                assert_close(got, mat.flatten(1) @ ref[k], f"{k}.{name}", 1e-10, 1e-12)
+            for name in refs:
+                delattr(p, name)
+        twice = (extensions.PCHMP(modify="clip"), extensions.PCHMP(modify="abs"))
+        with pytest.raises(LeanpropValueError, match=r"p\.pchmp"), backpack(*twice):
+            pass
+    finally:
+        facade.unextend(model)
+        facade.unextend(ours_loss)
+    with pytest.raises(LeanpropValueError, match="attribute name"):
+        extensions.HMP(savefield="not a name")
+
+
 def _facade_then_backpack(bp, model, loss_type, x, y, names, seed=0):
     """The facade's results ``{param name: {attr: value}}`` for the extensions ``names``;
     then BackPACK's own, left on the parameters (each run starts from ``seed``: the same

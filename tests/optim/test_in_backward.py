@@ -488,6 +488,19 @@ def test_norms_are_kept_by_default_while_they_are_read():
             with pytest.raises(UnsupportedModelError, match="only while they are read"):
                 _ = opt.last_grad_norm
         opt.remove()
+    # clipping keeps them again where they had stopped being kept: exact, and approximate
+    # switched on after construction
+    for clip in ("exact", "approximate"):
+        opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+        for _ in range(2):
+            model(torch.randn(5, 3)).sum().backward()
+        if clip == "exact":
+            opt.clipped_backward(model(torch.randn(5, 3)).sum(), 1.0)
+        else:
+            opt.clip_grad_norm = 1.0
+            model(torch.randn(5, 3)).sum().backward()
+        assert opt.last_grad_norm is not None
+        opt.remove()
 
 
 def test_parameters_moved_between_groups_step_with_their_new_group():

@@ -349,6 +349,9 @@ LOSE = {
     "as_strided in place, the samples and features swapped": lambda x: x.clone().as_strided_(
         (N, N, N), (1, N, N * N)
     ),
+    "ones scattered along the batch at batched positions": lambda x: torch.zeros(
+        N, N, dtype=x.dtype
+    ).scatter(0, x[:, 0].argmax(1, keepdim=True), 1.0),
     "as_strided reading past the view": lambda x: x[:, :2].as_strided(x.shape, x.stride()),
     "a sample's place along the batch written over": lambda x: torch.select_scatter(
         x, torch.zeros(N, N, dtype=x.dtype), 0, 1

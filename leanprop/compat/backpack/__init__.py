@@ -330,7 +330,7 @@ def backpack(
         c.set_quantities(kinds, _algorithm(), subsampling)
         if by_mc:  # (an earlier block's curvature is not this one's)
             for p in c.model.parameters():
-                for attr in {e.attr for e in curvature}:
+                for attr in {e.savefield for e in curvature}:
                     if hasattr(p, attr):
                         delattr(p, attr)
     _CURVATURE.append(by_mc)

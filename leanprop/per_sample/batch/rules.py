@@ -485,7 +485,8 @@ def result_dim(
             return Lost(f"{name} places the source's samples along the batch {MAY_REORDER}")
         if which == 3 and d is not None and name in _PLACED_ALONG:  # (along another dimension)
             return bd
-        if which in (2, 3) and d is not None and name in _SCATTERED:  # (along another one:
+        if which in (2, 3) and d is not None and not along and name in _SCATTERED:  # (along
+            # another dimension than the batch's:
             # each row of the output from the index's and source's same row, where the index
             # covers every row: a mixture of experts' gates, zeros.scatter(1, top, weights))
             index = dims_arg(args, kwargs, 2, "index")

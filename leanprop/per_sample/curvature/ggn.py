@@ -77,6 +77,14 @@ def validate_curvature(
                 "quantities go to per_sample(...) and come with loss.backward())."
             )
         by_mc.setdefault(q.mc, []).append(q)
+    fields = [q.savefield for q in quantities]
+    twice = sorted({f for f in fields if fields.count(f) > 1})
+    if twice:
+        raise LeanpropValueError(
+            f"ggn(): several quantities would store their results in p.{twice[0]}; ask each "
+            "once, or give products of one kind different savefield= names (PCHMP("
+            "modify='clip', savefield='pchmp_clip'), PCHMP(modify='abs', savefield='pchmp_abs'))."
+        )
     if len([mc for mc in by_mc if mc is not None]) > 1:
         raise LeanpropValueError(
             "ggn(): the Monte-Carlo quantities asked for different mc_samples "
@@ -190,7 +198,8 @@ def compute_ggn(
         # and a pass that skips them would leave their parameters without quantities, unsaid)
         reentrant = _through_reentrant_checkpoint(output)
     params = list({p: None for c in contexts for p in c.model.parameters() if p.requires_grad})
-    names = [q.attr for q in ALL_QUANTITIES]
+    asked = {q.savefield for qs in by_mc.values() for q in qs}
+    names = list(dict.fromkeys([*(q.attr for q in ALL_QUANTITIES), *sorted(asked)]))
     saved_attrs = [{a: getattr(p, a) for a in names if hasattr(p, a)} for p in params]
     results: list[dict[str, object]] = [{} for _ in params]
     hessian = [q for q in by_mc.get(None, []) if q.hessian]
@@ -265,7 +274,7 @@ def compute_ggn(
                 )
                 products = product_functions(contexts, params, grads, terms, create_graph)
                 for i, f in products.items():  # (none where the output does not depend on it)
-                    results[i][q.attr] = f
+                    results[i][q.savefield] = f
             refuse_recomputation()
         hessian = [q for q in hessian if not q.second_order]
         if curved and hessian:
@@ -281,7 +290,6 @@ def compute_ggn(
                     setattr(p, a, attrs[a])
                 elif hasattr(p, a):
                     delattr(p, a)
-    asked = {q.attr for qs in by_mc.values() for q in qs}
     for p, res in zip(params, results, strict=True):
         for attr in asked:  # (a parameter the output does not depend on: none, not stale)
             if attr in res:
@@ -551,7 +559,9 @@ def _passes(
                     results[i][q.attr] = kron[p]
                 continue
             if q.product:
-                results[i][q.attr] = functools.partial(ggn_matrix_product, torch.stack(roots[i]))
+                results[i][q.savefield] = functools.partial(
+                    ggn_matrix_product, torch.stack(roots[i])
+                )
                 continue
             if q.root:
                 value = subsample(torch.stack(roots[i]), q.subsampling, 1, type(q).__name__)

@@ -12,7 +12,7 @@ cross-entropy, the output size for MSE and BCE, ``mc_samples`` for MC).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ...errors import LeanpropValueError
@@ -41,6 +41,15 @@ class CurvatureQuantity:
     def savefield(self) -> str:
         """The attribute the results are stored under (BackPACK's name for it)."""
         return self.attr
+
+
+def _check_savefield(q: CurvatureQuantity) -> None:
+    """A product's ``savefield`` (the attribute its function is stored under) is a name."""
+    if not isinstance(q.savefield, str) or not q.savefield.isidentifier():
+        raise LeanpropValueError(
+            f"{type(q).__name__}(savefield={q.savefield!r}): pass an attribute name such as "
+            f"{q.attr!r} (where p.{q.attr}(mat) is stored)."
+        )
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,11 @@ class GGNMP(CurvatureQuantity):
 
     attr: ClassVar[str] = "ggnmp"
     product: ClassVar[bool] = True
+    # the attribute the product is stored under (BackPACK's savefield; keyword only)
+    savefield: str = field(default="ggnmp", kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_savefield(self)
 
 
 @dataclass(frozen=True)
@@ -194,6 +208,11 @@ class HMP(CurvatureQuantity):
 
     attr: ClassVar[str] = "hmp"
     second_order: ClassVar[bool] = True
+    # the attribute the product is stored under (BackPACK's savefield; keyword only)
+    savefield: str = field(default="hmp", kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_savefield(self)
 
 
 @dataclass(frozen=True)
@@ -209,8 +228,11 @@ class PCHMP(CurvatureQuantity):
     second_order: ClassVar[bool] = True
     hessian: ClassVar[bool] = True
     modify: str = "clip"
+    # the attribute the product is stored under (BackPACK's savefield; keyword only)
+    savefield: str = field(default="pchmp", kw_only=True)
 
     def __post_init__(self) -> None:
+        _check_savefield(self)
         if self.modify not in ("clip", "abs"):
             raise LeanpropValueError(
                 f"PCHMP(modify={self.modify!r}): pass 'clip' (negative residuals set to 0) or "
