@@ -229,3 +229,47 @@ def test_a_custom_module_extension_serves_every_quantity():
 
     with pytest.raises(LeanpropValueError, match="no method 'bias'"):
         Incomplete()
+
+
+_MODULE_PATHS = {  # BackPACK's module paths its examples import from, and what they take
+    "extensions.secondorder": ("DiagGGNExact", "DiagHessian", "KFAC", "SqrtGGNMC"),
+    "extensions.secondorder.diag_ggn": ("DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact"),
+    "extensions.secondorder.diag_hessian": ("DiagHessian", "BatchDiagHessian"),
+    "extensions.secondorder.hbp": ("KFAC", "KFLR", "KFRA"),
+    "extensions.secondorder.sqrt_ggn": ("SqrtGGNExact", "SqrtGGNMC"),
+    "extensions.curvmatprod": ("GGNMP", "HMP", "PCHMP"),
+    "extensions.curvmatprod.hmp": ("HMP",),
+    "extensions.curvmatprod.ggnmp": ("GGNMP",),
+    "extensions.curvmatprod.pchmp": ("PCHMP",),
+    "core.derivatives.convnd": ("weight_jac_t_save_memory",),
+    "utils.convert_parameters": ("vector_to_parameter_list",),
+}
+
+
+@pytest.mark.parametrize("path", sorted(_MODULE_PATHS))
+def test_backpacks_module_paths(path):
+    """Each path holds the facade's own objects (the same extension class wherever imported
+    from), under the names BackPACK 1.7.1 has there."""
+    import importlib
+
+    ours = importlib.import_module(f"leanprop.compat.backpack.{path}")
+    for name in _MODULE_PATHS[path]:
+        obj = getattr(ours, name)
+        if hasattr(extensions, name):
+            assert obj is getattr(extensions, name), name
+    theirs = pytest.importorskip(f"backpack.{path}")
+    assert all(hasattr(theirs, name) for name in _MODULE_PATHS[path])
+
+
+def test_vector_to_parameter_list_is_the_inverse_of_parameters_to_vector():
+    from leanprop.compat.backpack.utils.convert_parameters import vector_to_parameter_list
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    vec = torch.nn.utils.parameters_to_vector(model.parameters())
+    views = vector_to_parameter_list(vec, model.parameters())
+    assert all(torch.equal(v, p) for v, p in zip(views, model.parameters(), strict=True))
+    assert views[0].data_ptr() == vec.data_ptr()  # (views, no copies)
+    with pytest.raises(LeanpropValueError, match="hold 26 entries"):
+        vector_to_parameter_list(vec[:-1], model.parameters())
+    with pytest.raises(TypeError):
+        vector_to_parameter_list([1.0], model.parameters())

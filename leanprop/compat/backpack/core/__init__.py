@@ -1,0 +1,1 @@
+"""BackPACK's module path ``core``."""

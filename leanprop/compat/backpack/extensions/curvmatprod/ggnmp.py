@@ -1,0 +1,5 @@
+"""BackPACK's module path ``extensions.curvmatprod.ggnmp``."""
+
+from .. import GGNMP
+
+__all__ = ["GGNMP"]

@@ -1,0 +1,5 @@
+"""BackPACK's module path ``extensions.curvmatprod.hmp``."""
+
+from .. import HMP
+
+__all__ = ["HMP"]

@@ -1,0 +1,5 @@
+"""BackPACK's module path ``extensions.curvmatprod.pchmp``."""
+
+from .. import PCHMP
+
+__all__ = ["PCHMP"]

@@ -1,0 +1,5 @@
+"""BackPACK's module path ``extensions.secondorder.sqrt_ggn``."""
+
+from .. import SqrtGGNExact, SqrtGGNMC
+
+__all__ = ["SqrtGGNExact", "SqrtGGNMC"]
