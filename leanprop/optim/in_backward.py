@@ -879,6 +879,12 @@ class InBackward(torch.optim.Optimizer):
         (Approximate clipping, also switched on after construction, reads them each time.)"""
         if self.clip_grad_norm is not None:
             self._stepped.wanted()
+            if not self._stepped.keep:  # (set after construction; nothing is stepped yet)
+                raise LeanpropValueError(
+                    "InBackward(record_norms=False) with clip_grad_norm set: approximate "
+                    "clipping uses the recorded norms of the previous backward; build it with "
+                    "record_norms left at its default (or True)."
+                )
         self._stepped.begin(current_graph_task_id() if task is None else task)
 
     def _holds(self, task: int, p: Tensor) -> bool:

@@ -645,8 +645,12 @@ def test_products_saved_under_their_savefield():
     finally:
         facade.unextend(model)
         facade.unextend(ours_loss)
-    with pytest.raises(LeanpropValueError, match="attribute name"):
-        extensions.HMP(savefield="not a name")
+    for bad in ("not a name", "grad", "data", "register_hook", "_hooks", "grad_batch"):
+        with pytest.raises(LeanpropValueError, match="attribute name of its own"):
+            extensions.HMP(savefield=bad)
+    # (BackPACK's signatures: savefield first)
+    assert extensions.PCHMP("pc", "abs") == extensions.PCHMP(savefield="pc", modify="abs")
+    assert extensions.HMP("h").savefield == "h" and extensions.GGNMP("g").savefield == "g"
 
 
 def _facade_then_backpack(bp, model, loss_type, x, y, names, seed=0):

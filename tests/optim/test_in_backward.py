@@ -501,6 +501,13 @@ def test_norms_are_kept_by_default_while_they_are_read():
             model(torch.randn(5, 3)).sum().backward()
         assert opt.last_grad_norm is not None
         opt.remove()
+    opt = InBackward(model.parameters(), torch.optim.SGD, lr=0.1, record_norms=False)
+    opt.clip_grad_norm = 1.0  # (refused before anything is stepped)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(LeanpropValueError, match="record_norms=False"):
+        model(torch.randn(5, 3)).sum().backward()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    opt.remove()
 
 
 def test_parameters_moved_between_groups_step_with_their_new_group():

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from torch import nn
+
 from ...errors import LeanpropValueError
-from ..quantities import check_subsampling
+from ..quantities import ALL_QUANTITIES, check_subsampling
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,19 @@ class CurvatureQuantity:
 
 
 def _check_savefield(q: CurvatureQuantity) -> None:
-    """A product's ``savefield`` (the attribute its function is stored under) is a name."""
-    if not isinstance(q.savefield, str) or not q.savefield.isidentifier():
+    """A product's ``savefield`` (the attribute its function is stored under) is a name of its
+    own: not one a parameter has (``grad``, ``data``, a method), a private one, or the
+    attribute of a first-order quantity (``grad_batch``: its results would replace it)."""
+    name = q.savefield
+    taken = isinstance(name, str) and (
+        hasattr(nn.Parameter, name) or name.startswith("_")
+        or name in {k.attr for k in ALL_QUANTITIES}
+    )  # fmt: skip
+    if not isinstance(name, str) or not name.isidentifier() or taken:
         raise LeanpropValueError(
-            f"{type(q).__name__}(savefield={q.savefield!r}): pass an attribute name such as "
-            f"{q.attr!r} (where p.{q.attr}(mat) is stored)."
+            f"{type(q).__name__}(savefield={name!r}): pass an attribute name of its own such "
+            f"as {q.attr!r} (where p.{q.attr}(mat) is stored), not a private one, one that "
+            "parameters have (grad, data, their methods) or a first-order quantity's."
         )
 
 

@@ -66,13 +66,20 @@ class SqrtGGNExact(_OnlyBatchGradExtends, _curvature.SqrtGGNExact): ...
 class SqrtGGNMC(_OnlyBatchGradExtends, _curvature.SqrtGGNMC): ...
 
 
-class GGNMP(_OnlyBatchGradExtends, _curvature.GGNMP): ...
+# the products as BackPACK's signatures take them (savefield first, positional too)
+class GGNMP(_OnlyBatchGradExtends, _curvature.GGNMP):
+    def __init__(self, savefield: str = "ggnmp") -> None:
+        super().__init__(savefield=savefield)
 
 
-class HMP(_OnlyBatchGradExtends, _curvature.HMP): ...
+class HMP(_OnlyBatchGradExtends, _curvature.HMP):
+    def __init__(self, savefield: str = "hmp") -> None:
+        super().__init__(savefield=savefield)
 
 
-class PCHMP(_OnlyBatchGradExtends, _curvature.PCHMP): ...
+class PCHMP(_OnlyBatchGradExtends, _curvature.PCHMP):
+    def __init__(self, savefield: str = "pchmp", modify: str = "clip") -> None:
+        super().__init__(modify=modify, savefield=savefield)
 
 
 class KFLR(_OnlyBatchGradExtends, _curvature.KFLR): ...
