@@ -482,9 +482,9 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
         BatchDim(1)),
     "a transposed convolution contracting the samples of its weight": (
         lambda x: F.conv_transpose1d(torch.ones(2, N, 3, dtype=x.dtype), x[:, :, :1]), Lost),
-    "a linear layer's bias of each sample broadcast over time": (
-        lambda x: F.linear(torch.ones(2, N, N, dtype=x.dtype), torch.ones(N, N, dtype=x.dtype),
-                           x[:, :1, 0]), BatchDim(1)),
+    "a linear layer's bias of each sample broadcast over the features": (  # (bias [N, 1])
+        lambda x: F.linear(torch.ones(N, N, dtype=x.dtype), torch.ones(N, N, dtype=x.dtype),
+                           x[:, :1, 0]), BatchDim(0)),
     "a linear layer's bias of each sample": (
         lambda x: F.linear(x[:, 0], torch.ones(N, N, dtype=x.dtype), x[:, 1]), BatchDim(0)),
     "each sample written into a slice of its own": (
