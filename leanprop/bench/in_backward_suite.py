@@ -187,8 +187,8 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
     (timed with it). Each figure is the median of the rounds' differences (a slow round slows
     both sides: paired, it cancels):
 
-    * ``"over_step"``: norms recorded (``record_norms=True``), over the plain ``step()`` on the same
-      tensors;
+    * ``"over_step"``: norms recorded (``record_norms=True``), over the plain ``step()`` on
+      the same tensors;
     * ``"over_kernel"``: norms recorded, over the bare functional kernel on lists built
       beforehand (the floor): the Python of bucketing and checks, plus the norm kernel (on CPU
       one ``vector_norm`` call per tensor);

@@ -563,6 +563,16 @@ def test_hmp_block_with_a_mode_left_open_inside_is_refused_clearly():
         other.__exit__(None, None, None)  # then the facade's idle one)
 
 
+def _curved_mlp():
+    """A float64 MLP with sigmoid and tanh activations, its inputs, labels and loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)
+    ).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    return model, x, y, nn.CrossEntropyLoss()
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 @pytest.mark.parametrize("modify", ["clip", "abs"])
 def test_pchmp_against_the_definition_and_backpack(modify):
@@ -573,12 +583,7 @@ def test_pchmp_against_the_definition_and_backpack(modify):
     here so that a fixed BackPACK shows up."""
     import copy
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)
-    ).double()
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
-    lf = nn.CrossEntropyLoss()
+    model, x, y, lf = _curved_mlp()
     base = copy.deepcopy(model)
     ref = positive_curvature_blocks(base, x, lf, y)[modify]
     ours, ours_loss = extend(model), extend(lf)
@@ -610,12 +615,7 @@ def test_products_saved_under_their_savefield():
 
     from leanprop.testing import hessian_blocks
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)
-    ).double()
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
-    lf = nn.CrossEntropyLoss()
+    model, x, y, lf = _curved_mlp()
     base = copy.deepcopy(model)
     positive = positive_curvature_blocks(base, x, lf, y)
     refs = {"pc_clip": positive["clip"], "pc_abs": positive["abs"]}

@@ -501,6 +501,9 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
         lambda x: torch.zeros(N, N, dtype=x.dtype).scatter(
             1, x[:, 0].topk(2, dim=1).indices, x[:, 0].topk(2, dim=1).values.softmax(1)),
         BatchDim(0)),
+    "nothing of the samples scattered by an empty index": (
+        lambda x: torch.zeros(N, N, dtype=x.dtype).scatter(
+            1, torch.zeros(N, 0, dtype=torch.long), x[:, 0, :0]), Lost),
     "the samples' values scattered into some rows": (
         lambda x: torch.zeros(2 * N, N, dtype=x.dtype).scatter(
             1, torch.zeros(N, 1, dtype=torch.long), x[:, 0, :1]), Lost),

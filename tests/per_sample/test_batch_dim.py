@@ -483,3 +483,17 @@ def test_ops_across_the_samples_are_refused(name, check):
     x = torch.randn(4, 4, dtype=torch.float64)
     with pytest.raises(BatchError), leanprop.per_sample(model, BatchGrad(), check=check):
         model(x).square().sum().backward()
+
+
+def test_unknown_ops_dimension_arguments_are_all_read():
+    """An op with no branch of its own acts along the batch where any of its dimension
+    arguments names it (the second of two: ``dim1``), or where a required one cannot be
+    read (passed under a name its signature does not give)."""
+    from leanprop.per_sample.batch import BatchDim, op_name
+    from leanprop.per_sample.batch.unknown import acts_along_batch
+
+    x = torch.zeros(4, 4, 4)
+    assert acts_along_batch("swapaxes", (x, 1, 0), {}, 3, BatchDim(0), op_name)
+    assert not acts_along_batch("swapaxes", (x, 1, 2), {}, 3, BatchDim(0), op_name)
+    assert acts_along_batch("renorm", (x, 2.0), {"maxnorm": 1.0}, 3, BatchDim(2), op_name)
+    assert not acts_along_batch("renorm", (x, 2.0, 0, 1.0), {}, 3, BatchDim(2), op_name)

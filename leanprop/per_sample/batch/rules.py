@@ -295,7 +295,7 @@ _SCATTERS = frozenset({"select_scatter", "slice_scatter", "diagonal_scatter"})
 
 def _scatter_result(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, bd: BatchDim,
-    nd: int, od: int,
+    od: int,
 ) -> Info:  # fmt: skip
     """Where ``select_scatter``, ``slice_scatter`` and ``diagonal_scatter`` put the batch of
     their input (``which`` 0: kept where they write along other dimensions) or of their
@@ -306,12 +306,12 @@ def _scatter_result(
         d1, d2 = dims_arg(args, kwargs, 3, "dim1"), dims_arg(args, kwargs, 4, "dim2")
         d1, d2 = 0 if d1 is None else int(d1), 1 if d2 is None else int(d2)
         dims = {norm_dim(d1, od), norm_dim(d2, od)}
-        if which in (0, "input") and bd.dim not in dims:
+        if which == 0 and bd.dim not in dims:
             return bd
         return Lost(f"{name} along the batch dimension, or of a batched diagonal {MAY_REORDER}")
     d = dims_arg(args, kwargs, 2, "dim")
     d = norm_dim(0 if d is None else int(d), od)
-    if which in (0, "input"):
+    if which == 0:
         return bd if d != bd.dim else Lost(f"{name} along the batch dimension {MAY_REORDER}")
     if name == "select_scatter":  # (src: the output without dimension d)
         return BatchDim(bd.dim + (bd.dim >= d), bd.inner)
@@ -363,7 +363,7 @@ def result_dim(
     if which in PLACING_SOURCES.get(name, ()):
         return Lost(f"{name} places its source's values in an order of its own {MAY_REORDER}")
     if name in _SCATTERS:
-        return _scatter_result(name, args, kwargs, which, bd, nd, od)
+        return _scatter_result(name, args, kwargs, which, bd, od)
     if name in _ELEMENTWISE:
         return _elementwise(name, args, kwargs, x, bd, out)
     if isinstance(which, str):
@@ -489,14 +489,10 @@ def result_dim(
             # another dimension than the batch's:
             # each row of the output from the index's and source's same row, where the index
             # covers every row: a mixture of experts' gates, zeros.scatter(1, top, weights))
-            index = dims_arg(args, kwargs, 2, "index")
-            rows = x.shape[bd.dim]
-            if (
-                isinstance(index, Tensor)
-                and index.dim() == nd == od
-                and len(index)
-                and (index.shape[bd.dim] == rows)
-            ):
+            index, rows = dims_arg(args, kwargs, 2, "index"), x.shape[bd.dim]
+            laid_out = isinstance(index, Tensor) and index.dim() == nd == od
+            # (an empty index places nothing: the output holds none of the operand's rows)
+            if laid_out and index.numel() and index.shape[bd.dim] == rows:
                 return bd if out.shape[bd.dim] == rows else Lost(f"{name} of some rows")
         if name == "index_select" and which == 2 and nd == 1 and d is not None:  # (rows at ids)
             return BatchDim(norm_dim(int(d), od), bd.inner)

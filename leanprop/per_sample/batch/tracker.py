@@ -699,7 +699,6 @@ class BatchTracker:
         return res
 
 
-# what an op's arguments may raise where leanprop reads them other than the op does
 def _position_of(key: str) -> int | str:
     """An operand passed by keyword, numbered by position where torch's signatures put it
     first (``input``, ``self``: the data, ``torch.renorm(input=o, ...)``), so that the rules
@@ -707,6 +706,7 @@ def _position_of(key: str) -> int | str:
     return 0 if key in ("input", "self") else key
 
 
+# what an op's arguments may raise where leanprop reads them other than the op does
 _UNREADABLE = (IndexError, TypeError, ValueError, KeyError, RuntimeError, ZeroDivisionError)
 
 
