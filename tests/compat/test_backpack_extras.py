@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from leanprop import LeanpropValueError
+from leanprop import LeanpropError, LeanpropValueError
 from leanprop.compat import backpack as facade
 from leanprop.compat.backpack import backpack, extend, extensions
 from leanprop.compat.backpack.custom_module.branching import ActiveIdentity, Parallel, SumModule
@@ -199,6 +199,8 @@ def test_a_custom_module_extension_serves_every_quantity():
             super().__init__(params=["weight"])
 
         def weight(self, ext, module, g_inp, g_out, bp_quantities):
+            assert ext.get_subsampling() is None  # (called for all samples)
+            assert module.output.shape == module.input0.shape == g_out[0].shape
             calls.append(g_out[0].shape)
             return (g_out[0] * module.input0).flatten(start_dim=1).sum(1).unsqueeze(-1)
 
@@ -214,8 +216,10 @@ def test_a_custom_module_extension_serves_every_quantity():
         extension.set_module_extension(_Scale, OtherBatchGrad())
     with pytest.raises(LeanpropValueError, match="overwrite=True"):
         extension.set_module_extension(nn.Linear, ScaleBatchGrad())  # (a built-in rule)
-    with pytest.raises(LeanpropValueError, match="set the module's extension on BatchGrad"):
+    with pytest.warns(UserWarning, match="does not call this extension's functions"):
         extensions.Variance().set_module_extension(_Scale, ScaleBatchGrad())
+    with pytest.raises(LeanpropValueError, match="ModuleExtension subclass"):
+        extensions.Variance().set_module_extension(_Scale, object())
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), _Scale(), nn.Linear(5, 3)).double()
@@ -223,12 +227,62 @@ def test_a_custom_module_extension_serves_every_quantity():
     _check_against_oracles(model, x, y, extension)
     assert calls and calls[-1] == (6, 5)  # the extension computed them (once per pass)
 
+    subsampled = extensions.BatchGrad(subsampling=[4, 1])
+    assert subsampled.get_subsampling() == [4, 1] and extension.get_subsampling() is None
+    model = extend(model)
+    with backpack(subsampled):
+        nn.CrossEntropyLoss()(model(x), y).backward()
+    want = individual_gradients(
+        model, lambda o, t, r: nn.functional.cross_entropy(o, t, reduction=r), x, y, "mean"
+    )
+    assert_close(model[2].weight.grad_batch, want["2.weight"][[4, 1]], "w", 1e-12, 1e-14)
+    facade.unextend(model)
+
     class Incomplete(FirstOrderModuleExtension):
         def __init__(self):
             super().__init__(params=["bias"])
 
     with pytest.raises(LeanpropValueError, match="no method 'bias'"):
         Incomplete()
+
+
+def test_second_order_module_extensions_are_accepted_and_the_result_is_exact():
+    """BackPACK's custom-module example's DiagGGNExact extension (``backpropagate`` and a
+    parameter function): accepted with a warning that it is not called; the diagonal comes
+    from the module's graph, exactly (the module has no BatchGrad extension here)."""
+    from leanprop.compat.backpack.extensions.module_extension import ModuleExtension
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.tensor([0.8], dtype=torch.float64))
+
+        def forward(self, x):
+            return x * self.weight
+
+    class TwiceDiagGGN(ModuleExtension):
+        def __init__(self):
+            super().__init__(params=["weight"])
+
+        def backpropagate(self, ext, module, g_inp, g_out, bp_quantities):
+            raise AssertionError("not called")
+
+        def weight(self, ext, module, g_inp, g_out, bp_quantities):
+            raise AssertionError("not called")
+
+    with pytest.warns(UserWarning, match="its ops as leanprop captures them"):
+        extensions.DiagGGNExact().set_module_extension(Twice, TwiceDiagGGN())
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), Twice(), nn.Linear(5, 3)).double())
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    with backpack(extensions.DiagGGNExact()):
+        loss_fn(model(x), y).backward()
+    blocks = ggn_blocks(model, x, loss_fn, y)
+    for k, p in model.named_parameters():
+        assert_close(p.diag_ggn_exact.flatten(), blocks[k][0].diagonal(), k, 1e-11, 1e-13)
+    facade.unextend(model)
+    facade.unextend(loss_fn)
 
 
 _MODULE_PATHS = {  # BackPACK's module paths its examples import from, and what they take
@@ -273,3 +327,49 @@ def test_vector_to_parameter_list_is_the_inverse_of_parameters_to_vector():
         vector_to_parameter_list(vec[:-1], model.parameters())
     with pytest.raises(TypeError):
         vector_to_parameter_list([1.0], model.parameters())
+
+
+def test_backpacks_tracer_keeps_the_custom_modules_as_leaves():
+    """``custom_module.graph_utils.BackpackTracer`` (BackPACK's RNN example prints graphs
+    with it): the custom modules are single nodes, other modules traced as torch.fx does."""
+    from leanprop.compat.backpack.custom_module.graph_utils import BackpackTracer
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.scale, self.add = nn.Linear(4, 4), ScaleModule(2.0), SumModule()
+            self.pick, self.perm = ReduceTuple(index=0), Permute(1, 0)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return self.perm(self.pick((self.add(h, self.scale(h)), h)))
+
+    model = Net()
+    graph = BackpackTracer().trace(model)
+    called = [n.target for n in graph.nodes if n.op == "call_module"]
+    assert called == ["lin", "scale", "add", "pick", "perm"]
+    assert [n.op for n in graph.nodes] == ["placeholder", *["call_module"] * 5, "output"]
+    with pytest.raises(torch.fx.proxy.TraceError):  # (torch.fx's own goes into SumModule)
+        torch.fx.Tracer().trace(model)
+
+
+def test_backpacks_example_helpers():
+    """``utils.examples.autograd_diag_ggn_exact`` equals the GGN's diagonal (brute force),
+    entries picked by ``idx`` (an int tensor, as BackPACK's examples pass); bad indices and
+    the MNIST helpers without torchvision give clear errors."""
+    import importlib.util
+
+    from leanprop.compat.backpack.utils import examples
+
+    model, x, y, loss_fn = _problem()
+    blocks = ggn_blocks(model, x, loss_fn, y)
+    full = torch.cat([blocks[k][0].diagonal() for k, _ in model.named_parameters()])
+    assert_close(examples.autograd_diag_ggn_exact(x, y, model, loss_fn), full, "all", 1e-12, 0)
+    idx = torch.linspace(0, full.numel() - 1, 5, dtype=torch.int32)
+    got = examples.autograd_diag_ggn_exact(x, y, model, loss_fn, idx=idx)
+    assert_close(got, full[idx.long()], "idx", 1e-12, 0)
+    with pytest.raises(LeanpropValueError, match="out of range"):
+        examples.autograd_diag_ggn_exact(x, y, model, loss_fn, idx=[full.numel()])
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(LeanpropError, match="need torchvision"):
+            examples.load_one_batch_mnist(4)

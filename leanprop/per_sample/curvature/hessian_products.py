@@ -6,10 +6,13 @@ formed once as a differentiable function (``create_graph=True``). ``H_pp v`` is 
 gradient of ``<grad_p, v>`` with respect to ``p``: one backward pass through that function per
 vector, exact for any model autograd can differentiate twice (no table of layers, weight
 sharing and attention included). Those passes run through the forward's own graph too: it must
-not be freed before the products are taken (``loss.backward(retain_graph=True)``), and the
-values it was formed with must not change (a parameter stepped): autograd's own checks and a
-snapshot of the parameters (versions, storages, fingerprints) find both, and the errors say
-so.
+not be freed before the products are taken (``loss.backward(retain_graph=True)``). The
+products are those of the parameters' values at the forward: a parameter changed through
+``.data`` since (an optimizer stepping one parameter after another from its products, as
+BackPACK's Newton-CG example does) has its forward-time values copied back into it for each
+product and its new ones restored after (the functions keep one copy of the parameters for
+this); a change autograd sees (in place under ``no_grad``, or ``p.data = ...``) is refused
+with what to do instead.
 
 The positive-curvature Hessian replaces each curved activation's residual ``r = δ ⊙ σ''(z)``
 (``hessian.py``) by ``max(r, 0)`` or ``|r|``: its block is the Hessian's plus, for each such
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -100,32 +104,59 @@ def _fingerprints(params: Sequence[nn.Parameter]) -> list[Tensor]:
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """What tells that parameters changed: their version counters (in-place ops), storages
-    (``p.data = ...``) and fingerprints (``p.data.add_(...)``, which neither of the others
-    sees)."""
+    """The parameters as the products were formed: their version counters (in-place ops),
+    storages (``p.data = ...``), fingerprints and values (``p.data.add_(...)``, which neither
+    of the first two sees)."""
 
     params: tuple[nn.Parameter, ...]
     versions: tuple[int, ...]
     storages: tuple[int, ...]
     prints: list[Tensor]
+    values: tuple[Tensor, ...]
 
     @staticmethod
     def of(params: Sequence[nn.Parameter]) -> _Snapshot:
         return _Snapshot(
             tuple(params), tuple(q._version for q in params),
             tuple(q.data_ptr() for q in params), _fingerprints(params),
+            tuple(q.detach().clone() for q in params),
         )  # fmt: skip
 
-    def changed(self) -> bool:
+    def moved(self) -> bool:
+        """Whether a parameter changed in a way autograd sees (its version or storage)."""
         if any(q._version != v for q, v in zip(self.params, self.versions, strict=True)):
             return True
-        if any(q.data_ptr() != d for q, d in zip(self.params, self.storages, strict=True)):
-            return True
-        now = _fingerprints(self.params)
-        return not all(
-            torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
-            for a, b in zip(now, self.prints, strict=True)
-        )
+        return any(q.data_ptr() != d for q, d in zip(self.params, self.storages, strict=True))
+
+    def changed_values(self) -> list[int]:
+        """The positions of the parameters whose values differ from the snapshot's."""
+        if all(
+            torch.equal(a, b) for a, b in zip(_fingerprints(self.params), self.prints, strict=True)
+        ):
+            return []
+        with torch.no_grad():
+            return [
+                i for i, (q, old) in enumerate(zip(self.params, self.values, strict=True))
+                if not torch.equal(q.detach(), old)
+            ]  # fmt: skip
+
+    @contextmanager
+    def as_formed(self) -> Iterator[None]:
+        """The parameters' values as at the snapshot while inside (those changed through
+        ``.data`` since: copied in, and their new values put back on exit)."""
+        changed = self.changed_values()
+        now = {}
+        try:
+            with torch.no_grad():
+                for i in changed:
+                    q = self.params[i]
+                    now[i] = q.detach().clone()
+                    q.data.copy_(self.values[i])  # (through .data: no version bump)
+            yield
+        finally:
+            with torch.no_grad():
+                for i, value in now.items():
+                    self.params[i].data.copy_(value)
 
 
 def hessian_matrix_product(
@@ -138,10 +169,14 @@ def hessian_matrix_product(
     activation input ``z`` with respect to ``p``, each sample's); ``create_graph``: as a
     function of the parameters.
 
+    Parameters changed through ``.data`` since the functions were formed are put back to
+    their values then for the product (``_Snapshot.as_formed``): products of the forward's
+    values, whatever was stepped in between.
+
     Raises:
-        UnsupportedModelError: a parameter changed since the gradient was formed (layers
-            read their weights when their backward runs, so autograd's own check of saved
-            values does not see every change: the products would mix old and new values).
+        UnsupportedModelError: a parameter changed in place or was given a new storage since
+            the gradient was formed (autograd refuses its saved values, or would read the
+            new storage where layers read their weights when their backward runs).
     """
     if not isinstance(mat, Tensor) or mat.dim() != p.dim() + 1 or mat.shape[1:] != p.shape:
         shape = ", ".join(map(str, p.shape))
@@ -149,14 +184,14 @@ def hessian_matrix_product(
         raise LeanpropValueError(
             f"hmp(mat): mat must be [V, *p.shape] = [V, {shape}] (V vectors), got {got}."
         )
-    if snapshot.changed():
+    if snapshot.moved():
         raise _changed()
     dtype = torch.promote_types(mat.dtype, grad.dtype)
     if not grad.requires_grad:  # the gradient does not depend on p: its block is zero
         return torch.zeros(mat.shape, dtype=dtype, device=mat.device)
     columns = []
     alive = [c for c in (ref() for ref in contexts) if c is not None]
-    with quiet(alive):
+    with quiet(alive), snapshot.as_formed():
         for v in mat:
             v = v.to(grad.dtype)
             try:
@@ -216,8 +251,9 @@ def _explained(e: RuntimeError) -> BaseException:
 
 def _changed() -> UnsupportedModelError:
     return UnsupportedModelError(
-        "hmp(mat): a parameter or a value the forward saved changed since the forward (in "
-        "place or through .data: an optimizer step?); the Hessian is that of the values "
-        "then. Take the products before changing the parameters, or run the forward and HMP "
-        "again."
+        "hmp(mat): a parameter or a value the forward saved was changed in place (or given "
+        "a new tensor with p.data = ...) since the forward; the Hessian is that of the values "
+        "then. Step the parameters through p.data (p.data.add_(...): the products put the "
+        "forward's values back while they run), take the products before changing them, or "
+        "run the forward and HMP again."
     )

@@ -5,29 +5,33 @@ curvature ones ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_ggn_exact_batch``,
 ``diag_h``, ``diag_h_batch``, ``hmp``, ``pchmp``).
 
 ``BatchGrad().set_module_extension(MyModule, MyModuleBatchGrad())`` adds a custom module for
-every quantity (see ``module_extension.py``); the other extensions say so.
+every quantity (see ``module_extension.py``); the other extensions accept theirs with a warning
+that leanprop does not call them. ``ext.get_subsampling()`` is BackPACK's.
 """
 
 from torch import nn
 
-from ....errors import LeanpropValueError
 from ....per_sample import quantities as _first
 from ....per_sample.curvature import quantities as _curvature
-from .module_extension import ModuleExtension, register_module_extension
+from .module_extension import ModuleExtension, accept_other_extension, register_module_extension
 
 
-class _OnlyBatchGradExtends:
+class _Extension:
+    """What BackPACK's extensions have beyond leanprop's quantities."""
+
+    def get_subsampling(self) -> list[int] | None:
+        """The sample indices the extension keeps (None: all)."""
+        kept = getattr(self, "subsampling", None)
+        return None if kept is None else list(kept)
+
     def set_module_extension(
         self, module: type[nn.Module], extension: ModuleExtension, overwrite: bool = False
     ) -> None:
-        raise LeanpropValueError(
-            f"{type(self).__name__}().set_module_extension(...): leanprop computes every "
-            "quantity from a module's individual gradients; set the module's extension on "
-            "BatchGrad() (its functions return [N, *p.shape]) and all quantities use it."
-        )
+        """Accepted, not called: see ``module_extension.accept_other_extension``."""
+        accept_other_extension(self, module, extension)
 
 
-class BatchGrad(_first.BatchGrad):
+class BatchGrad(_Extension, _first.BatchGrad):
     """BackPACK's ``BatchGrad``; ``set_module_extension`` adds a custom module."""
 
     def set_module_extension(
@@ -36,65 +40,65 @@ class BatchGrad(_first.BatchGrad):
         register_module_extension(self, module, extension, overwrite)
 
 
-class BatchL2Grad(_OnlyBatchGradExtends, _first.BatchL2Grad): ...
+class BatchL2Grad(_Extension, _first.BatchL2Grad): ...
 
 
-class BatchDotGrad(_OnlyBatchGradExtends, _first.BatchDotGrad): ...
+class BatchDotGrad(_Extension, _first.BatchDotGrad): ...
 
 
-class SumGradSquared(_OnlyBatchGradExtends, _first.SumGradSquared): ...
+class SumGradSquared(_Extension, _first.SumGradSquared): ...
 
 
-class Variance(_OnlyBatchGradExtends, _first.Variance): ...
+class Variance(_Extension, _first.Variance): ...
 
 
-class DiagGGNExact(_OnlyBatchGradExtends, _curvature.DiagGGNExact): ...
+class DiagGGNExact(_Extension, _curvature.DiagGGNExact): ...
 
 
-class DiagGGNMC(_OnlyBatchGradExtends, _curvature.DiagGGNMC): ...
+class DiagGGNMC(_Extension, _curvature.DiagGGNMC): ...
 
 
-class BatchDiagGGNExact(_OnlyBatchGradExtends, _curvature.BatchDiagGGNExact): ...
+class BatchDiagGGNExact(_Extension, _curvature.BatchDiagGGNExact): ...
 
 
-class BatchDiagGGNMC(_OnlyBatchGradExtends, _curvature.BatchDiagGGNMC): ...
+class BatchDiagGGNMC(_Extension, _curvature.BatchDiagGGNMC): ...
 
 
-class SqrtGGNExact(_OnlyBatchGradExtends, _curvature.SqrtGGNExact): ...
+class SqrtGGNExact(_Extension, _curvature.SqrtGGNExact): ...
 
 
-class SqrtGGNMC(_OnlyBatchGradExtends, _curvature.SqrtGGNMC): ...
+class SqrtGGNMC(_Extension, _curvature.SqrtGGNMC): ...
 
 
 # the products as BackPACK's signatures take them (savefield first, positional too)
-class GGNMP(_OnlyBatchGradExtends, _curvature.GGNMP):
+class GGNMP(_Extension, _curvature.GGNMP):
     def __init__(self, savefield: str = "ggnmp") -> None:
         super().__init__(savefield=savefield)
 
 
-class HMP(_OnlyBatchGradExtends, _curvature.HMP):
+class HMP(_Extension, _curvature.HMP):
     def __init__(self, savefield: str = "hmp") -> None:
         super().__init__(savefield=savefield)
 
 
-class PCHMP(_OnlyBatchGradExtends, _curvature.PCHMP):
+class PCHMP(_Extension, _curvature.PCHMP):
     def __init__(self, savefield: str = "pchmp", modify: str = "clip") -> None:
         super().__init__(modify=modify, savefield=savefield)
 
 
-class KFLR(_OnlyBatchGradExtends, _curvature.KFLR): ...
+class KFLR(_Extension, _curvature.KFLR): ...
 
 
-class KFRA(_OnlyBatchGradExtends, _curvature.KFRA): ...
+class KFRA(_Extension, _curvature.KFRA): ...
 
 
-class KFAC(_OnlyBatchGradExtends, _curvature.KFAC): ...
+class KFAC(_Extension, _curvature.KFAC): ...
 
 
-class DiagHessian(_OnlyBatchGradExtends, _curvature.DiagHessian): ...
+class DiagHessian(_Extension, _curvature.DiagHessian): ...
 
 
-class BatchDiagHessian(_OnlyBatchGradExtends, _curvature.BatchDiagHessian): ...
+class BatchDiagHessian(_Extension, _curvature.BatchDiagHessian): ...
 
 
 __all__ = [

@@ -17,22 +17,35 @@ of a parameter ``[N, *p.shape]``::
 
 That registers a rule for ``ScaleModule`` (for every context and extension, as
 ``register_rule`` does): its functions get ``module.input0`` (and ``input1``, ...: the module's
-inputs with the batch first) and ``g_out = (output gradient,)``; ``g_inp`` and
-``bpQuantities`` are None (nothing is backpropagated but the ordinary gradient).
+inputs with the batch first), ``module.output`` (what its last forward returned, kept from the
+forward as BackPACK keeps it) and ``g_out = (output gradient,)``; ``g_inp`` and
+``bpQuantities`` are None (nothing is backpropagated but the ordinary gradient). They are called
+for all samples: ``ext.get_subsampling()`` is None there, and a ``subsampling=`` of the
+extension in use is applied to what they return.
+
+Extensions of the other quantities (``DiagGGNExact().set_module_extension(...)`` with a
+``backpropagate`` method, ...) are accepted, and not called: leanprop derives every quantity
+from the module's individual gradients (its ``BatchGrad`` extension, else its ops as the
+engine captures them, else the torch.func fallback) and backpropagates through the module with
+autograd, exactly; a warning says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook
 
 from ....errors import LeanpropValueError
 from ....per_sample.registry import RuleOptions, has_rule, register_rule
 
 # module class -> the extension set_module_extension registered for it (the last)
 _REGISTERED: dict[type[nn.Module], ModuleExtension] = {}
+_KEEPS_OUTPUT: list[object] = []  # the global forward hook keeping module.output, once set
 
 
 class ModuleExtension:
@@ -70,6 +83,7 @@ def register_module_extension(
             "a FirstOrderModuleExtension subclass."
         )
     names = set(extension.params)
+    all_samples = dataclasses.replace(ext, subsampling=None)  # (subsampled after the call)
 
     def batch_grads(
         module: nn.Module, inputs: tuple[Any, ...], g: Tensor, wanted: frozenset[str],
@@ -85,10 +99,50 @@ def register_module_extension(
         for i, x in enumerate(inputs):
             setattr(module, f"input{i}", x)
         try:
-            return {k: getattr(extension, k)(ext, module, None, (g,), None) for k in sorted(wanted)}
+            return {
+                k: getattr(extension, k)(all_samples, module, None, (g,), None)
+                for k in sorted(wanted)
+            }
         finally:
             for i in range(len(inputs)):
                 delattr(module, f"input{i}")
 
     register_rule(module_type)(batch_grads)
     _REGISTERED[module_type] = extension
+    if not _KEEPS_OUTPUT:
+        _KEEPS_OUTPUT.append(register_module_forward_hook(_keep_output))
+
+
+def _keep_output(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+    """``module.output``, for the modules with a registered extension (as BackPACK keeps it:
+    until the module's next forward)."""
+    if type(module) in _REGISTERED:
+        module.output = output
+
+
+def accept_other_extension(ext: Any, module_type: type[nn.Module], extension: Any) -> None:
+    """``set_module_extension`` of an extension other than ``BatchGrad``: checked, then
+    accepted with a warning that its functions are not called (see the module docstring)."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise LeanpropValueError(
+            f"{type(ext).__name__}().set_module_extension({module_type!r}, ...): pass the "
+            "module class."
+        )
+    if not isinstance(extension, ModuleExtension):
+        raise LeanpropValueError(
+            f"{type(ext).__name__}().set_module_extension({module_type.__name__}, "
+            f"{extension!r}): pass an instance of a ModuleExtension subclass."
+        )
+    how = (
+        "its BatchGrad extension" if module_type in _REGISTERED
+        else "its ops as leanprop captures them, or the torch.func fallback"
+    )  # fmt: skip
+    warnings.warn(
+        f"{type(ext).__name__}().set_module_extension({module_type.__name__}, "
+        f"{type(extension).__name__}()): leanprop does not call this extension's functions; it "
+        f"derives {type(ext).__name__} for {module_type.__name__} from the module's individual "
+        f"gradients ({how}) and backpropagates through it with autograd, exactly. To give "
+        "leanprop a custom module's closed form, set a BatchGrad extension.",
+        UserWarning,
+        stacklevel=3,
+    )
