@@ -488,6 +488,52 @@ def rnn_cells_stepped() -> Built:
     return m, lambda: per_sample_sq(m(x)), {}
 
 
+class ComplexRotaryLlama(nn.Module):
+    """A decoder block as Meta's reference Llama writes it: RMSNorm, rotary embeddings in
+    complex form (``view_as_complex`` of feature pairs times ``freqs_cis``, ``view_as_real``
+    back), causal attention, a SwiGLU MLP. Its complex views were unknown to the tracker (an
+    error at the attention's output projection)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq, self.wk = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.wv, self.wo = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.w1, self.w3 = nn.Linear(dim, 12, bias=False), nn.Linear(dim, 12, bias=False)
+        self.w2, self.head = nn.Linear(12, dim, bias=False), nn.Linear(dim, vocab, bias=False)
+        freqs = 1.0 / 10000.0 ** (torch.arange(0, self.hd, 2).double() / self.hd)
+        angles = torch.outer(torch.arange(32, dtype=torch.float64), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def _rotary(self, x: Tensor) -> Tensor:  # [N, T, H, hd]
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # (Meta's .float())
+        pairs = torch.view_as_complex(wide.reshape(*x.shape[:-1], -1, 2))
+        turns = self.freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, pairs.shape[-1])
+        return torch.view_as_real(pairs * turns).flatten(3).type_as(x)
+
+    def forward(self, ids: Tensor) -> Tensor:  # [N, T]
+        h = self.emb(ids)
+        n, t, d = h.shape
+        a = self.norm1(h)
+        q = self._rotary(self.wq(a).view(n, t, self.heads, self.hd)).transpose(1, 2)
+        k = self._rotary(self.wk(a).view(n, t, self.heads, self.hd)).transpose(1, 2)
+        v = self.wv(a).view(n, t, self.heads, self.hd).transpose(1, 2)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.wo(att.transpose(1, 2).reshape(n, t, d))
+        b = self.norm2(h)
+        h = h + self.w2(F.silu(self.w1(b)) * self.w3(b))
+        return self.head(h)
+
+
+@model
+def llama_complex_rotary() -> Built:
+    m = ComplexRotaryLlama()
+    x, y = torch.randint(0, 11, (N, N)), torch.randint(0, 11, (N, N))
+    return m, lambda: token_losses(m(x), y), {}
+
+
 def token_losses(logits: Tensor, y: Tensor) -> Tensor:
     """``[N]``: each sample's summed token cross-entropy."""
     ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")

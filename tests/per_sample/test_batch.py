@@ -127,7 +127,23 @@ def _assigned_through_a_view(x):
     return dest
 
 
+def _complex_pairs(x):
+    """Rotary embeddings' complex form (Meta's Llama): pairs of features as complex numbers,
+    turned, and back as pairs."""
+    turned = torch.view_as_complex(x.reshape(N, N, -1, 2)) * torch.polar(
+        torch.ones(N // 2, dtype=torch.float64), torch.zeros(N // 2, dtype=torch.float64)
+    )
+    return torch.view_as_real(turned).flatten(-2)
+
+
+def _real_and_imaginary(x):
+    pairs = torch.view_as_complex(x.reshape(N, N, -1, 2))
+    return torch.cat([pairs.real, pairs.imag], -1)
+
+
 KEEP = {
+    "complex pairs and back": _complex_pairs,
+    "a complex view's real and imaginary parts": lambda x: _real_and_imaginary(x),
     "renorm of each sample": lambda x: x.renorm(2, 0, 1e9),
     "as_strided as it is": lambda x: x.as_strided(x.shape, x.stride()),
     "as_strided of each sample's first rows": lambda x: x.as_strided((N, 2, N), (N * N, N, 1)),
@@ -523,6 +539,20 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
 }  # fmt: skip
 TABLE = torch.arange(N, dtype=torch.float64)[:, None].expand(N, N).clone()
 CELL = torch.full((8, N), 0.1, dtype=torch.float64)  # (an RNN cell's weights, H = 2)
+
+
+def test_a_batch_of_two_taken_as_complex_pairs_is_lost():
+    """``view_as_complex`` of a tensor whose last dimension is the batch (two samples): each
+    complex number holds both samples; the complex views of other dimensions keep it."""
+    tracker = BatchTracker(())
+    tracker.n = 2
+    x = torch.arange(2, dtype=torch.float64).expand(3, 2).clone()
+    tracker.mark(x, BatchDim(1))
+    with Follow(tracker):
+        pairs = torch.view_as_complex(x)
+        kept = torch.view_as_real(torch.view_as_complex(torch.stack([x.T, x.T], -1)))
+    assert isinstance(tracker.info(pairs), Lost)
+    assert tracker.info(kept) == BatchDim(0)
 
 
 @pytest.mark.parametrize("name", sorted(MOVED))

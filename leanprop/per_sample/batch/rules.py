@@ -425,6 +425,10 @@ def result_dim(
     if name == "unsqueeze":
         d = norm_dim(int(dims_arg(args, kwargs, 1, "dim")), od)
         return BatchDim(bd.dim + (d <= bd.dim), bd.inner)
+    if name == "view_as_complex":  # [..., k, 2] -> [..., k]: the pairs' dimension goes
+        return Lost("view_as_complex of the batch dimension") if bd.dim == nd - 1 else bd
+    if name == "view_as_real":  # [..., k] -> [..., k, 2]: a dimension of pairs comes last
+        return bd
     if name == "squeeze":
         d = dims_arg(args, kwargs, 1, "dim")
         dims = range(nd) if d is None else [d] if isinstance(d, int) else d
