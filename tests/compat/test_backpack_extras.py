@@ -373,3 +373,63 @@ def test_backpacks_example_helpers():
     if importlib.util.find_spec("torchvision") is None:
         with pytest.raises(LeanpropError, match="need torchvision"):
             examples.load_one_batch_mnist(4)
+
+
+def test_module_extensions_see_each_calls_output_and_keep_models_copyable():
+    """A custom module called twice in one forward: its extension gets each call's own
+    ``module.output`` (it had the last call's: wrong individual gradients, refused by the sum
+    check); the outputs are not attributes of the module (a model stays ``deepcopy``-able
+    after a step); a ``BatchGrad`` subclass with its own ``__init__`` can register one."""
+    import copy
+
+    from leanprop.compat.backpack.extensions.firstorder.base import FirstOrderModuleExtension
+
+    class Exp(nn.Module):  # y = exp(w x): dy/dw = y x
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.tensor([0.3], dtype=torch.float64))
+
+        def forward(self, x):
+            return torch.exp(self.weight * x)
+
+    class ExpBatchGrad(FirstOrderModuleExtension):
+        def __init__(self):
+            super().__init__(params=["weight"])
+
+        def weight(self, ext, module, g_inp, g_out, bp_quantities):
+            return (g_out[0] * module.output * module.input0).flatten(1).sum(1, keepdim=True)
+
+    class MyBatchGrad(extensions.BatchGrad):
+        def __init__(self) -> None:
+            super().__init__()
+
+    MyBatchGrad().set_module_extension(Exp, ExpBatchGrad())
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.e = nn.Linear(3, 3), Exp()
+
+        def forward(self, x):
+            return self.e(self.e(self.lin(x)) * 0.5)  # (Exp called twice)
+
+    torch.manual_seed(0)
+    model = extend(Net().double())
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with backpack(extensions.BatchGrad()):
+        ((model(x) - y) ** 2).sum().backward()
+    want = individual_gradients(
+        model, lambda o, t, r: ((o - t) ** 2).sum() if r == "sum" else ((o - t) ** 2).mean(),
+        x, y, "sum",
+    )  # fmt: skip
+    assert_close(model.e.weight.grad_batch, want["e.weight"], "e.weight", 1e-12, 1e-14)
+    assert not hasattr(model.e, "output")
+    copy.deepcopy(model)
+    facade.unextend(model)
+
+
+def test_the_warning_of_other_extensions_names_where_the_quantity_comes_from():
+    from leanprop.compat.backpack.extensions.module_extension import ModuleExtension
+
+    with pytest.warns(UserWarning, match="its built-in rule"):
+        extensions.DiagHessian().set_module_extension(nn.Linear, ModuleExtension())

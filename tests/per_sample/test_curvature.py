@@ -976,6 +976,107 @@ def test_kronecker_input_patches_are_the_convolutions(d):
     torch.testing.assert_close(got, conv(x).flatten(2), rtol=1e-12, atol=1e-12)
 
 
+def _stepped_products(model, x, y, step, create_graph=False):
+    """``p.hmp(mat)`` of the first parameter before and after ``step()`` (``.data`` changes),
+    and the parameters' values after the step, before and after the second product."""
+    loss_fn = nn.MSELoss(reduction="sum")
+    p = next(model.parameters())
+    mat = torch.randn(2, *p.shape, dtype=p.dtype)
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.HMP(), create_graph=create_graph)
+        loss_fn(out, y).backward(retain_graph=True)
+    before = p.hmp(mat)
+    with torch.no_grad():
+        step()
+    stepped = [q.detach().clone() for q in model.parameters()]
+    after = p.hmp(mat)
+    assert all(torch.equal(q.detach(), v) for q, v in zip(model.parameters(), stepped, strict=True))
+    return before, after
+
+
+def test_hessian_matrix_products_after_steps_the_checks_alone_would_miss():
+    """A product after ``.data`` steps is the forward's: a step whose sum and position-weighted
+    sum are zero (+d, -2d, +d), a step of a frozen weight (the graph reads it), a step of
+    parameters sharing memory (each restored as stepped, not as the forward had it)."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+            self.b = nn.Parameter(self.a.data[0])  # (a's first row)
+
+        def forward(self, x):
+            return torch.tanh(x @ self.a.t()) + (x @ self.b)[:, None]
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    mlp = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    with torch.no_grad():
+        mlp[2].weight.copy_((mlp[2].weight * 8).round() / 8)  # (dyadic: exact sums)
+    zero_sums = torch.zeros(15, dtype=torch.float64)
+    zero_sums[:3] = torch.tensor([0.25, -0.5, 0.25])
+    frozen = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    frozen[2].weight.requires_grad_(False)
+    shared = Shared()
+    cases = (
+        (mlp, lambda: mlp[2].weight.data.add_(zero_sums.view(3, 5))),
+        (frozen, lambda: frozen[2].weight.data.add_(0.5)),
+        (shared, lambda: shared.a.data.add_(0.5)),  # (its own block: b's values are a's)
+    )
+    for model, step in cases:
+        before, after = _stepped_products(model, x, y, step)
+        torch.testing.assert_close(after, before, rtol=1e-12, atol=1e-14)
+
+
+def test_hessian_matrix_products_with_a_graph_after_a_step_are_refused():
+    """``create_graph=True``: the product's derivative would be taken with the new values
+    back; refused once a parameter was stepped (fine before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with pytest.raises(UnsupportedModelError, match="create_graph=True"):
+        _stepped_products(model, x, y, lambda: model[2].weight.data.add_(0.5), True)
+    model[2].weight.data.sub_(0.5)
+    assert all(q.grad_fn is None for q in model.parameters())
+
+
+def test_hessian_matrix_products_on_several_threads():
+    """Products taken on two threads at once after a ``.data`` step: each the forward's, and
+    the stepped values kept (one product changes the parameters at a time)."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 10)).double()
+    x, y = torch.randn(64, 20, dtype=torch.float64), torch.randn(64, 10, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction="sum")
+    with leanprop.per_sample(model) as ctx:
+        out = model(x)
+        leanprop.ggn(ctx, out, loss_fn, y, leanprop.HMP())
+        loss_fn(out, y).backward(retain_graph=True)
+    p = model[0].weight
+    mat = torch.randn(4, *p.shape, dtype=p.dtype)
+    want = p.hmp(mat)
+    with torch.no_grad():
+        model[2].weight.data.add_(0.5)
+    stepped = model[2].weight.detach().clone()
+    got = []
+
+    def take():
+        for _ in range(40):
+            got.append(p.hmp(mat))
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 80
+    for g in got:
+        torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-14)
+    assert torch.equal(model[2].weight.detach(), stepped)
+
+
 def test_hessian_matrix_products_more_refusals_and_dtypes():
     """An integer basis gives floating products; a weight changed between the forward and
     ``ggn`` is refused (the replaced op saves it, as the op it replaces)."""

@@ -46,6 +46,7 @@ from .hessian import (
 )
 from .hessian_products import (
     gradient_functions,
+    parameters_snapshot,
     positive_curvature_terms,
     product_functions,
 )
@@ -266,13 +267,14 @@ def compute_ggn(
         if second_order:  # (HMP: the gradients as functions, while the graph is whole)
             grads = gradient_functions(contexts, loss, params)
             refuse_recomputation()
+            snapshot = parameters_snapshot(contexts, params)  # (one for all the products)
             for q in second_order:  # (PCHMP: the Hessian's plus its activations' terms)
                 terms = (
                     positive_curvature_terms(contexts, loss, curved, q.modify, create_graph)
                     if q.hessian
                     else ()
                 )
-                products = product_functions(contexts, params, grads, terms, create_graph)
+                products = product_functions(contexts, params, grads, snapshot, terms, create_graph)
                 for i, f in products.items():  # (none where the output does not depend on it)
                     results[i][q.savefield] = f
             refuse_recomputation()

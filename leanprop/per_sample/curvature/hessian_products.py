@@ -10,9 +10,11 @@ not be freed before the products are taken (``loss.backward(retain_graph=True)``
 products are those of the parameters' values at the forward: a parameter changed through
 ``.data`` since (an optimizer stepping one parameter after another from its products, as
 BackPACK's Newton-CG example does) has its forward-time values copied back into it for each
-product and its new ones restored after (the functions keep one copy of the parameters for
-this); a change autograd sees (in place under ``no_grad``, or ``p.data = ...``) is refused
-with what to do instead.
+product and its new ones restored after (the functions of one ``ggn`` call share one copy of
+the model's parameters, frozen ones included; products run one at a time across threads). A
+change autograd sees (in place under ``no_grad``, or ``p.data = ...``) is refused with what to
+do instead, as is a product with ``create_graph=True`` after a change (its derivative would be
+taken with the new values back).
 
 The positive-curvature Hessian replaces each curved activation's residual ``r = δ ⊙ σ''(z)``
 (``hessian.py``) by ``max(r, 0)`` or ``|r|``: its block is the Hessian's plus, for each such
@@ -29,6 +31,7 @@ on the parameters replaces them.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -72,17 +75,28 @@ def positive_curvature_terms(
     return tuple(terms)
 
 
+def parameters_snapshot(contexts: Sequence[PerSample], params: Sequence[nn.Parameter]) -> Snapshot:
+    """What the products are formed with: ``params`` and every other parameter of the
+    contexts' models (frozen ones too: the graph reads them), as they are now; one snapshot
+    for all of one ``ggn`` call's product quantities."""
+    everything = dict.fromkeys(params)
+    for c in contexts:
+        if c.model_alive:
+            everything.update(dict.fromkeys(c.model.parameters()))
+    return Snapshot.of(list(everything))
+
+
 def product_functions(
     contexts: Sequence[PerSample], params: list[nn.Parameter], grads: list[Tensor | None],
-    terms: tuple[tuple[GradientEdge, Tensor], ...] = (), create_graph: bool = False,
+    snapshot: Snapshot, terms: tuple[tuple[GradientEdge, Tensor], ...] = (),
+    create_graph: bool = False,
 ) -> dict[int, functools.partial]:  # fmt: skip
     """``{i: mat -> H_pp mat}`` for each ``params[i]`` whose differentiable gradient
-    ``grads[i]`` exists, formed with ``params`` as they are now (the contexts, held weakly,
+    ``grads[i]`` exists, of the parameters' values in ``snapshot`` (the contexts, held weakly,
     compute nothing in its passes); with ``terms`` (:func:`positive_curvature_terms`), the
     positive-curvature Hessian's block instead; ``create_graph``: products that are functions
     of the parameters (one more order of differentiation)."""
     refs = tuple(weakref.ref(c) for c in contexts)
-    snapshot = _Snapshot.of(params)
     return {
         i: functools.partial(hessian_matrix_product, refs, snapshot, p, g, terms, create_graph)
         for i, (p, g) in enumerate(zip(params, grads, strict=True))
@@ -90,37 +104,29 @@ def product_functions(
     }
 
 
-def _fingerprints(params: Sequence[nn.Parameter]) -> list[Tensor]:
-    """Per device, each parameter's sum and position-weighted sum ``[P, 2]`` (float64): a
-    change of values (a step, rows swapped) changes one or the other."""
-    by_device: dict[torch.device, list[Tensor]] = {}
-    with torch.no_grad():
-        for q in params:
-            flat = q.detach().reshape(-1).double()
-            weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=flat.dtype)
-            by_device.setdefault(q.device, []).append(torch.stack([flat.sum(), flat @ weights]))
-    return [torch.stack(v) for v in by_device.values()]
+# products change parameters' values while they run (Snapshot.as_formed): one at a time, so
+# that no other thread reads (or keeps) the values another put in
+_PRODUCTS = threading.RLock()
 
 
 @dataclass(frozen=True)
-class _Snapshot:
+class Snapshot:
     """The parameters as the products were formed: their version counters (in-place ops),
-    storages (``p.data = ...``), fingerprints and values (``p.data.add_(...)``, which neither
-    of the first two sees)."""
+    storages (``p.data = ...``) and values (``p.data.add_(...)``, which neither of the others
+    sees)."""
 
     params: tuple[nn.Parameter, ...]
     versions: tuple[int, ...]
     storages: tuple[int, ...]
-    prints: list[Tensor]
     values: tuple[Tensor, ...]
 
     @staticmethod
-    def of(params: Sequence[nn.Parameter]) -> _Snapshot:
-        return _Snapshot(
-            tuple(params), tuple(q._version for q in params),
-            tuple(q.data_ptr() for q in params), _fingerprints(params),
-            tuple(q.detach().clone() for q in params),
-        )  # fmt: skip
+    def of(params: Sequence[nn.Parameter]) -> Snapshot:
+        with torch.no_grad():
+            return Snapshot(
+                tuple(params), tuple(q._version for q in params),
+                tuple(q.data_ptr() for q in params), tuple(q.detach().clone() for q in params),
+            )  # fmt: skip
 
     def moved(self) -> bool:
         """Whether a parameter changed in a way autograd sees (its version or storage)."""
@@ -129,11 +135,8 @@ class _Snapshot:
         return any(q.data_ptr() != d for q, d in zip(self.params, self.storages, strict=True))
 
     def changed_values(self) -> list[int]:
-        """The positions of the parameters whose values differ from the snapshot's."""
-        if all(
-            torch.equal(a, b) for a, b in zip(_fingerprints(self.params), self.prints, strict=True)
-        ):
-            return []
+        """The positions of the parameters whose values differ from the snapshot's (NaNs
+        count as changed: copied back, the same)."""
         with torch.no_grad():
             return [
                 i for i, (q, old) in enumerate(zip(self.params, self.values, strict=True))
@@ -141,26 +144,36 @@ class _Snapshot:
             ]  # fmt: skip
 
     @contextmanager
-    def as_formed(self) -> Iterator[None]:
+    def as_formed(self, create_graph: bool) -> Iterator[None]:
         """The parameters' values as at the snapshot while inside (those changed through
-        ``.data`` since: copied in, and their new values put back on exit)."""
-        changed = self.changed_values()
-        now = {}
-        try:
+        ``.data`` since: all their new values kept first, then the old ones copied in, and
+        the new ones put back in reverse order on exit, so that parameters sharing memory
+        end as they were). ``create_graph``: products that autograd differentiates later,
+        when the new values are back: refused if any changed."""
+        with _PRODUCTS:
+            changed = self.changed_values()
+            if changed and create_graph:
+                raise UnsupportedModelError(
+                    "hmp(mat) with create_graph=True: a parameter was changed (through "
+                    ".data) since the forward; the product's derivative would read its new "
+                    "values. Take the products before changing the parameters, or run the "
+                    "forward and HMP again."
+                )
             with torch.no_grad():
-                for i in changed:
-                    q = self.params[i]
-                    now[i] = q.detach().clone()
-                    q.data.copy_(self.values[i])  # (through .data: no version bump)
-            yield
-        finally:
-            with torch.no_grad():
-                for i, value in now.items():
-                    self.params[i].data.copy_(value)
+                now = [(i, self.params[i].detach().clone()) for i in changed]
+            try:
+                with torch.no_grad():
+                    for i in changed:
+                        self.params[i].data.copy_(self.values[i])  # (.data: no version bump)
+                yield
+            finally:
+                with torch.no_grad():
+                    for i, value in reversed(now):
+                        self.params[i].data.copy_(value)
 
 
 def hessian_matrix_product(
-    contexts: tuple[weakref.ref, ...], snapshot: _Snapshot, p: nn.Parameter, grad: Tensor,
+    contexts: tuple[weakref.ref, ...], snapshot: Snapshot, p: nn.Parameter, grad: Tensor,
     terms: tuple[tuple[GradientEdge, Tensor], ...], create_graph: bool, mat: Tensor,
 ) -> Tensor:  # fmt: skip
     """``H_pp mat`` ``[V, *p.shape]`` for ``mat`` ``[V, *p.shape]`` (V vectors), in the
@@ -170,7 +183,7 @@ def hessian_matrix_product(
     function of the parameters.
 
     Parameters changed through ``.data`` since the functions were formed are put back to
-    their values then for the product (``_Snapshot.as_formed``): products of the forward's
+    their values then for the product (``Snapshot.as_formed``): products of the forward's
     values, whatever was stepped in between.
 
     Raises:
@@ -191,7 +204,7 @@ def hessian_matrix_product(
         return torch.zeros(mat.shape, dtype=dtype, device=mat.device)
     columns = []
     alive = [c for c in (ref() for ref in contexts) if c is not None]
-    with quiet(alive), snapshot.as_formed():
+    with quiet(alive), snapshot.as_formed(create_graph):
         for v in mat:
             v = v.to(grad.dtype)
             try:

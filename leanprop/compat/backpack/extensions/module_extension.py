@@ -17,8 +17,10 @@ of a parameter ``[N, *p.shape]``::
 
 That registers a rule for ``ScaleModule`` (for every context and extension, as
 ``register_rule`` does): its functions get ``module.input0`` (and ``input1``, ...: the module's
-inputs with the batch first), ``module.output`` (what its last forward returned, kept from the
-forward as BackPACK keeps it) and ``g_out = (output gradient,)``; ``g_inp`` and
+inputs with the batch first), ``module.output`` (what that call returned: its first element
+for a tuple, as BackPACK's; kept from the forward, with grad enabled, by a process-wide
+forward hook installed with the first extension, until the call's input is gone or the module
+is called on it again) and ``g_out = (output gradient,)``; ``g_inp`` and
 ``bpQuantities`` are None (nothing is backpropagated but the ordinary gradient). They are called
 for all samples: ``ext.get_subsampling()`` is None there, and a ``subsampling=`` of the
 extension in use is applied to what they return.
@@ -32,11 +34,13 @@ autograd, exactly; a warning says so.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook
 
@@ -45,7 +49,11 @@ from ....per_sample.registry import RuleOptions, has_rule, register_rule
 
 # module class -> the extension set_module_extension registered for it (the last)
 _REGISTERED: dict[type[nn.Module], ModuleExtension] = {}
-_KEEPS_OUTPUT: list[object] = []  # the global forward hook keeping module.output, once set
+_KEEPS_OUTPUT: list[object] = []  # the global forward hook keeping the outputs, once set
+# module -> its calls' (input, output) while their inputs live (module.output for each call)
+_CALLS: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class ModuleExtension:
@@ -83,7 +91,8 @@ def register_module_extension(
             "a FirstOrderModuleExtension subclass."
         )
     names = set(extension.params)
-    all_samples = dataclasses.replace(ext, subsampling=None)  # (subsampled after the call)
+    all_samples = copy.copy(ext)  # (subsampled after the call)
+    object.__setattr__(all_samples, "subsampling", None)
 
     def batch_grads(
         module: nn.Module, inputs: tuple[Any, ...], g: Tensor, wanted: frozenset[str],
@@ -98,14 +107,29 @@ def register_module_extension(
             )
         for i, x in enumerate(inputs):
             setattr(module, f"input{i}", x)
+        output = _output_of(module, inputs[0] if inputs else None)
+        if output is not None:
+            module.output = output
         try:
             return {
                 k: getattr(extension, k)(all_samples, module, None, (g,), None)
                 for k in sorted(wanted)
             }
+        except AttributeError as e:
+            if output is None and "output" in str(e):
+                raise LeanpropValueError(
+                    f"{type(extension).__name__} read {module_type.__name__}.output, which "
+                    "leanprop keeps for a call whose input it gets unchanged: this call's "
+                    "input was moved (batch_dim != 0) or cast (autocast) for the rule, or the "
+                    "call ran without grad. Compute what you need from module.input0 and "
+                    "g_out instead."
+                ) from e
+            raise
         finally:
             for i in range(len(inputs)):
                 delattr(module, f"input{i}")
+            if output is not None:
+                del module.output
 
     register_rule(module_type)(batch_grads)
     _REGISTERED[module_type] = extension
@@ -114,10 +138,29 @@ def register_module_extension(
 
 
 def _keep_output(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-    """``module.output``, for the modules with a registered extension (as BackPACK keeps it:
-    until the module's next forward)."""
-    if type(module) in _REGISTERED:
-        module.output = output
+    """The output of a call of a module with a registered extension, with grad enabled (as
+    BackPACK keeps it; the first element of a tuple), kept beside the call's input while
+    that input lives (a later call on the same input replaces it)."""
+    if type(module) not in _REGISTERED or not torch.is_grad_enabled():
+        return
+    x = inputs[0] if inputs else None
+    if not isinstance(x, Tensor):
+        return
+    kept = []
+    for ref, out in _CALLS.get(module, ()):
+        held = ref()
+        if held is not None and held is not x:  # (by identity: == compares values)
+            kept.append((ref, out))
+    kept.append((weakref.ref(x), output[0] if isinstance(output, tuple) else output))
+    _CALLS[module] = kept
+
+
+def _output_of(module: nn.Module, x: Any) -> Any:
+    """What the call of ``module`` on ``x`` (the very tensor) returned, or None."""
+    for ref, out in _CALLS.get(module, ()):
+        if ref() is x:
+            return out
+    return None
 
 
 def accept_other_extension(ext: Any, module_type: type[nn.Module], extension: Any) -> None:
@@ -135,6 +178,7 @@ def accept_other_extension(ext: Any, module_type: type[nn.Module], extension: An
         )
     how = (
         "its BatchGrad extension" if module_type in _REGISTERED
+        else "its built-in rule" if has_rule(module_type)
         else "its ops as leanprop captures them, or the torch.func fallback"
     )  # fmt: skip
     warnings.warn(
