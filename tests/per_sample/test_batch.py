@@ -142,6 +142,10 @@ def _real_and_imaginary(x):
 
 
 KEEP = {
+    "grid_sample of batched images": lambda x: F.grid_sample(
+        x.unsqueeze(1), torch.zeros(N, 2, 2, 2, dtype=x.dtype), align_corners=False
+    ),
+    "fold of im2col": lambda x: F.fold(F.unfold(x.unsqueeze(1), 2, stride=2), (N, N), 2, stride=2),
     "complex pairs and back": _complex_pairs,
     "a complex view's real and imaginary parts": lambda x: _real_and_imaginary(x),
     "renorm of each sample": lambda x: x.renorm(2, 0, 1e9),
@@ -339,6 +343,13 @@ _MASK = torch.arange(N**3).view(N, N, N) % 3 == 0
 
 
 LOSE = {
+    # unbatched calls, whose channels are the samples (a batch of grayscale images [N, H, W]
+    # into a convolution with N input channels: one image of N channels)
+    "an unbatched conv2d": lambda x: F.conv2d(x, torch.ones(N, N, 1, 1, dtype=x.dtype)),
+    "an unbatched conv1d": lambda x: F.conv1d(x[:, 0], torch.ones(2, N, 1, dtype=x.dtype)),
+    "im2col of an unbatched input": lambda x: F.unfold(x, 2),
+    "a pixel shuffle of an unbatched input": lambda x: F.pixel_shuffle(x, 2),
+    "fold of an unbatched input": lambda x: F.fold(x[:, 0], (N, N), 2, stride=2),
     # ops acting across the samples that were taken as elementwise (silently wrong results)
     "renorm of sub-tensors that span the samples": lambda x: x.renorm(2, 1, 1.0),
     "as_strided windows across the samples": lambda x: x.as_strided((N, N, N), (N, 1, N)),
@@ -1190,3 +1201,26 @@ def test_per_sample_losses_do_not_mix(name):
 @pytest.mark.parametrize("name", sorted(MIXING_LOSSES))
 def test_losses_that_mix_samples_are_told(name):
     assert _mixed(MIXING_LOSSES[name]) is not None
+
+
+def test_an_unbatched_convolution_of_the_samples_is_refused():
+    """A batch of N grayscale images ``[N, H, W]`` into a convolution with N input channels
+    (the channel dimension forgotten): torch takes it for one image of N channels, each output
+    channel mixing the samples. Its output was taken for ``[N, ...]`` when the convolution has
+    N output channels too: every sample's gradient depended on the others, silently."""
+    import leanprop
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(N, N), torch.nn.Linear(N * N, 3)
+            self.k = torch.nn.Parameter(torch.randn(N, N, 3, 3))
+
+        def forward(self, x):  # [N, N, N]
+            return self.b(F.conv2d(self.a(x), self.k, padding=1).flatten(1))
+
+    model = Net().double()
+    x, y = torch.randn(N, N, N, dtype=torch.float64), torch.randint(0, 3, (N,))
+    refused = pytest.raises(leanprop.BatchError, match="unbatched input, whose channels are")
+    with refused, leanprop.per_sample(model, leanprop.BatchGrad()):
+        F.cross_entropy(model(x), y).backward()

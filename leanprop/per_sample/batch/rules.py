@@ -177,7 +177,14 @@ _BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it t
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
     "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
     "interpolate", "upsample", "unfold", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d",
-    "max_pool2d_with_indices", "local_response_norm",
+    "max_pool2d_with_indices", "local_response_norm", "fold", "grid_sample",
+}  # fmt: skip
+# the rank of a batched input, for those of them that also take an unbatched one (whose first
+# dimension is then the channels, which the op mixes: a convolution's output channels, im2col's
+# patches, a pixel shuffle's groups of channels); pools act on each channel alone
+_BATCHED_RANK = {
+    "conv1d": 3, "conv2d": 4, "conv3d": 5, "conv_transpose1d": 3, "conv_transpose2d": 4,
+    "conv_transpose3d": 5, "unfold": 4, "fold": 3, "pixel_shuffle": 4, "pixel_unshuffle": 4,
 }  # fmt: skip
 
 
@@ -397,6 +404,8 @@ def result_dim(
             return Lost(f"{name} needs the batch first")
         if bd.inner != 1:
             return Lost(f"{name} on samples flattened with another dimension")
+        if nd < _BATCHED_RANK.get(name, 0):  # (an unbatched call: the samples are its channels)
+            return Lost(f"{name} of an unbatched input, whose channels are the samples")
         return bd
     if name in VIEWS:
         return reshaped(x.shape, bd, n, out.shape)
