@@ -350,6 +350,12 @@ LOSE = {
     "im2col of an unbatched input": lambda x: F.unfold(x, 2),
     "a pixel shuffle of an unbatched input": lambda x: F.pixel_shuffle(x, 2),
     "fold of an unbatched input": lambda x: F.fold(x[:, 0], (N, N), 2, stride=2),
+    "a margin loss of an unbatched input": lambda x: F.multi_margin_loss(
+        x[:, 0, 0], torch.tensor(1), reduction="none"
+    ),
+    "a triplet loss of unbatched inputs": lambda x: F.triplet_margin_loss(
+        x[:, 0, 0], x[:, 0, 1], x[:, 1, 0], reduction="none"
+    ),
     # ops acting across the samples that were taken as elementwise (silently wrong results)
     "renorm of sub-tensors that span the samples": lambda x: x.renorm(2, 1, 1.0),
     "as_strided windows across the samples": lambda x: x.as_strided((N, N, N), (N, 1, N)),

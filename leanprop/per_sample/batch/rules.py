@@ -589,6 +589,9 @@ def result_dim(
     if name in _LOSSES:
         if name in SAMPLE_LOSSES and bd.dim != 0:  # (over each sample's features [N, ...])
             return Lost(f"{name} with the batch not first")
+        if name in SAMPLE_LOSSES and nd == 1 and name != "margin_ranking_loss":
+            # (an unbatched call, one sample's scores or features [C]: the samples' values)
+            return Lost(f"{name} of an unbatched input, whose features are the samples")
         if name in CLASS_LOSSES and which == 0 and bd.dim == (1 if nd > 1 else 0):
             # (the classes' dimension: [N, C, ...] -> [N, ...]; a vector's only one)
             return Lost(f"{name} over the batch dimension (taken as the classes')")
