@@ -356,6 +356,10 @@ LOSE = {
     "a triplet loss of unbatched inputs": lambda x: F.triplet_margin_loss(
         x[:, 0, 0], x[:, 0, 1], x[:, 1, 0], reduction="none"
     ),
+    # an op leanprop does not know adding a dimension: not taken for broadcasting from the
+    # right (torch.vander appends one: its rows were taken for features, the samples' powers
+    # for the samples)
+    "an unknown op adding a dimension": lambda x: torch.diagflat(x[:, 0, 0]),
     # ops acting across the samples that were taken as elementwise (silently wrong results)
     "renorm of sub-tensors that span the samples": lambda x: x.renorm(2, 1, 1.0),
     "as_strided windows across the samples": lambda x: x.as_strided((N, N, N), (N, 1, N)),
@@ -466,6 +470,19 @@ def test_batch_followed_exactly(name):
 
 
 MOVED = {  # ops that change each sample's values, and where they leave the batch
+    # (a dimension appended: as many classes or powers as samples, taken for broadcasting)
+    "one-hot of each sample's id": (lambda x: F.one_hot(x[:, 0, 0].long(), N), BatchDim(0)),
+    "each sample's Vandermonde row": (lambda x: torch.vander(x[:, 0, 0]), BatchDim(0)),
+    "conv_tbc with the batch second": (
+        lambda x: torch.conv_tbc(x.transpose(0, 1).contiguous(), torch.ones(1, N, N, dtype=x.dtype),
+                                 torch.zeros(N, dtype=x.dtype)),
+        BatchDim(1),
+    ),
+    "conv_tbc over the samples": (
+        lambda x: torch.conv_tbc(x, torch.ones(3, N, N, dtype=x.dtype),
+                                 torch.zeros(N, dtype=x.dtype), 1),
+        Lost,
+    ),
     "each sample's determinant": (lambda x: torch.linalg.det(x), BatchDim(0)),
     "each sample's inverse": (lambda x: torch.inverse(x + 9 * torch.eye(N)), BatchDim(0)),
     "each sample's singular values": (lambda x: torch.linalg.svd(x)[1], BatchDim(0)),

@@ -615,8 +615,15 @@ def result_dim(
         return tensordot_result(args, kwargs, which, bd)
     if name == "kron":
         return kron_result(args, which, x, bd, out)
+    if name in ("one_hot", "vander"):  # [*S] -> [*S, K]: a dimension comes last
+        return bd
+    if name == "conv_tbc":  # (time, batch, channels): a convolution over time
+        return bd if bd.dim == 1 and nd == 3 else Lost("conv_tbc with its batch not at dim 1")
     if acts_along_batch(name, args, kwargs, nd, bd, op_name):  # (torch.cross(a, b, 0))
         return Lost(f"'{name}' {UNKNOWN_ALONG}")
+    if od > max(t.dim() for t in tensors_in(args, kwargs)):  # (not broadcast from the right:
+        # no operand has the output's dimensions; torch.vander appends one)
+        return Lost(f"'{name}' (an op leanprop does not know added dimensions)")
     return _elementwise(name, args, kwargs, x, bd, out)
 
 
