@@ -105,6 +105,15 @@ class Site:
     fused: bool = False  # the current call went through the replaced op
 
 
+def _refuse_complex(func: Any) -> None:
+    raise UnsupportedModelError(
+        f"per_sample: '{op_name(func)}' uses a parameter with complex values (a complex operand "
+        "or result); per-sample quantities of parameters used in complex arithmetic are not "
+        "supported. Keep each parameter's uses real (complex views of the activations alone, "
+        "as rotary embeddings in complex form, are fine)."
+    )
+
+
 def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     """The op's tensors in the order ops.run numbers them."""
     return [t for t in flatten((args, kwargs))[0] if isinstance(t, Tensor)]
@@ -519,6 +528,14 @@ class PerSample:
                     f"per_sample() found no trainable parameter in {type(self.model).__name__}; "
                     "nothing to compute (are all parameters frozen?)."
                 )
+            complex_ = [n for n, p in self.model.named_parameters() if p in self._states
+                        and p.is_complex()]  # fmt: skip
+            if complex_:
+                raise UnsupportedModelError(
+                    f"per_sample(): complex parameters {complex_[:3]} are not supported (the "
+                    "layers' closed forms are real); keep the parameters real (e.g. a complex "
+                    "weight as two real ones, combined with torch.complex in the forward)."
+                )
             self._cycle.clear_attrs()
             hooks, model = self._handles, self.model  # (hooks hold this context weakly)
             for m_name, m in self._batch_norms:
@@ -889,13 +906,20 @@ class PerSample:
         n = self._tracker.n or 0
         device = next(iter(self._states)).device
         tensors = _flat_tensors(args, kwargs)
+        if any(t.is_complex() for t in tensors):
+            _refuse_complex(func)
         roots = {i: self._tracker.vjp_root(tensors[i]) for i in captured}
         if func is Tensor.__setitem__ and not kwargs and self._batch_at(args[0]) is not None:
             return self._run_setitem(args, captured, n, device, roots)
+
+        def after(out: Any) -> None:
+            if any(t.is_complex() for t in _flat_tensors((out,), {})):
+                _refuse_complex(func)
+            self.after_op(func, args, kwargs, out)
+
         return ops.run(
-            func, args, kwargs, captured,
-            lambda out: self.after_op(func, args, kwargs, out),
-            self._batch_at, n, self._budget(device), self._sink(), roots=roots,
+            func, args, kwargs, captured, after, self._batch_at, n, self._budget(device),
+            self._sink(), roots=roots,
         )  # fmt: skip
 
     def _batch_at(self, t: Tensor) -> BatchDim | None:

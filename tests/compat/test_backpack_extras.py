@@ -425,7 +425,14 @@ def test_module_extensions_see_each_calls_output_and_keep_models_copyable():
     assert_close(model.e.weight.grad_batch, want["e.weight"], "e.weight", 1e-12, 1e-14)
     assert not hasattr(model.e, "output")
     copy.deepcopy(model)
-    facade.unextend(model)
+    model(x)  # (a forward without backward: evaluation with grad on)
+    import gc
+    import weakref
+
+    gone = weakref.ref(model.e)  # (the kept outputs hold no graph that holds the modules)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 def test_the_warning_of_other_extensions_names_where_the_quantity_comes_from():

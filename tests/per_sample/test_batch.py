@@ -478,6 +478,25 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
                                  torch.zeros(N, dtype=x.dtype)),
         BatchDim(1),
     ),
+    "ctc losses of each sample": (
+        lambda x: F.ctc_loss(x.transpose(0, 1).log_softmax(2), torch.ones(N, 2, dtype=torch.long),
+                             torch.full((N,), N), torch.full((N,), 2), reduction="none"),
+        BatchDim(0),
+    ),
+    "ctc loss with the batch first": (
+        lambda x: F.ctc_loss(x.log_softmax(2), torch.ones(N, 2, dtype=torch.long),
+                             torch.full((N,), N), torch.full((N,), 2), reduction="none"),
+        Lost,
+    ),
+    "outer products of two samples' vectors (addr)": (
+        lambda x: torch.addr(torch.zeros(N, N, dtype=x.dtype), x[:, 0, 0], x[:, 0, 1]),
+        Lost,
+    ),
+    "addr of each sample's row and a constant": (
+        lambda x: torch.addr(torch.zeros(N, 3, dtype=x.dtype), x[:, 0, 0],
+                             torch.ones(3, dtype=x.dtype)),
+        BatchDim(0),
+    ),
     "conv_tbc over the samples": (
         lambda x: torch.conv_tbc(x, torch.ones(3, N, N, dtype=x.dtype),
                                  torch.zeros(N, dtype=x.dtype), 1),
@@ -1247,3 +1266,54 @@ def test_an_unbatched_convolution_of_the_samples_is_refused():
     refused = pytest.raises(leanprop.BatchError, match="unbatched input, whose channels are")
     with refused, leanprop.per_sample(model, leanprop.BatchGrad()):
         F.cross_entropy(model(x), y).backward()
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
+def test_complex_parameters_and_their_complex_uses_are_refused():
+    """Complex parameters, and real ones used in complex arithmetic through the op capture
+    (``F.linear(z, torch.complex(wr, wi))``): the closed forms have no conjugates, and the
+    captured op's output lost its graph (no gradient reached the layers before it, no error).
+    Complex views of activations alone, times a parameter broadcast over the batch, stay
+    exact."""
+    import leanprop
+    from leanprop.testing import individual_gradients
+
+    class Net(torch.nn.Module):
+        def __init__(self, use: str) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(N, N), torch.nn.Linear(N, 3)
+            self.wr, self.wi = torch.nn.Parameter(torch.randn(2, 2)), torch.nn.Parameter(
+                torch.randn(2, 2))  # fmt: skip
+            self.c = torch.nn.Linear(2, 2).to(torch.complex128) if use == "complex" else None
+            self.use = use
+
+        def forward(self, x):
+            h = self.a(x)
+            z = torch.view_as_complex(h.reshape(*h.shape[:-1], -1, 2))
+            if self.use == "complex":
+                z = self.c(z)
+            elif self.use == "captured":
+                z = F.linear(z, torch.complex(self.wr, self.wi))
+            else:
+                z = z * self.wr[0]
+            return self.b(torch.view_as_real(z).flatten(-2)).mean(1)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(N, N, N, dtype=torch.float64), torch.randint(0, 3, (N,))
+    for use, match in (("complex", "complex parameters"), ("captured", "complex values")):
+        model = Net(use)
+        for m in (model.a, model.b):
+            m.double()
+        model.wr.data, model.wi.data = model.wr.data.double(), model.wi.data.double()
+        refused = pytest.raises(leanprop.UnsupportedModelError, match=match)
+        with refused, leanprop.per_sample(model, leanprop.BatchGrad()):
+            F.cross_entropy(model(x), y).backward()
+    model = Net("broadcast").double()
+    with leanprop.per_sample(model, leanprop.BatchGrad()):
+        F.cross_entropy(model(x), y).backward()
+    want = individual_gradients(
+        model, lambda o, t, r: F.cross_entropy(o, t, reduction=r), x, y, "mean"
+    )
+    for k, p in model.named_parameters():
+        if k != "wi":
+            torch.testing.assert_close(p.grad_batch, want[k], rtol=1e-10, atol=1e-12)

@@ -1029,6 +1029,35 @@ def test_hessian_matrix_products_after_steps_the_checks_alone_would_miss():
         torch.testing.assert_close(after, before, rtol=1e-12, atol=1e-14)
 
 
+def test_hessian_matrix_products_after_a_frozen_teachers_step_in_place():
+    """A frozen EMA teacher run under no_grad (not in the graph) and stepped in place after
+    the products were formed: they are the same (frozen parameters are compared by value,
+    not refused by their version counters)."""
+
+    class WithTeacher(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+            self.teacher = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+            self.teacher.requires_grad_(False)
+
+        def forward(self, x):
+            with torch.no_grad():
+                t = self.teacher(x)
+            return self.student(x) + 0 * t
+
+    torch.manual_seed(0)
+    model = WithTeacher().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+
+    def step():
+        for pt, ps in zip(model.teacher.parameters(), model.student.parameters(), strict=True):
+            pt.mul_(0.99).add_(0.01 * ps)
+
+    before, after = _stepped_products(model, x, y, step)
+    torch.testing.assert_close(after, before, rtol=1e-12, atol=1e-14)
+
+
 def test_hessian_matrix_products_with_a_graph_after_a_step_are_refused():
     """``create_graph=True``: the product's derivative would be taken with the new values
     back; refused once a parameter was stepped (fine before)."""

@@ -11,7 +11,8 @@ products are those of the parameters' values at the forward: a parameter changed
 ``.data`` since (an optimizer stepping one parameter after another from its products, as
 BackPACK's Newton-CG example does) has its forward-time values copied back into it for each
 product and its new ones restored after (the functions of one ``ggn`` call share one copy of
-the model's parameters, frozen ones included; products run one at a time across threads). A
+the model's parameters, frozen ones included; products run one at a time, and nothing else
+may change the parameters while one runs: another thread's step then would be undone). A
 change autograd sees (in place under ``no_grad``, or ``p.data = ...``) is refused with what to
 do instead, as is a product with ``create_graph=True`` after a change (its derivative would be
 taken with the new values back).
@@ -83,7 +84,7 @@ def parameters_snapshot(contexts: Sequence[PerSample], params: Sequence[nn.Param
     for c in contexts:
         if c.model_alive:
             everything.update(dict.fromkeys(c.model.parameters()))
-    return Snapshot.of(list(everything))
+    return Snapshot.of(list(everything), watched=len(dict.fromkeys(params)))
 
 
 def product_functions(
@@ -111,9 +112,10 @@ _PRODUCTS = threading.RLock()
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The parameters as the products were formed: their version counters (in-place ops),
-    storages (``p.data = ...``) and values (``p.data.add_(...)``, which neither of the others
-    sees)."""
+    """The parameters as the products were formed: the values of all (``p.data.add_(...)``
+    changes nothing else), and the version counters (in-place ops) and storages (``p.data =
+    ...``) of the first ``watched``, those the products are for (the others, frozen ones, may
+    change in place where the graph does not hold them: an EMA teacher's step)."""
 
     params: tuple[nn.Parameter, ...]
     versions: tuple[int, ...]
@@ -121,18 +123,20 @@ class Snapshot:
     values: tuple[Tensor, ...]
 
     @staticmethod
-    def of(params: Sequence[nn.Parameter]) -> Snapshot:
+    def of(params: Sequence[nn.Parameter], watched: int | None = None) -> Snapshot:
+        watched = len(params) if watched is None else watched
         with torch.no_grad():
             return Snapshot(
-                tuple(params), tuple(q._version for q in params),
-                tuple(q.data_ptr() for q in params), tuple(q.detach().clone() for q in params),
+                tuple(params), tuple(q._version for q in params[:watched]),
+                tuple(q.data_ptr() for q in params[:watched]),
+                tuple(q.detach().clone() for q in params),
             )  # fmt: skip
 
     def moved(self) -> bool:
-        """Whether a parameter changed in a way autograd sees (its version or storage)."""
-        if any(q._version != v for q, v in zip(self.params, self.versions, strict=True)):
+        """Whether a watched parameter changed in a way autograd sees (version, storage)."""
+        if any(q._version != v for q, v in zip(self.params, self.versions, strict=False)):
             return True
-        return any(q.data_ptr() != d for q, d in zip(self.params, self.storages, strict=True))
+        return any(q.data_ptr() != d for q, d in zip(self.params, self.storages, strict=False))
 
     def changed_values(self) -> list[int]:
         """The positions of the parameters whose values differ from the snapshot's (NaNs

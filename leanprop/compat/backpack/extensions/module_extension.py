@@ -18,9 +18,10 @@ of a parameter ``[N, *p.shape]``::
 That registers a rule for ``ScaleModule`` (for every context and extension, as
 ``register_rule`` does): its functions get ``module.input0`` (and ``input1``, ...: the module's
 inputs with the batch first), ``module.output`` (what that call returned: its first element
-for a tuple, as BackPACK's; kept from the forward, with grad enabled, by a process-wide
-forward hook installed with the first extension, until the call's input is gone or the module
-is called on it again) and ``g_out = (output gradient,)``; ``g_inp`` and
+for a tuple, as BackPACK's; kept detached from the forward, with grad enabled, by a
+process-wide forward hook installed with the first extension, for the module's 16 most recent
+calls whose inputs live; a second call on the same input tensor replaces the first's) and
+``g_out = (output gradient,)``; ``g_inp`` and
 ``bpQuantities`` are None (nothing is backpropagated but the ordinary gradient). They are called
 for all samples: ``ext.get_subsampling()`` is None there, and a ``subsampling=`` of the
 extension in use is applied to what they return.
@@ -54,6 +55,7 @@ _KEEPS_OUTPUT: list[object] = []  # the global forward hook keeping the outputs,
 _CALLS: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref, Any]]] = (
     weakref.WeakKeyDictionary()
 )
+_KEPT_CALLS = 16  # the most recent calls of each module whose outputs are kept
 
 
 class ModuleExtension:
@@ -119,10 +121,10 @@ def register_module_extension(
             if output is None and "output" in str(e):
                 raise LeanpropValueError(
                     f"{type(extension).__name__} read {module_type.__name__}.output, which "
-                    "leanprop keeps for a call whose input it gets unchanged: this call's "
-                    "input was moved (batch_dim != 0) or cast (autocast) for the rule, or the "
-                    "call ran without grad. Compute what you need from module.input0 and "
-                    "g_out instead."
+                    "leanprop keeps for the module's 16 latest calls whose input it gets "
+                    "unchanged: this call's input was moved (batch_dim != 0) or cast "
+                    "(autocast) for the rule, the call ran without grad, or more calls came "
+                    "after it. Compute what you need from module.input0 and g_out instead."
                 ) from e
             raise
         finally:
@@ -151,8 +153,10 @@ def _keep_output(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Non
         held = ref()
         if held is not None and held is not x:  # (by identity: == compares values)
             kept.append((ref, out))
-    kept.append((weakref.ref(x), output[0] if isinstance(output, tuple) else output))
-    _CALLS[module] = kept
+    out = output[0] if isinstance(output, tuple) else output
+    # (detached: a graph kept here would keep the model alive, its key)
+    kept.append((weakref.ref(x), out.detach() if isinstance(out, Tensor) else out))
+    _CALLS[module] = kept[-_KEPT_CALLS:]
 
 
 def _output_of(module: nn.Module, x: Any) -> Any:
