@@ -1317,3 +1317,52 @@ def test_complex_parameters_and_their_complex_uses_are_refused():
     for k, p in model.named_parameters():
         if k != "wi":
             torch.testing.assert_close(p.grad_batch, want[k], rtol=1e-10, atol=1e-12)
+
+
+_M = torch.arange(N * N, dtype=torch.float64).view(N, N) / 10 + torch.eye(N, dtype=torch.float64)
+NOT_KEPT = {  # each sample's values meet others' (summed or mixed): never the batch, in order
+    "addr with its vectors by keyword": lambda x: torch.addr(
+        torch.zeros(N, N, dtype=x.dtype), vec1=x[:, 0, 0], vec2=x[:, 0, 1]
+    ),
+    "solve with the samples as B by keyword": lambda x: torch.linalg.solve(_M, B=x[:, 0]),
+    "a matrix times the samples (mv)": lambda x: torch.mv(_M, x[:, 0, 0]),
+    "addmv of a matrix and the samples": lambda x: torch.addmv(
+        torch.zeros(N, dtype=x.dtype), _M, x[:, 0, 0]
+    ),
+    "linalg.matmul of a matrix and the samples": lambda x: torch.linalg.matmul(_M, x[:, 0]),
+    "x.__rmatmul__(M), M @ x": lambda x: x[:, 0].__rmatmul__(_M),
+    "multi_dot": lambda x: torch.linalg.multi_dot([_M, x[:, 0]]),
+    "inner of the samples": lambda x: torch.inner(x[:, 0].T, _M),
+    "take of several dimensions": lambda x: torch.take(x[:, 0], torch.arange(N * N).roll(1)),
+    "channel_shuffle with the batch second": lambda x: F.channel_shuffle(x[None], 2)[0],
+    "diag_embed into the first dimensions": lambda x: torch.diag_embed(x[:, 0], 0, 0, 1),
+    "Tensor.unfold by keyword along the batch": lambda x: x.unfold(dimension=0, size=2, step=1),
+    "attention of an unbatched [L, E] input (samples as the sequence)": lambda x: (
+        F.multi_head_attention_forward(
+            x[:, 0], x[:, 0], x[:, 0], N, 1, torch.eye(3 * N, N, dtype=x.dtype), None, None,
+            None, False, 0.0, torch.eye(N, dtype=x.dtype), None, need_weights=False,
+        )[0]
+    ),
+    "a triplet loss with a distance function": lambda x: F.triplet_margin_with_distance_loss(
+        x[:, 0], x[:, 1], x[:, 2], reduction="none",
+        distance_function=lambda a, b: (a - b - (a - b).mean(0)).norm(dim=-1),
+    ),
+    "conv_tbc with its weight from the samples": lambda x: torch.conv_tbc(
+        torch.ones(N, 2, N, dtype=x.dtype), x[:1].transpose(1, 2).contiguous(),
+        torch.zeros(N, dtype=x.dtype),
+    ),
+    "grouped-query attention with the samples among the heads": lambda x: (
+        F.scaled_dot_product_attention(
+            torch.ones(1, 2 * N, N, N, dtype=x.dtype), x[None], x[None], enable_gqa=True
+        )
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NOT_KEPT))
+def test_ops_where_samples_meet_do_not_keep_the_batch(name):
+    """Operands passed by keyword were taken as elementwise (every op's own rule skipped);
+    products summing over the samples with no rule, unbatched attention, a user's distance
+    function, and more: each was taken for the batch, in order (silently wrong)."""
+    for _out, info in follow(NOT_KEPT[name]):
+        assert not isinstance(info, BatchDim), f"{name}: {info}"

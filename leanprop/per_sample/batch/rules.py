@@ -45,6 +45,7 @@ from .unknown import (
     STRIDED_VIEWS,
     UNKNOWN_ALONG,
     acts_along_batch,
+    as_positional,
 )
 
 if TYPE_CHECKING:
@@ -86,8 +87,8 @@ def op_name(func: Any) -> str:
         name = getattr(getattr(func, "__self__", None), "__name__", name)
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
-        if name == "rtruediv":  # (2 / x: not linear in x, as x / 2 is)
-            return name
+        if name in ("rtruediv", "rmatmul"):  # (2 / x: not linear in x, as x / 2 is; M @ x:
+            return name  # its operands in the other order)
         if name[:1] in "ri" and name[1:] in _ARITH:  # __radd__, __iadd__
             name = name[1:]
     elif name.endswith("_") and not name.startswith("_"):
@@ -177,7 +178,7 @@ _BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it t
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
     "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
     "interpolate", "upsample", "unfold", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d",
-    "max_pool2d_with_indices", "local_response_norm", "fold", "grid_sample",
+    "max_pool2d_with_indices", "local_response_norm", "fold", "grid_sample", "channel_shuffle",
 }  # fmt: skip
 # the rank of a batched input, for those of them that also take an unbatched one (whose first
 # dimension is then the channels, which the op mixes: a convolution's output channels, im2col's
@@ -325,9 +326,11 @@ def _scatter_result(
     return bd if d != bd.dim else Lost(f"{name} of the samples along the batch {MAY_REORDER}")
 
 
-def _is_tensor_unfold(name: str, args: Sequence[Any]) -> bool:
-    """``Tensor.unfold(dim, size, step)`` (``F.unfold``, im2col, takes the batch first)."""
-    return name == "unfold" and len(args) == 4
+def _is_tensor_unfold(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """``Tensor.unfold(dimension, size, step)``, by position or keyword (``F.unfold``, im2col,
+    takes the batch first)."""
+    by_keyword = bool({"dimension", "size", "step"} & set(kwargs))
+    return name == "unfold" and (len(args) == 4 or by_keyword)
 
 
 def result_dim(
@@ -344,10 +347,14 @@ def result_dim(
     if name == "scaled_dot_product_attention":  # q, k, v, attn_mask [N, ..., L, S]
         if bd.dim >= nd - 2:
             return Lost("attention over the batch dimension")
+        if kwargs.get("enable_gqa") and bd.dim >= nd - 3:  # (k's heads repeated for q's)
+            return Lost("grouped-query attention with the samples among the heads")
         return BatchDim(od - (nd - bd.dim), bd.inner)
     if name == "multi_head_attention_forward":
         # query [L, N, E] (dim 1), key_padding_mask [N, S] (dim 0) -> ([L, N, E], [N, L, S])
-        expected = 0 if which == "key_padding_mask" or x.dim() == 2 else 1
+        if which != "key_padding_mask" and x.dim() == 2:  # (an unbatched [L, E]: the samples
+            return Lost("nn.MultiheadAttention of an unbatched input")  # along the sequence)
+        expected = 0 if which == "key_padding_mask" else 1
         if bd.dim != expected or bd.inner != 1 or out.dim() < 2:
             return Lost("nn.MultiheadAttention with its batch elsewhere than documented")
         return BatchDim(1 if k == 0 else 0)
@@ -373,10 +380,13 @@ def result_dim(
         return _scatter_result(name, args, kwargs, which, bd, od)
     if name in _ELEMENTWISE:
         return _elementwise(name, args, kwargs, x, bd, out)
-    if isinstance(which, str):
-        if acts_along_batch(name, args, kwargs, nd, bd, op_name):
-            return Lost(f"'{name}' {UNKNOWN_ALONG}")
-        return _elementwise(name, args, kwargs, x, bd, out)
+    if isinstance(which, str):  # (an operand by keyword: at its position, for the rules below)
+        placed = as_positional(name, args, kwargs, which, op_name)
+        if placed is None:
+            return Lost(
+                f"'{name}' with an operand passed by keyword ({which}=) leanprop cannot place"
+            )
+        args, which = placed
     # the layers' ops next (each layer's call passes here): no branch below takes their names
     if name in ("linear", "bilinear", "embedding", "embedding_bag"):
         if name in ("linear", "bilinear") and bd.dim == nd - 1:
@@ -394,7 +404,7 @@ def result_dim(
     if name in ("layer_norm", "rms_norm"):
         k = len(args[1]) if isinstance(args[1], Sequence) else 1
         return Lost(f"{name} over the batch dimension") if bd.dim >= nd - k else bd
-    if (name in _BATCH_FIRST_OPS and not _is_tensor_unfold(name, args)) or name == "pad":
+    if (name in _BATCH_FIRST_OPS and not _is_tensor_unfold(name, args, kwargs)) or name == "pad":
         if name == "pad":  # (x, pad): (before, after) pairs from the last dimension back
             at = 2 * (nd - 1 - bd.dim)
             if any(args[1][at : at + 2]):  # (rows of padding among the samples)
@@ -526,11 +536,15 @@ def result_dim(
         return bd
     if name in STRIDED_VIEWS and which == 0:  # (its replay on the samples' ids, spread.py)
         return Lost(STRIDED_LOST)
-    if _is_tensor_unfold(name, args):
-        return Lost("unfold along the batch dimension") if norm_dim(args[1], nd) == bd.dim else bd
+    if _is_tensor_unfold(name, args, kwargs):
+        along = norm_dim(int(dims_arg(args, kwargs, 1, "dimension")), nd)
+        return Lost("unfold along the batch dimension") if along == bd.dim else bd
     if name in ("outer", "ger"):
         return BatchDim(which, bd.inner)
     if name == "diag_embed":
+        placed = [dims_arg(args, kwargs, i, k) for i, k in ((2, "dim1"), (3, "dim2"))]
+        if placed not in ([None, None], [-2, -1], [od - 2, od - 1]):
+            return Lost("diag_embed into dimensions of its own choosing")
         return bd if bd.dim < nd - 1 else Lost("diag_embed of the batch dimension")
     if name == "repeat_interleave" and which == 0:  # (x, repeats, dim): each sample's rows
         d, reps = dims_arg(args, kwargs, 2, "dim"), dims_arg(args, kwargs, 1, "repeats")
@@ -576,8 +590,16 @@ def result_dim(
         if od == nd:  # keepdim
             return bd
         return BatchDim(bd.dim - sum(k < bd.dim for k in dims), bd.inner)
-    if name in ("matmul", "mm", "bmm", "dot", "vdot"):
+    if name in ("matmul", "mm", "bmm", "dot", "vdot", "mv", "linalg_matmul"):
         return matmul_result(args[0], args[1], which, bd, od)
+    if name == "rmatmul":  # x.__rmatmul__(m) = m @ x
+        return matmul_result(args[1], args[0], 1 - which, bd, od)
+    if name == "addmv":
+        if which == 0:
+            return BatchDim(od - (nd - bd.dim), bd.inner)
+        return matmul_result(args[1], args[2], which - 1, bd, od)
+    if name in ("linalg_multi_dot", "chain_matmul", "inner", "linalg_vecdot"):
+        return Lost(f"'{name}' of the batch (products leanprop does not follow)")
     if name == "addbmm" and which in (1, 2) and bd.dim == 0:
         return Combined("addbmm sums over the batch dimension")
     if name in ("addmm", "baddbmm", "addbmm"):
@@ -587,6 +609,8 @@ def result_dim(
     if name == "einsum":
         return einsum_result(args, which - 1, bd)
     if name in _LOSSES:
+        if kwargs.get("distance_function") is not None:  # (a user's function: ops not seen)
+            return Lost(f"{name} with a distance_function (its ops are not followed)")
         if name in SAMPLE_LOSSES and bd.dim != 0:  # (over each sample's features [N, ...])
             return Lost(f"{name} with the batch not first")
         if name in SAMPLE_LOSSES and nd == 1 and name != "margin_ranking_loss":
@@ -604,6 +628,8 @@ def result_dim(
         if which != 0:
             return Lost(f"{name}'s argument {which}")
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
+    if name == "take" and which == 0 and nd > 1:  # (flat positions: laid out as the index)
+        return Lost("take of a tensor of several dimensions (flat positions across samples)")
     if name in ("take", "masked_select") and which == 0 and nd == 1:  # (losses [N] picked)
         return picks_by_index(name, dims_arg(args, kwargs, 1, "index", "mask"), x, bd, tracker)
     if name in ("index_put", "put") and which == 2:
@@ -623,7 +649,9 @@ def result_dim(
     if name == "ctc_loss":
         return _ctc_result(args, kwargs, which, bd, nd)
     if name == "conv_tbc":  # (time, batch, channels): a convolution over time
-        return bd if bd.dim == 1 and nd == 3 else Lost("conv_tbc with its batch not at dim 1")
+        if which != 0 or bd.dim != 1 or nd != 3:
+            return Lost("conv_tbc with its batch elsewhere than its input's dim 1")
+        return bd
     if acts_along_batch(name, args, kwargs, nd, bd, op_name):  # (torch.cross(a, b, 0))
         return Lost(f"'{name}' {UNKNOWN_ALONG}")
     if od > max(t.dim() for t in tensors_in(args, kwargs)):  # (not broadcast from the right:

@@ -47,6 +47,48 @@ def _dim_params(op_name: OpName) -> dict[str, tuple[tuple[int, str, Any], ...]]:
     return table
 
 
+@functools.cache
+def _operand_params(op_name: OpName) -> dict[str, tuple[tuple[str, Any], ...]]:
+    """Each overridable torch function's parameters that may be passed by position, in order,
+    ``name -> ((keyword, default), ...)`` (from the same signatures as :func:`_dim_params`)."""
+    from torch.overrides import get_testing_overrides
+
+    table: dict[str, tuple[tuple[str, Any], ...]] = {}
+    for func, stand_in in get_testing_overrides().items():
+        try:
+            params = list(inspect.signature(stand_in).parameters.values())
+        except (TypeError, ValueError):
+            continue
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+        table.setdefault(
+            op_name(func), tuple((p.name, p.default) for p in params if p.kind in kinds)
+        )
+    return table
+
+
+def as_positional(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: str, op_name: OpName
+) -> tuple[list[Any], int] | None:
+    """The op's arguments up to the operand passed by keyword ``which``, as positional ones
+    (those not passed: their defaults), and that operand's position; None where the op's
+    signature does not list ``which`` among its positional parameters, or one before it has
+    no default and was not passed."""
+    params = _operand_params(op_name).get(name)
+    keywords = [k for k, _ in params] if params else []
+    if which not in keywords or keywords.index(which) < len(args):
+        return None
+    at = keywords.index(which)
+    full = list(args)
+    for keyword, default in params[len(args) : at + 1]:
+        if keyword in kwargs:
+            full.append(kwargs[keyword])
+        elif default is not _NO_DEFAULT:
+            full.append(default)
+        else:
+            return None
+    return full, at
+
+
 def _names_batch(d: Any, nd: int, bd: BatchDim) -> bool:
     """Whether a dimension argument (one or several; not None) names the batch's dimension,
     or something leanprop cannot read as one (taken as naming it)."""
