@@ -1366,3 +1366,19 @@ def test_ops_where_samples_meet_do_not_keep_the_batch(name):
     function, and more: each was taken for the batch, in order (silently wrong)."""
     for _out, info in follow(NOT_KEPT[name]):
         assert not isinstance(info, BatchDim), f"{name}: {info}"
+
+
+def test_operands_by_keyword_are_placed_by_one_signature_or_refused():
+    """``as_positional``: an operand by keyword at its position (the ones before it filled with
+    their defaults); None for a name whose signatures disagree (``torch.batch_norm`` and
+    ``F.batch_norm`` order their parameters differently), an unknown keyword, or a required
+    parameter before it that was not passed."""
+    from leanprop.per_sample.batch import op_name
+    from leanprop.per_sample.batch.unknown import as_positional
+
+    m, u, v = torch.zeros(2, 3), torch.ones(2), torch.ones(3)
+    full, at = as_positional("addr", (m,), {"vec2": v, "vec1": u}, "vec2", op_name)
+    assert at == 2 and full[1] is u and full[2] is v
+    assert as_positional("batch_norm", (m,), {"weight": v}, "weight", op_name) is None
+    assert as_positional("addr", (m,), {"nope": v}, "nope", op_name) is None
+    assert as_positional("addr", (m,), {"vec2": v}, "vec2", op_name) is None  # (vec1 missing)

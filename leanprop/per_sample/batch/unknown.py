@@ -53,17 +53,27 @@ def _operand_params(op_name: OpName) -> dict[str, tuple[tuple[str, Any], ...]]:
     ``name -> ((keyword, default), ...)`` (from the same signatures as :func:`_dim_params`)."""
     from torch.overrides import get_testing_overrides
 
-    table: dict[str, tuple[tuple[str, Any], ...]] = {}
+    table: dict[str, tuple[tuple[str, Any], ...] | None] = {}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
     for func, stand_in in get_testing_overrides().items():
         try:
             params = list(inspect.signature(stand_in).parameters.values())
         except (TypeError, ValueError):
             continue
-        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
-        table.setdefault(
-            op_name(func), tuple((p.name, p.default) for p in params if p.kind in kinds)
-        )
-    return table
+        found = tuple((p.name, p.default) for p in params if p.kind in kinds)
+        name = op_name(func)
+        if name not in table:
+            table[name] = found
+            continue
+        known = table[name]
+        if known is None:
+            continue
+        # (torch.X, Tensor.X and F.X share a name: one order of parameters for all, the first
+        # (input or self) aside, or none: torch.batch_norm's and F.batch_norm's differ)
+        a, b = [k for k, _ in known[1:]], [k for k, _ in found[1:]]
+        short = min(len(a), len(b))
+        table[name] = None if a[:short] != b[:short] else max(known, found, key=len)
+    return {k: v for k, v in table.items() if v is not None}
 
 
 def as_positional(
