@@ -122,9 +122,10 @@ def register_module_extension(
                 raise LeanpropValueError(
                     f"{type(extension).__name__} read {module_type.__name__}.output, which "
                     "leanprop keeps for the module's 16 latest calls whose input it gets "
-                    "unchanged: this call's input was moved (batch_dim != 0) or cast "
-                    "(autocast) for the rule, the call ran without grad, or more calls came "
-                    "after it. Compute what you need from module.input0 and g_out instead."
+                    "unchanged: this call's input was moved (batch_dim != 0), cast "
+                    "(autocast) or cut into chunks of samples (max_workspace_mib) for the "
+                    "rule, the call ran without grad, or more calls came after it. Compute "
+                    "what you need from module.input0 and g_out instead."
                 ) from e
             raise
         finally:
