@@ -528,9 +528,9 @@ class PerSample:
                     f"per_sample() found no trainable parameter in {type(self.model).__name__}; "
                     "nothing to compute (are all parameters frozen?)."
                 )
-            complex_ = [n for n, p in self.model.named_parameters() if p in self._states
-                        and p.is_complex()]  # fmt: skip
-            if complex_:
+            if any(p.is_complex() for p in self._states):
+                complex_ = [n for n, p in self.model.named_parameters()
+                            if p in self._states and p.is_complex()]  # fmt: skip
                 raise UnsupportedModelError(
                     f"per_sample(): complex parameters {complex_[:3]} are not supported (the "
                     "layers' closed forms are real); keep the parameters real (e.g. a complex "

@@ -643,9 +643,9 @@ def result_dim(
         return kron_result(args, which, x, bd, out)
     if name in ("one_hot", "vander"):  # [*S] -> [*S, K]: a dimension comes last
         return bd
-    if name == "addr" and which in (1, 2, "vec1", "vec2"):  # (M, u, v) -> M + u v^T: u's
+    if name == "addr" and which in (1, 2):  # (M, u, v) -> M + u v^T: u's
         # entries along the rows, v's along the columns (M: as elementwise, below)
-        return BatchDim(0 if which in (1, "vec1") else 1, bd.inner)
+        return BatchDim(0 if which == 1 else 1, bd.inner)
     if name == "ctc_loss":
         return _ctc_result(args, kwargs, which, bd, nd)
     if name == "conv_tbc":  # (time, batch, channels): a convolution over time
@@ -716,12 +716,10 @@ REJOINED = "parts of the batch put together"
 
 
 def _ctc_result(
-    args: Sequence[Any], kwargs: dict[str, Any], which: int | str, bd: BatchDim, nd: int
+    args: Sequence[Any], kwargs: dict[str, Any], which: int, bd: BatchDim, nd: int
 ) -> Info:
     """``ctc_loss(log_probs [T, N, C], targets [N, S], input_lengths [N], target_lengths [N],
     blank, reduction)``: a loss per sample ``[N]`` (``reduction="none"``), else their sum."""
-    at = {"log_probs": 0, "targets": 1, "input_lengths": 2, "target_lengths": 3}
-    which = at.get(which, which) if isinstance(which, str) else which
     expected = (3, 1) if which == 0 else (2, 0) if which == 1 else (1, 0)
     if (nd, bd.dim) != expected or bd.inner != 1:
         return Lost("ctc_loss with its batch elsewhere than documented ([T, N, C], [N, S], [N])")

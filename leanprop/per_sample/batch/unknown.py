@@ -25,43 +25,42 @@ OpName = Callable[[Any], str]  # (rules.op_name: a torch function's name as the 
 
 
 @functools.cache
-def _dim_params(op_name: OpName) -> dict[str, tuple[tuple[int, str, Any], ...]]:
-    """Each overridable torch function's dimension arguments, ``name -> ((position, keyword,
-    default), ...)``, from the signatures torch lists for its function overrides (read once
-    per process)."""
+def _signatures(op_name: OpName) -> tuple[tuple[str, tuple[inspect.Parameter, ...]], ...]:
+    """``(name, parameters that may be passed by position)`` of each overridable torch
+    function, from the signatures torch lists for its function overrides (read once per
+    process)."""
     from torch.overrides import get_testing_overrides
 
-    table: dict[str, tuple[tuple[int, str, Any], ...]] = {}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+    found = []
     for func, stand_in in get_testing_overrides().items():
         try:
-            params = list(inspect.signature(stand_in).parameters.values())
+            params = inspect.signature(stand_in).parameters.values()
         except (TypeError, ValueError):
             continue
-        found = tuple(
-            (i, p.name, p.default)
-            for i, p in enumerate(params)
-            if p.name in _DIM_NAMES and p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)
-        )
+        found.append((op_name(func), tuple(p for p in params if p.kind in kinds)))
+    return tuple(found)
+
+
+@functools.cache
+def _dim_params(op_name: OpName) -> dict[str, tuple[tuple[int, str, Any], ...]]:
+    """Each overridable torch function's dimension arguments, ``name -> ((position, keyword,
+    default), ...)``."""
+    table: dict[str, tuple[tuple[int, str, Any], ...]] = {}
+    for name, params in _signatures(op_name):
+        found = tuple((i, p.name, p.default) for i, p in enumerate(params) if p.name in _DIM_NAMES)
         if found:
-            table.setdefault(op_name(func), found)
+            table.setdefault(name, found)
     return table
 
 
 @functools.cache
 def _operand_params(op_name: OpName) -> dict[str, tuple[tuple[str, Any], ...]]:
     """Each overridable torch function's parameters that may be passed by position, in order,
-    ``name -> ((keyword, default), ...)`` (from the same signatures as :func:`_dim_params`)."""
-    from torch.overrides import get_testing_overrides
-
+    ``name -> ((keyword, default), ...)``."""
     table: dict[str, tuple[tuple[str, Any], ...] | None] = {}
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
-    for func, stand_in in get_testing_overrides().items():
-        try:
-            params = list(inspect.signature(stand_in).parameters.values())
-        except (TypeError, ValueError):
-            continue
-        found = tuple((p.name, p.default) for p in params if p.kind in kinds)
-        name = op_name(func)
+    for name, params in _signatures(op_name):
+        found = tuple((p.name, p.default) for p in params)
         if name not in table:
             table[name] = found
             continue
