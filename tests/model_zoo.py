@@ -9,6 +9,7 @@ or token count equals the batch size N wherever the model has one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -333,6 +334,90 @@ class InvertedResidual(nn.Module):
 def mobilenet_blocks() -> Built:
     m = nn.Sequential(InvertedResidual(3, 1), InvertedResidual(3, 2), nn.Flatten())
     x = torch.randn(N, 3, 6, 6)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+class SpatialTransformer(nn.Module):
+    """A spatial transformer network: a localisation net regresses each sample's affine
+    transform, ``affine_grid`` makes its sampling grid, ``grid_sample`` warps the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loc = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(18, 6))
+        self.head = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(50, 3))
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, 1, N, N]
+        theta = self.loc(x).view(-1, 2, 3) + torch.eye(2, 3, dtype=x.dtype)
+        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        return self.head(F.grid_sample(x, grid, align_corners=False))
+
+
+@model
+def spatial_transformer() -> Built:
+    m = SpatialTransformer()
+    x = torch.randn(N, 1, N, N)  # H == W == N
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+class PoolsWithIndices(nn.Module):
+    """SegNet's decoder unpools at the encoder's max positions; fractional max pooling
+    (random windows per sample and channel), adaptive max pooling with its indices, and
+    power-average pooling over a sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Conv2d(1, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1)
+        self.frac = nn.FractionalMaxPool2d(2, output_size=3)
+        self.seq = nn.Conv1d(2, 2, 1)
+        self.head = nn.Linear(2 * 9 + 2 * 4 + 2 * 2 + 2 * 2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, 1, 6, 6]
+        h, where = F.max_pool2d(self.enc(x), 2, return_indices=True)  # [N, 2, 3, 3]
+        up = self.dec(F.max_unpool2d(h, where, 2))  # [N, 2, 6, 6]
+        frac = self.frac(up)  # [N, 2, 3, 3]
+        top, _ = F.adaptive_max_pool2d(up, 2, return_indices=True)  # [N, 2, 2, 2]
+        seq = self.seq(up.flatten(2)[..., :N])  # [N, 2, T], T == N
+        power = F.lp_pool1d(seq, 2, 2)  # [N, 2, 2]
+        one, at = F.max_pool1d(seq, 2, return_indices=True)  # [N, 2, 2]
+        back = F.max_unpool1d(one, at, 2, output_size=[4])  # [N, 2, 4]
+        parts = (frac, top, power, back[..., :2])
+        return self.head(torch.cat([t.flatten(1) for t in parts], 1))
+
+
+@model
+def pools_with_indices() -> Built:
+    m = PoolsWithIndices()
+    x = torch.randn(N, 1, 6, 6)
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
+class StackedFeatures(nn.Module):
+    """Features put side by side by numpy-style stacking (``column_stack`` of per-sample
+    scalars, ``hstack`` of feature matrices, ``atleast_2d``), a polynomial basis of a
+    per-sample score (``linalg.vander``) and a softmax left to its legacy dimension
+    (``F.softmax(x)`` on ``[N, K]``: over K)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, N), nn.Linear(3, N)  # (N features: D == N)
+        self.score = nn.Linear(3, 1)
+        self.head = nn.Linear(2 * N + 2 + 3, N)
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, 3]
+        s = self.score(x)[:, 0]  # [N]
+        scalars = torch.column_stack([s, s.tanh()])  # [N, 2]
+        feats = torch.hstack([self.a(x), torch.atleast_2d(self.b(x))])  # [N, 2N]
+        basis = torch.linalg.vander(s.tanh().to(x.dtype), N=3)  # [N, 3] (no bf16 kernel)
+        h = self.head(torch.hstack([feats, scalars, basis]))
+        with warnings.catch_warnings():  # (torch: an implicit dimension is deprecated)
+            warnings.simplefilter("ignore", UserWarning)
+            return F.softmax(h) * h
+
+
+@model
+def stacked_features() -> Built:
+    m = StackedFeatures()
+    x = torch.randn(N, 3)
     return m, lambda: per_sample_sq(m(x)), {}
 
 
@@ -735,6 +820,28 @@ def embedding_bag_with_offsets() -> Built:
 
     model_ = Bags()
     return model_, lambda: per_sample_sq(model_(idx, offsets)), {"batch_dims": {0: None}}
+
+
+class WeightedBags(nn.Module):
+    """``nn.EmbeddingBag`` whose ids are weighed by a function of each sample's features
+    (``per_sample_weights``, passed by keyword); bags of ``[N, L]`` ids, L == N."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.weigh = nn.EmbeddingBag(10, 3, mode="sum"), nn.Linear(2, 1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, ids: Tensor, feats: Tensor) -> Tensor:  # [N, L], [N, L, 2]
+        weights = torch.sigmoid(self.weigh(feats)).squeeze(-1)  # [N, L]
+        weights = weights.to(self.bag.weight.dtype)  # (under autocast: torch wants the table's)
+        return self.head(self.bag(ids, per_sample_weights=weights))
+
+
+@model
+def embedding_bag_weighted() -> Built:
+    m = WeightedBags()
+    ids, feats = torch.randint(0, 10, (N, N)), torch.randn(N, N, 2)
+    return m, lambda: per_sample_sq(m(ids, feats)), {}
 
 
 # ------------------------------------------------------------------ HF transformers

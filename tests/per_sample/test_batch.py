@@ -62,6 +62,13 @@ def follow(op, quick=False):
     return [(o, tracker.info(o)) for o in outs]
 
 
+def _implicit(softmax, x):
+    """``softmax(x)`` with its dimension left to torch's legacy choice (deprecated: warns)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return softmax(x)
+
+
 def assigned(shape, *writes):
     """``dest = x.new_zeros(shape(x)); dest[index] = value(x)`` for each ``(index, value)``
     of ``writes``: ``dest``, which carried no batch before."""
@@ -142,6 +149,35 @@ def _real_and_imaginary(x):
 
 
 KEEP = {
+    "max_pool1d's values beside its indices": lambda x: F.max_pool1d(x, 2, return_indices=True)[0],
+    "max_pool3d's values beside its indices": lambda x: F.max_pool3d(
+        x[:, None, None].expand(N, 1, 2, N, N), 2, return_indices=True
+    )[0],
+    "adaptive max pooling's values beside its indices": lambda x: F.adaptive_max_pool2d(
+        x[:, None], 2, return_indices=True
+    )[0],
+    "fractional max pooling": lambda x: F.fractional_max_pool2d(x[:, None], 2, output_size=2),
+    "fractional max pooling in 3-d, with its indices": lambda x: F.fractional_max_pool3d(
+        x[:, None, None].expand(N, 1, N, N, N), 2, output_size=2, return_indices=True
+    )[0],
+    "pixel shuffle of frames, the batch second": lambda x: F.pixel_shuffle(
+        x[None, :, :, None].expand(2, N, N, 4, N).transpose(2, 3).contiguous(), 2
+    ),
+    "pixel unshuffle with the batch behind other leading dimensions": lambda x: F.pixel_unshuffle(
+        x[None, None, :, None].expand(1, 2, N, 1, N, N), 2
+    ),
+    "a vector made 2-d": lambda x: torch.atleast_2d(x[:, 0, 0]),
+    "a vector made 3-d": lambda x: torch.atleast_3d(x[:, 0, 0]),
+    "a matrix made 3-d": lambda x: torch.atleast_3d(x[:, 0]),
+    "several tensors made 3-d, one with the batch": lambda x: torch.atleast_3d(
+        x[:, 0], torch.ones(2, dtype=x.dtype)
+    )[0],
+    "vectors as columns": lambda x: torch.column_stack([x[:, 0, 0], x[:, 0, 1]]),
+    "vectors and matrices as columns": lambda x: torch.column_stack((x[:, 0, 0], x[:, 0])),
+    "matrices side by side (hstack)": lambda x: torch.hstack([x[:, 0], x[:, 1]]),
+    "vectors as rows (row_stack)": lambda x: torch.row_stack([x[:, 0, 0], x[:, 0, 1]]),
+    "vectors stacked in depth": lambda x: torch.dstack([x[:, 0, 0], x[:, 0, 1]]),
+    "matrices stacked in depth": lambda x: torch.dstack([x[:, 0], x[:, 1]]),
     "grid_sample of batched images": lambda x: F.grid_sample(
         x.unsqueeze(1), torch.zeros(N, 2, 2, 2, dtype=x.dtype), align_corners=False
     ),
@@ -343,6 +379,24 @@ _MASK = torch.arange(N**3).view(N, N, N) % 3 == 0
 
 
 LOSE = {
+    "pixel shuffle of the samples as channels of frames": lambda x: F.pixel_shuffle(
+        x[None].expand(2, N, N, N).unsqueeze(1), 2
+    ),
+    "vectors put end to end (hstack)": lambda x: torch.hstack([x[:, 0, 0], x[:, 0, 1]]),
+    "matrices put one below the other (vstack)": lambda x: torch.vstack([x[:, 0], x[:, 1]]),
+    "a softmax left to its legacy dimension, the first of a 3-d input": lambda x: _implicit(
+        F.softmax, x
+    ),
+    "a log-softmax left to its legacy dimension of a vector": lambda x: _implicit(
+        F.log_softmax, x[:, 0, 0]
+    ),
+    "several tensors with the batch made 2-d together": lambda x: torch.atleast_2d(
+        x[:, 0, 0], x[:, 0, 1]
+    ),
+    "power-average pooling along the batch": lambda x: F.lp_pool1d(x.transpose(0, 2), 2, 2),
+    "max values put back along the batch": lambda x: F.max_unpool1d(
+        *F.max_pool1d(x.transpose(0, 2), 2, return_indices=True), 2
+    ),
     # unbatched calls, whose channels are the samples (a batch of grayscale images [N, H, W]
     # into a convolution with N input channels: one image of N channels)
     "an unbatched conv2d": lambda x: F.conv2d(x, torch.ones(N, N, 1, 1, dtype=x.dtype)),
@@ -587,6 +641,35 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
     "prelu's channels from the samples' weight": (
         lambda x: F.prelu(torch.ones(2, N, 3, dtype=x.dtype), x[:, 0, 0]), BatchDim(1)),
     "differences along the batch": (lambda x: x.diff(dim=0), Lost),
+    "power-average pooling over time": (lambda x: F.lp_pool1d(x, 2, 2), BatchDim(0)),
+    "bags of ids weighed by each sample's weights": (
+        lambda x: F.embedding_bag(torch.zeros(N, 2, dtype=torch.long), TABLE,
+                                  per_sample_weights=x[:, 0, :2], mode="sum"), BatchDim(0)),
+    "bags by offsets weighed by the samples' weights": (
+        lambda x: F.embedding_bag(torch.zeros(N, dtype=torch.long), TABLE, torch.arange(N),
+                                  per_sample_weights=x[:, 0, 0], mode="sum"), Lost),
+    "power-average pooling in 3-d": (
+        lambda x: F.lp_pool3d(x[:, None, None].expand(N, 1, 2, N, N), 2, 2), BatchDim(0)),
+    "max values put back at their positions (max_unpool1d)": (
+        lambda x: F.max_unpool1d(*F.max_pool1d(x, 2, return_indices=True), 2), BatchDim(0)),
+    "max values put back in 2-d": (
+        lambda x: F.max_unpool2d(*F.max_pool2d(x[:, None], 2, return_indices=True), 2),
+        BatchDim(0)),
+    "max values put back in 3-d": (
+        lambda x: F.max_unpool3d(*F.max_pool3d(x[:, None, None].expand(N, 1, 2, N, N), 2,
+                                               return_indices=True), 2), BatchDim(0)),
+    "each sample's sampling grid from its transform": (
+        lambda x: F.affine_grid(x[:, :2, :3], [N, 1, 5, 5], align_corners=False), BatchDim(0)),
+    "each sample's 3-d sampling grid": (
+        lambda x: F.affine_grid(x[:, :3], [N, 1, 2, 3, 3], align_corners=False), BatchDim(0)),
+    "each sample's polynomial basis (linalg.vander)": (
+        lambda x: torch.linalg.vander(x[:, 0, 0], N=3), BatchDim(0)),
+    "the polynomial basis of each sample's features, the batch second": (
+        lambda x: torch.linalg.vander(x[:, 0].T), BatchDim(1)),
+    "a softmax left to its legacy dimension, the second of a matrix": (
+        lambda x: _implicit(F.softmax, x[:, 0]), BatchDim(0)),
+    "a softmin left to its legacy dimension": (
+        lambda x: _implicit(F.softmin, x[:, 0]), BatchDim(0)),
     "padded along time, the batch second": (
         lambda x: F.pad(x.transpose(0, 1), (0, 0, 0, 0, 1, 1)), BatchDim(1)),
 }  # fmt: skip

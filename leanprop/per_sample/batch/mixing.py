@@ -40,7 +40,8 @@ _MIXES_AS_CHANNELS = frozenset({*CONVOLUTIONS, "local_response_norm", "group_nor
 
 _MIXES_AS_POSITIONS = frozenset({
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-    "adaptive_avg_pool3d", "interpolate", "upsample", "lp_pool2d", *_MIXES_AS_CHANNELS,
+    "adaptive_avg_pool3d", "interpolate", "upsample", "lp_pool1d", "lp_pool2d", "lp_pool3d",
+    *_MIXES_AS_CHANNELS,
 })  # fmt: skip
 
 

@@ -177,8 +177,13 @@ _BATCH_FIRST_OPS = {  # need the batch at dimension 0 (channels at 1); keep it t
     "max_pool3d",
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
     "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
-    "interpolate", "upsample", "unfold", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d",
-    "max_pool2d_with_indices", "local_response_norm", "fold", "grid_sample", "channel_shuffle",
+    "interpolate", "upsample", "unfold", "pixel_shuffle", "pixel_unshuffle", "lp_pool1d",
+    "lp_pool2d", "lp_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
+    "max_pool3d_with_indices", "adaptive_max_pool1d_with_indices",
+    "adaptive_max_pool2d_with_indices", "adaptive_max_pool3d_with_indices",
+    "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
+    "fractional_max_pool3d_with_indices", "max_unpool1d", "max_unpool2d", "max_unpool3d",
+    "local_response_norm", "fold", "grid_sample", "affine_grid", "channel_shuffle",
 }  # fmt: skip
 # the rank of a batched input, for those of them that also take an unbatched one (whose first
 # dimension is then the channels, which the op mixes: a convolution's output channels, im2col's
@@ -369,6 +374,14 @@ def result_dim(
         return bd if bd == BatchDim(0) and nd == 2 else Lost(f"{name} needs the batch first")
     if name == "embedding_bag" and which in (2, "offsets"):  # offsets [N]: a bag per sample
         return bd if bd == BatchDim(0) and nd == 1 and k == 0 else Lost("embedding_bag offsets")
+    if name == "embedding_bag" and which == "per_sample_weights":  # (laid out as the ids:
+        # [N, L] weighs sample n's bag of L ids; with offsets, bags of a flat [B] in no
+        # dimension of their own)
+        ids = args[0] if args else kwargs.get("input")
+        batched_bags = isinstance(ids, Tensor) and ids.dim() == 2 and nd == 2
+        if bd == BatchDim(0) and batched_bags and k == 0:
+            return bd
+        return Lost("embedding_bag's per_sample_weights with the batch not in their rows")
     if isinstance(which, str) and (name in _INDEX_OPS or name == "diff"):
         # (x.index_add(0, g, source=o); diff's prepend and append, laid out as the input)
         which = _INDEX_KEYWORDS.get(which, 3 if which in ("prepend", "append") else which)
@@ -410,6 +423,8 @@ def result_dim(
             if any(args[1][at : at + 2]):  # (rows of padding among the samples)
                 return Lost("padding the batch dimension (may reorder samples)")
             return bd
+        if name in ("pixel_shuffle", "pixel_unshuffle") and bd.dim < nd - 3:
+            return bd  # (it acts on the last three dimensions: [*, C, H, W])
         if bd.dim != 0:
             return Lost(f"{name} needs the batch first")
         if bd.inner != 1:
@@ -479,6 +494,15 @@ def result_dim(
         if which == 1 and rows_at(args[1], x):
             return bd  # (rows of a tensor at the samples' indices, codebook[ids]: [*ids, ...])
         return index_result(args[1], nd, bd, n, tracker)
+    if name in _AT_LEAST:
+        return _at_least_result(name, args, which, k, nd, bd)
+    if name in _STACKED_AT_LEAST:
+        return _stacked_result(name, nd, bd)
+    if name in _LEGACY_SOFTMAX and dims_arg(args, kwargs, 1, "dim") is None:
+        # (F.softmax(x) without a dimension: torch's legacy choice, the first of a 0-, 1- or
+        # 3-d input, else the second)
+        d = 0 if nd in (0, 1, 3) else 1
+        return Lost(f"{name} along the batch dimension mixes samples") if d == bd.dim else bd
     if name in ("cat", "concat", "concatenate"):
         d = norm_dim(int(dims_arg(args, kwargs, 1, "dim", "axis") or 0), nd)
         return Lost(CONCATENATED) if d == bd.dim else bd
@@ -641,7 +665,7 @@ def result_dim(
         return tensordot_result(args, kwargs, which, bd)
     if name == "kron":
         return kron_result(args, which, x, bd, out)
-    if name in ("one_hot", "vander"):  # [*S] -> [*S, K]: a dimension comes last
+    if name in ("one_hot", "vander", "linalg_vander"):  # [*S] -> [*S, K]: one comes last
         return bd
     if name == "addr" and which in (1, 2):  # (M, u, v) -> M + u v^T: u's
         # entries along the rows, v's along the columns (M: as elementwise, below)
@@ -710,6 +734,46 @@ def _layer_parameter_result(
 
 
 CONCATENATED = "concatenation along the batch dimension"
+
+
+_LEGACY_SOFTMAX = frozenset({"softmax", "log_softmax", "softmin"})
+# the rank each makes its inputs at least: a vector [K] becomes [1, K], or [1, K, 1]; a matrix
+# [A, B] becomes [A, B, 1] for atleast_3d
+_AT_LEAST = {"atleast_1d": 1, "atleast_2d": 2, "atleast_3d": 3}
+# the ops concatenating their inputs so made (column_stack: vectors as columns [K, 1]), and the
+# dimension along which (hstack: a vector's only one, else the second)
+_STACKED_AT_LEAST = {"hstack": 1, "vstack": 2, "row_stack": 2, "dstack": 3, "column_stack": 2}
+
+
+def _at_least(name: str, nd: int, bd: BatchDim) -> tuple[int, BatchDim]:
+    """The rank of an input ``[...]`` of ``nd`` dimensions made at least ``name``'s, and
+    where its batch ``bd`` is then."""
+    least = _AT_LEAST.get(name, _STACKED_AT_LEAST.get(name))
+    if name == "column_stack":  # (vectors and scalars as columns [K, 1]; the rest as they are)
+        return max(nd, 2), bd
+    if nd >= least:
+        return nd, bd
+    return least, BatchDim(bd.dim + (nd == 1), bd.inner)  # (a vector's entries go second)
+
+
+def _at_least_result(
+    name: str, args: Sequence[Any], which: int, k: int, nd: int, bd: BatchDim
+) -> Info:  # fmt: skip
+    """``atleast_Nd(x)``: where ``x``'s batch lands. With several inputs each gives an output
+    of its own (output ``k`` from input ``k``)."""
+    several = len(args) > 1 or isinstance(args[0], list | tuple)
+    if several and which != k:
+        return Lost(f"{name} of several tensors, each of which carries the batch")
+    return _at_least(name, nd, bd)[1]
+
+
+def _stacked_result(name: str, nd: int, bd: BatchDim) -> Info:
+    """``hstack``, ``vstack``/``row_stack``, ``dstack``, ``column_stack``: their inputs made
+    at least 1-, 2-, 3-d (``_at_least``), concatenated along the second dimension (hstack:
+    along a vector's only one), the first, the third, the second."""
+    rank, placed = _at_least(name, nd, bd)
+    along = {"vstack": 0, "row_stack": 0, "dstack": 2}.get(name, 0 if rank == 1 else 1)
+    return Lost(CONCATENATED) if placed.dim == along else placed
 
 
 REJOINED = "parts of the batch put together"
