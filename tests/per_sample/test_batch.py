@@ -642,6 +642,11 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
         lambda x: F.prelu(torch.ones(2, N, 3, dtype=x.dtype), x[:, 0, 0]), BatchDim(1)),
     "differences along the batch": (lambda x: x.diff(dim=0), Lost),
     "power-average pooling over time": (lambda x: F.lp_pool1d(x, 2, 2), BatchDim(0)),
+    "cross products without a dimension, along the first of size 3": (
+        lambda x: _implicit(lambda t: torch.cross(t, t.roll(1, 1)), x[:, :3]), BatchDim(0)),
+    "cross products without a dimension, broadcast": (
+        lambda x: _implicit(lambda t: torch.cross(torch.ones(1, 3, 1, dtype=t.dtype), t),
+                            x[:, :3]), BatchDim(0)),
     "bags of ids weighed by each sample's weights": (
         lambda x: F.embedding_bag(torch.zeros(N, 2, dtype=torch.long), TABLE,
                                   per_sample_weights=x[:, 0, :2], mode="sum"), BatchDim(0)),
@@ -674,6 +679,7 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
         lambda x: F.pad(x.transpose(0, 1), (0, 0, 0, 0, 1, 1)), BatchDim(1)),
 }  # fmt: skip
 TABLE = torch.arange(N, dtype=torch.float64)[:, None].expand(N, N).clone()
+SOLVE = 3 * torch.eye(N, dtype=torch.float64) + 0.1 * torch.arange(N * N).view(N, N) / N**2
 CELL = torch.full((8, N), 0.1, dtype=torch.float64)  # (an RNN cell's weights, H = 2)
 
 
@@ -834,6 +840,30 @@ def _mixed(op):
 
 
 PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients are defined
+    "each sample's matrix through cholesky_inverse": lambda x, y: (
+        torch.cholesky_inverse(torch.eye(N, dtype=x.dtype) + 0.1 * x.tril()).sin().sum()
+    ),
+    "each sample's triangular solve": lambda x, y: (
+        torch.linalg.solve_triangular(SOLVE.triu(), x, upper=True).sin().sum()
+    ),
+    "inner products with a constant": lambda x, y: (
+        torch.inner(x[:, 0], torch.ones(N, dtype=x.dtype)).sin().sum()
+    ),
+    "inner products of constants with the samples": lambda x, y: (
+        torch.inner(torch.ones(2, N, dtype=x.dtype), x[:, 0]).sin().sum()
+    ),
+    "each sample's vecdot": lambda x, y: torch.linalg.vecdot(x[:, 0], x[:, 1]).sin().sum(),
+    "ravelled, then viewed back": lambda x, y: x[:, 0].ravel().view(N, N).sin().sum(),
+    "bags of each sample's weighted ids": lambda x, y: (
+        F.embedding_bag(
+            torch.zeros(N, 2, dtype=torch.long), TABLE, per_sample_weights=x[:, 0, :2], mode="sum"
+        )
+        .sin()
+        .sum()
+    ),
+    "a linear layer over the batch, summed": lambda x, y: F.linear(
+        x[:, 0].T, torch.ones(3, N, dtype=x.dtype)
+    ).sum(),
     "sum": lambda x, y: x.square().sum(),
     "mean of per-sample sums": lambda x, y: x.flatten(1).square().sum(1).mean(),
     "cross-entropy": lambda x, y: F.cross_entropy(x[:, :, 0], y),
@@ -980,6 +1010,69 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
+    "a solve with the samples as the rows of its right side": lambda x, y: (
+        torch.linalg.solve(SOLVE, x[:, 0]).sin().sum()
+    ),
+    "a triangular solve of the samples' rows": lambda x, y: (
+        torch.linalg.solve_triangular(SOLVE.triu(), x[:, 0], upper=True).sin().sum()
+    ),
+    "a Cholesky solve of the samples' rows": lambda x, y: (
+        torch.cholesky_solve(x[:, 0], torch.linalg.cholesky(SOLVE @ SOLVE.T)).sin().sum()
+    ),
+    "the batch's matrix inverted through cholesky_inverse": lambda x, y: (
+        torch.cholesky_inverse(torch.eye(N, dtype=x.dtype) + 0.1 * x[:, 0].tril()).sin().sum()
+    ),
+    "the batch as one matrix (tensorinv)": lambda x, y: (
+        torch.linalg.tensorinv(x[:, 0] + 3 * torch.eye(N, dtype=x.dtype), 1).sin().sum()
+    ),
+    "inner products of the samples": lambda x, y: torch.inner(x[:, 0], x[:, 0]).sin().sum(),
+    "vecdot over the batch, then a non-linearity": lambda x, y: (
+        torch.linalg.vecdot(x[:, 0].T, x[:, 0].T).sin().sum()
+    ),
+    "an unknown op's values summed along a dimension": lambda x, y: (
+        torch.block_diag(x[:, 0], x[:, 1]).sum(0).sin().sum()
+    ),
+    "an unknown op adding dimensions": lambda x, y: (
+        torch.cartesian_prod(x[:, 0, 0], x[:, 0, 1]).sin().sum()
+    ),
+    "a bilinear form over the batch": lambda x, y: F.bilinear(
+        x[:, 0].T, x[:, 0].T, torch.ones(2, N, N, dtype=x.dtype)
+    ).sum(),
+    "a linear layer over the flattened batch, then a non-linearity": lambda x, y: (
+        F.linear(x[:, 0].flatten(), torch.ones(3, N * N, dtype=x.dtype)).sin().sum()
+    ),
+    "halves of the ravelled batch added, then a non-linearity": lambda x, y: (
+        torch.stack(x[:, 0].ravel().chunk(2)).sum(0).sin().sum()
+    ),
+    "bags of several samples' weights, squared": lambda x, y: (
+        F.embedding_bag(
+            torch.zeros(N, dtype=torch.long),
+            TABLE,
+            torch.tensor([0, 2]),
+            per_sample_weights=x[:, 0, 0],
+            mode="sum",
+        )
+        .square()
+        .sum()
+    ),
+    "multi_dot contracting the batch, then a non-linearity": lambda x, y: (
+        torch.linalg.multi_dot([torch.ones(2, N, dtype=x.dtype), x[:, 0], x[0]]).sin().sum()
+    ),
+    "an RNN stepping over the batch": lambda x, y: (
+        torch.rnn_tanh(
+            x,
+            torch.zeros(1, N, 2, dtype=x.dtype),
+            [CELL[:2], CELL[:2, :2]],
+            False,
+            1,
+            0.0,
+            False,
+            False,
+            False,
+        )[0]
+        .sin()
+        .sum()
+    ),
     "centred over the batch": lambda x, y: (x - x.mean(0)).square().sum(),
     "normalised over the batch": lambda x, y: (x / x.norm(dim=0, keepdim=True)).sum(),
     "softmax over the batch": lambda x, y: (x.softmax(0) * x).sum(),
@@ -1352,6 +1445,36 @@ def test_an_unbatched_convolution_of_the_samples_is_refused():
 
 
 @pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
+@pytest.mark.parametrize("n", [3, 4])
+def test_cross_products_without_a_dimension_are_taken_along_the_first_of_size_3(n):
+    """``torch.cross(a, b)`` without ``dim`` acts along the first dimension of size 3 (torch's
+    deprecated default): along the features of ``[N, 3]`` for a batch of 4, along the batch
+    for a batch of 3 (the samples mixed: refused). Both were refused."""
+    import leanprop
+    from leanprop.testing import individual_gradients_of_losses
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double()
+    x = torch.randn(n, 3, dtype=torch.float64)
+
+    def losses():
+        with warnings.catch_warnings():  # (torch: cross without dim is deprecated)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.cross(lin(x), x).square().sum(1)
+
+    if n == 3:
+        ctx = leanprop.per_sample(lin, leanprop.BatchGrad())
+        with pytest.raises(leanprop.UnsupportedModelError, match="cross"), ctx:
+            losses().sum().backward()
+        return
+    with leanprop.per_sample(lin, leanprop.BatchGrad()):
+        ls = losses()
+        ls.sum().backward(retain_graph=True)
+    expected = individual_gradients_of_losses(ls, dict(lin.named_parameters()))
+    for k, p in lin.named_parameters():
+        torch.testing.assert_close(p.grad_batch, expected[k], rtol=1e-10, atol=1e-12)
+
+
 def test_complex_parameters_and_their_complex_uses_are_refused():
     """Complex parameters, and real ones used in complex arithmetic through the op capture
     (``F.linear(z, torch.complex(wr, wi))``): the closed forms have no conjugates, and the
@@ -1367,7 +1490,9 @@ def test_complex_parameters_and_their_complex_uses_are_refused():
             self.a, self.b = torch.nn.Linear(N, N), torch.nn.Linear(N, 3)
             self.wr, self.wi = torch.nn.Parameter(torch.randn(2, 2)), torch.nn.Parameter(
                 torch.randn(2, 2))  # fmt: skip
-            self.c = torch.nn.Linear(2, 2).to(torch.complex128) if use == "complex" else None
+            with warnings.catch_warnings():  # (torch's notice on complex modules)
+                warnings.filterwarnings("ignore", "Complex modules", UserWarning)
+                self.c = torch.nn.Linear(2, 2).to(torch.complex128) if use == "complex" else None
             self.use = use
 
         def forward(self, x):

@@ -15,7 +15,9 @@ Where the batch goes cannot be told (an op this module does not know changed the
 samples were mixed (a reduction or a slice over the batch), the tensor is :class:`Lost`; a rule
 that meets such a tensor raises an error instead of guessing. Where a tensor's values mix the
 samples (a softmax over the batch, ``o @ o.T``), the tracker says why, and a backward from it
-is refused.
+is refused. So is one through an op whose effect on the samples it cannot tell (an op it does
+not know that changes the shape, arguments it cannot read): such a result is taken to mix
+them (``MAY_MIX``), since a function of it may combine the samples' values in any way.
 
 The modules, in the order a newcomer reads them: ``infos.py`` (what is said of a tensor),
 ``rules.py`` (where each op puts the batch; with ``indexing.py``, ``matrices.py`` and

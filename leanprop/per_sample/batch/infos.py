@@ -23,6 +23,10 @@ class BatchDim:
 # or a pick (a product of them: scatter_reduce's "prod"): its result mixes them
 COMBINES_ALONG = "combines samples along the batch dimension"
 
+# the end of a reason where leanprop cannot tell what an op did with the samples (an op it
+# does not know changed the shape, arguments it cannot read): its result is taken to mix them
+MAY_MIX = "may mix samples"
+
 # the end of a reason where the samples are moved to places leanprop cannot tell (their
 # meeting with each other, or with other samples, may mix them: mixing.holds_samples)
 MAY_REORDER = "(may reorder samples)"

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .infos import BatchDim, Combined, Info, Lost, dims_arg, norm_dim
+from .infos import MAY_MIX, BatchDim, Combined, Info, Lost, dims_arg, norm_dim
 
 # the arguments of the products and of the ops placing values, by position (for the rules,
 # which read them so, where they come by keyword)
@@ -40,8 +40,14 @@ MATRIX_FUNCTIONS = frozenset({
     "matrix_exp", "linalg_matrix_exp", "linalg_pinv", "linalg_matrix_power", "nuclear_norm",
     "linalg_cond", "linalg_inv_ex", "pinverse", "linalg_cholesky_ex", "linalg_lu_factor",
     "linalg_lu_factor_ex", "linalg_lu", "lu", "linalg_ldl_factor",
-    "matrix_power", "linalg_matrix_rank", "linalg_solve_ex",
+    "matrix_power", "linalg_matrix_rank", "linalg_solve_ex", "cholesky_inverse",
+    "cholesky_solve", "triangular_solve", "linalg_solve_triangular", "lu_solve",
+    "linalg_lu_solve", "lu_unpack", "linalg_ldl_factor_ex", "linalg_ldl_solve",
+    "linalg_householder_product", "orgqr", "ormqr", "geqrf", "qr", "lobpcg", "linalg_lstsq",
+    "svd_lowrank", "pca_lowrank",
 })  # fmt: skip
+# functions of a whole tensor taken as one matrix (its leading dimensions as the rows)
+WHOLE_TENSOR_FUNCTIONS = frozenset({"linalg_tensorinv", "linalg_tensorsolve"})
 
 
 def _pairs(
@@ -70,9 +76,11 @@ def rare_result(
     """:func:`result_dim` for the ops of :data:`RARE` (operand ``which``, its batch at ``bd``
     of its ``nd`` dimensions; the output has ``od``); None for ``linalg.norm`` of vectors (a
     reduction)."""
+    if name in WHOLE_TENSOR_FUNCTIONS:
+        return Lost(f"'{name}' of a tensor that carries the batch, as one matrix, {MAY_MIX}")
     if name in MATRIX_FUNCTIONS:  # of each matrix [*, m, n] (a solve's A)
-        if which != 0 and bd.dim >= nd - 2:  # (a solve's B, whose columns may be samples)
-            return Lost(f"'{name}' with its argument {which} batched")
+        if which != 0 and bd.dim >= nd - 2:  # (a solve's B, whose rows may be samples)
+            return Lost(f"'{name}' with its argument {which} batched in its matrices {MAY_MIX}")
         if bd.dim >= nd - 2:
             return Lost(f"'{name}' of a matrix made of samples mixes samples")
         return BatchDim(bd.dim, bd.inner)
@@ -125,8 +133,8 @@ FFTS = frozenset({
 
 # the ops :func:`rare_result` reads (one test on the hot path for all of them)
 RARE = frozenset({
-    *MATRIX_FUNCTIONS, *FFTS, "linalg_norm", "linalg_matrix_norm", "cdist", "pdist", "cov",
-    "corrcoef", "diff", "cosine_similarity", "pairwise_distance",
+    *MATRIX_FUNCTIONS, *WHOLE_TENSOR_FUNCTIONS, *FFTS, "linalg_norm", "linalg_matrix_norm",
+    "cdist", "pdist", "cov", "corrcoef", "diff", "cosine_similarity", "pairwise_distance",
 })  # fmt: skip
 
 
@@ -138,7 +146,7 @@ def einsum_result(args: Sequence[Any], which: int, bd: BatchDim) -> Info:
     operands = args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:]
     terms = ins.split(",")
     if len(terms) != len(operands) or "." in ins.replace("...", ""):
-        return Lost("einsum with an equation leanprop cannot read")
+        return Lost(f"einsum with an equation leanprop cannot read {MAY_MIX}")
     if "->" not in args[0]:
         out = "..." * ("..." in ins) + "".join(
             sorted(c for c in set(ins) if c.isalpha() and ins.count(c) == 1)

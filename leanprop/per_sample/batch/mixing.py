@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .infos import COMBINES_ALONG, MAY_REORDER, BatchDim, Combined, Info, Lost, Selected
+from .infos import COMBINES_ALONG, MAY_MIX, MAY_REORDER, BatchDim, Combined, Info, Lost, Selected
 from .matrices import FFTS, MATRIX_FUNCTIONS
-from .rules import CLASS_LOSSES, CONVOLUTIONS, SAMPLE_LOSSES, UNKNOWN_ALONG, VIEWS
+from .rules import CLASS_LOSSES, CONVOLUTIONS, SAMPLE_LOSSES, VIEWS
 
 # ops that mix the samples themselves where they act along the batch (a reordering keeps each
 # value one sample's: what it meets next tells)
@@ -94,10 +94,7 @@ def mixes_itself(name: str, which: int | str, bd: BatchDim, r: Info, out: Tensor
         name in _MIXES_AS_POSITIONS and bd.dim >= 2
     )
     if type(r) is Lost and (
-        name in _MIXES
-        or where_lost
-        or off_front
-        or r.reason.endswith((UNKNOWN_ALONG, COMBINES_ALONG))
+        name in _MIXES or where_lost or off_front or r.reason.endswith((MAY_MIX, COMBINES_ALONG))
     ):
         return r.reason
     if type(r) is Combined and (

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .infos import (
+    MAY_MIX,
     PACKED,
     REORDERED,
     BatchDim,
@@ -47,7 +48,7 @@ def ordered_result(
     give a plain :class:`Lost`."""
     if is_packed_rnn_op(name, args):  # (data, sizes, hx, ...) -> (data, h_n[, c_n])
         if which != 0 and not (isinstance(info, Reordered) and info.dim == 1):
-            return Lost(f"{name} with its hidden state's batch elsewhere than documented")
+            return Lost(f"{name} with its hidden state's batch elsewhere than documented {MAY_MIX}")
         return Packed(PACKED, info.order) if k == 0 else in_order(1, info.order)
     if isinstance(info, Packed):
         if name == "_pad_packed_sequence" and which == 0:  # (data, sizes, batch_first, ...)

@@ -18,6 +18,7 @@ from .indexing import index_result, picks_by_index, picks_of, rows_at
 from .infos import (
     COMBINES_ALONG,
     MAX_GROUPED,
+    MAY_MIX,
     MAY_REORDER,
     BatchDim,
     Combined,
@@ -105,7 +106,9 @@ def in_place(func: Any) -> bool:
 _ARITH = {"add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "and", "or", "xor", "mod"}
 
 
-VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view"}
+VIEWS = {
+    "view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "_unsafe_view", "ravel",
+}  # fmt: skip
 
 
 # ops that reverse or rotate positions along the dimensions they name
@@ -361,14 +364,14 @@ def result_dim(
             return Lost("nn.MultiheadAttention of an unbatched input")  # along the sequence)
         expected = 0 if which == "key_padding_mask" else 1
         if bd.dim != expected or bd.inner != 1 or out.dim() < 2:
-            return Lost("nn.MultiheadAttention with its batch elsewhere than documented")
+            return Lost(f"nn.MultiheadAttention with its batch elsewhere than documented {MAY_MIX}")
         return BatchDim(1 if k == 0 else 0)
     if name in RNN_OPS and isinstance(args[-1], bool) and not is_packed_rnn_op(name, args):
         # (input, hx, params, ..., batch_first) -> (output, h_n[, c_n]); hidden states [L, N, H]
         first = 0 if args[-1] else 1
         expected = first if which == 0 else 1
         if bd != BatchDim(expected):
-            return Lost(f"{name} with its batch elsewhere than documented")
+            return Lost(f"{name} with its batch elsewhere than documented {MAY_MIX}")
         return BatchDim(first if k == 0 else 1)
     if name in RNN_CELL_OPS:
         return bd if bd == BatchDim(0) and nd == 2 else Lost(f"{name} needs the batch first")
@@ -379,9 +382,10 @@ def result_dim(
         # dimension of their own)
         ids = args[0] if args else kwargs.get("input")
         batched_bags = isinstance(ids, Tensor) and ids.dim() == 2 and nd == 2
-        if bd == BatchDim(0) and batched_bags and k == 0:
+        if bd.dim == 0 and batched_bags and k == 0:
             return bd
-        return Lost("embedding_bag's per_sample_weights with the batch not in their rows")
+        # (each bag a weighted sum of table rows: of the samples' weights in it)
+        return Combined("embedding_bag sums weights of several samples into a bag")
     if isinstance(which, str) and (name in _INDEX_OPS or name == "diff"):
         # (x.index_add(0, g, source=o); diff's prepend and append, laid out as the input)
         which = _INDEX_KEYWORDS.get(which, 3 if which in ("prepend", "append") else which)
@@ -397,13 +401,16 @@ def result_dim(
         placed = as_positional(name, args, kwargs, which, op_name)
         if placed is None:
             return Lost(
-                f"'{name}' with an operand passed by keyword ({which}=) leanprop cannot place"
+                f"'{name}' with an operand passed by keyword ({which}=) leanprop cannot place: "
+                f"it {MAY_MIX}"
             )
         args, which = placed
     # the layers' ops next (each layer's call passes here): no branch below takes their names
     if name in ("linear", "bilinear", "embedding", "embedding_bag"):
         if name in ("linear", "bilinear") and bd.dim == nd - 1:
-            return Lost(f"a {name} layer sums over the batch dimension")
+            if name == "linear":  # (each output a weighted sum of the samples' values)
+                return Combined("a linear layer sums over the batch dimension")
+            return Lost(f"a bilinear layer multiplies samples together: it {MAY_MIX}")
         if name == "embedding_bag" and nd == 1:
             return Lost("embedding_bag with offsets")
         if name == "embedding" and which == 1 and bd.dim == 0:  # (rows of a batched table)
@@ -622,8 +629,10 @@ def result_dim(
         if which == 0:
             return BatchDim(od - (nd - bd.dim), bd.inner)
         return matmul_result(args[1], args[2], which - 1, bd, od)
-    if name in ("linalg_multi_dot", "chain_matmul", "inner", "linalg_vecdot"):
-        return Lost(f"'{name}' of the batch (products leanprop does not follow)")
+    if name in ("inner", "linalg_vecdot"):
+        return _contraction_result(name, args, kwargs, which, nd, bd)
+    if name in ("linalg_multi_dot", "chain_matmul"):
+        return Lost(f"'{name}' of the batch (products leanprop does not follow) {MAY_MIX}")
     if name == "addbmm" and which in (1, 2) and bd.dim == 0:
         return Combined("addbmm sums over the batch dimension")
     if name in ("addmm", "baddbmm", "addbmm"):
@@ -632,6 +641,14 @@ def result_dim(
         return matmul_result(args[1], args[2], which - 1, bd, od)
     if name == "einsum":
         return einsum_result(args, which - 1, bd)
+    if name == "chunked_linear_cross_entropy":  # (h [*R, D], weight [V, D], target [*R])
+        if which not in (0, 2, "target") or (which == 0 and bd.dim == nd - 1):
+            return Lost(
+                f"the LM head's loss of values that carry the batch in its features: it {MAY_MIX}"
+            )
+        if kwargs.get("reduction", "mean") != "none":
+            return Combined("a loss reduces over samples")
+        return bd  # (a loss per row: [*R])
     if name in _LOSSES:
         if kwargs.get("distance_function") is not None:  # (a user's function: ops not seen)
             return Lost(f"{name} with a distance_function (its ops are not followed)")
@@ -676,11 +693,21 @@ def result_dim(
         if which != 0 or bd.dim != 1 or nd != 3:
             return Lost("conv_tbc with its batch elsewhere than its input's dim 1")
         return bd
+    if name == "cross" and dims_arg(args, kwargs, 2, "dim") is None:
+        # (torch.cross without a dimension, deprecated: along the first of size 3 of the
+        # broadcast shape, which a batch of three may be)
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors_in(args, kwargs)))
+        along = next((d for d, size in enumerate(shape) if size == 3), None)
+        if along is None or along == len(shape) - (nd - bd.dim):
+            return Lost(
+                f"torch.cross without a dimension, along the batch's (of size 3), {MAY_MIX}"
+            )
+        return _elementwise(name, args, kwargs, x, bd, out)
     if acts_along_batch(name, args, kwargs, nd, bd, op_name):  # (torch.cross(a, b, 0))
         return Lost(f"'{name}' {UNKNOWN_ALONG}")
     if od > max(t.dim() for t in tensors_in(args, kwargs)):  # (not broadcast from the right:
         # no operand has the output's dimensions; torch.vander appends one)
-        return Lost(f"'{name}' (an op leanprop does not know added dimensions)")
+        return Lost(f"'{name}' (an op leanprop does not know) added dimensions: it {MAY_MIX}")
     return _elementwise(name, args, kwargs, x, bd, out)
 
 
@@ -736,6 +763,27 @@ def _layer_parameter_result(
 CONCATENATED = "concatenation along the batch dimension"
 
 
+def _contraction_result(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int, nd: int, bd: BatchDim
+) -> Info:  # fmt: skip
+    """``inner(a, b)`` (``[*A, K] x [*B, K] -> [*A, *B]``; a scalar operand: a product) and
+    ``linalg.vecdot(a, b, dim=-1)`` (broadcast, then summed along ``dim``): a batch in the
+    dimension summed over gives a sum of the samples' terms; elsewhere it stays."""
+    a, b = args[0], args[1]
+    if name == "inner":
+        if a.dim() == 0 or b.dim() == 0:  # (a product: each value its own sample's)
+            return BatchDim(bd.dim + (b.dim() if which == 0 and b.dim() == 0 else 0), bd.inner)
+        if bd.dim == nd - 1:
+            return Combined("inner sums over the batch dimension")
+        return BatchDim(bd.dim + (a.dim() - 1 if which == 1 else 0), bd.inner)
+    rank = max(a.dim(), b.dim())
+    at = rank - (nd - bd.dim)  # (the batch's dimension in the broadcast shape)
+    summed = norm_dim(int(dims_arg(args, kwargs, 2, "dim") or -1), rank)
+    if at == summed:
+        return Combined("vecdot sums over the batch dimension")
+    return BatchDim(at - (summed < at), bd.inner)
+
+
 _LEGACY_SOFTMAX = frozenset({"softmax", "log_softmax", "softmin"})
 # the rank each makes its inputs at least: a vector [K] becomes [1, K], or [1, K, 1]; a matrix
 # [A, B] becomes [A, B, 1] for atleast_3d
@@ -786,7 +834,9 @@ def _ctc_result(
     blank, reduction)``: a loss per sample ``[N]`` (``reduction="none"``), else their sum."""
     expected = (3, 1) if which == 0 else (2, 0) if which == 1 else (1, 0)
     if (nd, bd.dim) != expected or bd.inner != 1:
-        return Lost("ctc_loss with its batch elsewhere than documented ([T, N, C], [N, S], [N])")
+        return Lost(
+            f"ctc_loss with its batch elsewhere than documented ([T, N, C], [N, S], [N]) {MAY_MIX}"
+        )
     if kwargs.get("reduction", args[5] if len(args) > 5 else "mean") != "none":
         return Combined("a loss reduces over samples")
     return BatchDim(0)
@@ -807,7 +857,7 @@ def _elementwise(
                 return BatchDim(od - (nd - bd.dim), bd.inner)
         except RuntimeError:
             pass
-    return Lost(f"'{name}' (an op leanprop does not know changed the shape)")
+    return Lost(f"'{name}' (an op leanprop does not know) changed the shape: it {MAY_MIX}")
 
 
 def tensors_in(args: Iterable[Any], kwargs: dict[str, Any]) -> list[Tensor]:

@@ -20,6 +20,7 @@ from ..._torch_compat import (
 from ...errors import UnsupportedModelError
 from .indexing import assigned_result, base_result
 from .infos import (
+    MAY_MIX,
     REORDERED,
     BatchDim,
     Combined,
@@ -561,7 +562,7 @@ class BatchTracker:
                     try:
                         r = result_dim(name, args, kwargs, i, t, info, o, k, n, self)
                     except _UNREADABLE:
-                        r = Lost(f"'{name}' with arguments leanprop cannot read")
+                        r = Lost(f"'{name}' with arguments leanprop cannot read: it {MAY_MIX}")
                     if type(r) is not BatchDim:
                         if t.requires_grad:
                             mixing = mixing or mixes_itself(name, i, info, r, o)
@@ -644,7 +645,7 @@ class BatchTracker:
                 return r or Lost(STRIDED_LOST), None, False
             return self._lost_result(name, args, kwargs, which, t, info, batched)
         except _UNREADABLE:
-            return Lost(f"'{name}' with arguments leanprop cannot read"), None, False
+            return Lost(f"'{name}' with arguments leanprop cannot read: it {MAY_MIX}"), None, False
 
     def _lost_result(
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str,
@@ -694,7 +695,7 @@ class BatchTracker:
         try:
             res = result_dim(name, args, kwargs, 0, x, info, out, 0, self.n or 0, self)
         except (IndexError, TypeError, ValueError, KeyError):
-            res = Lost(f"'{name}' with arguments leanprop cannot read")
+            res = Lost(f"'{name}' with arguments leanprop cannot read: it {MAY_MIX}")
         self._info[out] = res
         return res
 
