@@ -1,0 +1,151 @@
+"""Every torch function after a layer, against the definition of a per-sample gradient.
+
+For each function torch lets a ``TorchFunctionMode`` see, called in a few ways on a linear
+layer's output ``h = lin(x)`` (``[N, D]``, with N == D == 3 so that no dimension is told from
+the batch by its size, and with D == 4), the loss ``sum sin(f(h))²`` is run under
+``per_sample``. Either leanprop refuses it (a clear error), or it runs and then
+
+* the loss is a sum of per-sample terms: its Hessian with respect to the input has no block
+  across two samples (for an output of one value, a function of a summed value, which the
+  rules take as each sample's contribution, is allowed);
+* each ``grad_batch`` is each sample's contribution: the gradient of the loss with the
+  weight made a separate copy for that sample's row alone.
+
+Random functions (two calls differ) are left out, and so are in-place ones and those
+without a second derivative.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.overrides import get_testing_overrides
+
+import leanprop
+from leanprop.per_sample.batch.rules import op_name
+
+SHAPES = [(3, 3), (3, 4)]  # (N, D): T == N == D, then a feature size of its own
+
+
+def _calls(h: Tensor) -> Iterator[tuple[Any, ...]]:
+    """The ways each function is tried on ``h`` (those it does not take raise and are
+    skipped): alone, with itself, with a dimension, with constants of either layout."""
+    # (made for each call: a function may write into its operands)
+    n, d = h.shape
+    ones_row, ones_mat = torch.ones(d, dtype=h.dtype), torch.ones(n, d, dtype=h.dtype)
+    well_posed = 3 * torch.eye(d, dtype=h.dtype) + 0.1 * torch.arange(d * d).view(d, d) / d**2
+    yield from [(h,), (h, h), (h, 0), (h, 1), (h, -1), (h, 2), (h, h, h), (h, ones_row)]
+    yield from [(h, ones_mat), (ones_mat.T, h), (well_posed, h), (h, well_posed.clone())]
+    yield from [(h, 0, 1), (h, 1, 0)]
+
+
+def _loss(y: Any) -> Tensor | None:
+    """``sum sin(y)²`` over the floating outputs that require grad (None without one)."""
+    outs = [
+        t for t in (y if isinstance(y, tuple | list) else (y,))
+        if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point()
+    ]  # fmt: skip
+    return sum(t.sin().square().sum() for t in outs) if outs else None
+
+
+def _many_values(y: Any) -> bool:
+    outs = y if isinstance(y, tuple | list) else (y,)
+    return any(isinstance(t, Tensor) and t.requires_grad and t.numel() > 1 for t in outs)
+
+
+def _cases() -> list[tuple[str, Callable, int]]:
+    names = {}
+    for f in get_testing_overrides():
+        name = op_name(f)
+        if not name.startswith("_") and not name.endswith("_"):
+            names.setdefault(name, f)
+    return [(name, names[name], k) for name in sorted(names) for k in range(14)]
+
+
+SKIPPED, REFUSED, EXACT = "skipped", "refused", "exact"
+
+
+def _checked(f: Callable, k: int, n_samples: int, d: int) -> str:
+    """What per_sample does with ``f``'s ``k``-th call: ``SKIPPED`` (not a call it takes, or
+    nothing to check), ``REFUSED`` (a clear error), ``EXACT``, or what is wrong."""
+    torch.manual_seed(0)
+    lin = nn.Linear(d, d).double()
+    x = torch.randn(n_samples, d, dtype=torch.float64)
+
+    def run(inp: Tensor, layer: Callable[[Tensor], Tensor] = lin) -> Any:
+        return f(*list(_calls(layer(inp)))[k])
+
+    try:
+        first, second = run(x), run(x)
+        loss = _loss(first)
+        if loss is None or not torch.isfinite(loss):
+            return SKIPPED
+        again = _loss(second)
+        if again is None or not torch.equal(loss, again):  # (random)
+            return SKIPPED
+        loss.backward()  # (one torch cannot differentiate)
+        lin.zero_grad(set_to_none=True)
+    except Exception:  # (a call the function does not take)
+        return SKIPPED
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, inp: Tensor) -> Any:
+            return run(inp, self.lin)
+
+    model = Model()
+    try:
+        with leanprop.per_sample(model, leanprop.BatchGrad()):
+            _loss(model(x)).backward()
+    except leanprop.LeanpropError:
+        return REFUSED
+    except Exception as e:  # (torch's own, which the plain call did not raise)
+        return f"raised {e!r}"
+    if _many_values(first):
+        try:
+            hessian = torch.autograd.functional.hessian(lambda t: _loss(run(t)), x)
+        except (RuntimeError, NotImplementedError):  # (no second derivative: unchecked)
+            return SKIPPED
+        blocks = hessian.reshape(n_samples, d, n_samples, d).permute(0, 2, 1, 3)
+        pairs = [(i, j) for i in range(n_samples) for j in range(n_samples) if i != j]
+        across = max(float(blocks[i, j].abs().max()) for i, j in pairs)
+        if across > 1e-9:
+            return f"ran on a loss that mixes the samples (cross-sample Hessian {across:.2e})"
+    expected = []
+    for n in range(n_samples):  # (the weight a copy of its own in sample n's row)
+        w = lin.weight.detach().clone().requires_grad_()
+        rows = [
+            x[m] @ (w if m == n else lin.weight.detach()).T + lin.bias.detach()
+            for m in range(n_samples)
+        ]
+        g = torch.autograd.grad(
+            _loss(f(*list(_calls(torch.stack(rows)))[k])), w, allow_unused=True
+        )[0]
+        expected.append(torch.zeros_like(w) if g is None else g)
+    got = lin.weight.grad_batch
+    if got is None or not torch.allclose(got, torch.stack(expected), 1e-8, 1e-10, equal_nan=True):
+        return "per-sample gradients other than each sample's contribution"
+    return EXACT
+
+
+@pytest.mark.parametrize(("n", "d"), SHAPES, ids=["N==D", "N!=D"])
+def test_every_torch_function_after_a_layer_is_refused_or_exact(n, d):
+    problems, counts = [], dict.fromkeys((SKIPPED, REFUSED, EXACT), 0)
+    with warnings.catch_warnings():  # (deprecations of the calls tried)
+        warnings.simplefilter("ignore")
+        for name, f, k in _cases():
+            found = _checked(f, k, n, d)
+            if found in counts:
+                counts[found] += 1
+            else:
+                problems.append(f"{name} (call {k}): {found}")
+    assert counts[EXACT] and counts[REFUSED], counts  # (the loop checked something)
+    assert not problems, "\n".join(problems)
