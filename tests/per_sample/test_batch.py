@@ -172,6 +172,9 @@ KEEP = {
     "several tensors made 3-d, one with the batch": lambda x: torch.atleast_3d(
         x[:, 0], torch.ones(2, dtype=x.dtype)
     )[0],
+    "several tensors made 2-d, each with the batch": lambda x: torch.atleast_2d(
+        x[:, 0, 0], x[:, 0, 1]
+    ),
     "vectors as columns": lambda x: torch.column_stack([x[:, 0, 0], x[:, 0, 1]]),
     "vectors and matrices as columns": lambda x: torch.column_stack((x[:, 0, 0], x[:, 0])),
     "matrices side by side (hstack)": lambda x: torch.hstack([x[:, 0], x[:, 1]]),
@@ -389,9 +392,6 @@ LOSE = {
     ),
     "a log-softmax left to its legacy dimension of a vector": lambda x: _implicit(
         F.log_softmax, x[:, 0, 0]
-    ),
-    "several tensors with the batch made 2-d together": lambda x: torch.atleast_2d(
-        x[:, 0, 0], x[:, 0, 1]
     ),
     "power-average pooling along the batch": lambda x: F.lp_pool1d(x.transpose(0, 2), 2, 2),
     "max values put back along the batch": lambda x: F.max_unpool1d(
@@ -642,6 +642,11 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
         lambda x: F.prelu(torch.ones(2, N, 3, dtype=x.dtype), x[:, 0, 0]), BatchDim(1)),
     "differences along the batch": (lambda x: x.diff(dim=0), Lost),
     "power-average pooling over time": (lambda x: F.lp_pool1d(x, 2, 2), BatchDim(0)),
+    "the LM head's loss of each token, rows flattened": (
+        lambda x: __import__("leanprop").chunked_linear_cross_entropy(
+            x.reshape(N * N, N), torch.ones(5, N, dtype=x.dtype),
+            torch.zeros(N, N, dtype=torch.long), reduction="none"),
+        BatchDim(0)),
     "cross products without a dimension, along the first of size 3": (
         lambda x: _implicit(lambda t: torch.cross(t, t.roll(1, 1)), x[:, :3]), BatchDim(0)),
     "cross products without a dimension, broadcast": (
@@ -840,6 +845,37 @@ def _mixed(op):
 
 
 PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients are defined
+    "vecdot along features named dim=0": lambda x, y: (
+        torch.linalg.vecdot(x[:, 0].T, x[:, 1].T, dim=0).sin().sum()
+    ),
+    "each sample's trace, by keywords": lambda x, y: (
+        x.diagonal(dim1=-2, dim2=-1).sum(-1).sin().sum()
+    ),
+    "transposed by keywords": lambda x, y: x.transpose(dim0=1, dim1=2).sin().sum(),
+    "permuted by keyword": lambda x, y: x.permute(dims=(0, 2, 1)).sin().sum(),
+    "tiled by fewer repeats than dimensions": lambda x, y: x.tile(2).sin().sum(),
+    "a masked token loss (masked_select)": lambda x, y: torch.masked_select(
+        x.square(), x.detach() > 0
+    ).sum(),
+    "each sample's spectrogram": lambda x, y: (
+        torch.stft(x[:, 0], 4, window=torch.ones(4, dtype=x.dtype), return_complex=True)
+        .abs()
+        .sin()
+        .sum()
+    ),
+    "trapezoid over time": lambda x, y: torch.trapezoid(x, dim=1).sin().sum(),
+    "running trapezoids over time": lambda x, y: torch.cumulative_trapezoid(x, dim=2).sin().sum(),
+    "sum_to_size over time": lambda x, y: x.sum_to_size(N, 1, N).sin().sum(),
+    "a product of matrices from each sample's rows": lambda x, y: (
+        torch.linalg.multi_dot(
+            [x[:, 0], torch.ones(N, 2, dtype=x.dtype), torch.ones(2, 3, dtype=x.dtype)]
+        )
+        .sin()
+        .sum()
+    ),
+    "a bilinear form of the batch and a constant, summed": lambda x, y: F.bilinear(
+        x[:, 0].T, torch.ones(N, 2, dtype=x.dtype), torch.ones(3, N, 2, dtype=x.dtype)
+    ).sum(),
     "each sample's matrix through cholesky_inverse": lambda x, y: (
         torch.cholesky_inverse(torch.eye(N, dtype=x.dtype) + 0.1 * x.tril()).sin().sum()
     ),
@@ -1010,6 +1046,32 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
+    "vecdot along the batch, named dim=0": lambda x, y: (
+        torch.linalg.vecdot(x[:, 0], x[:, 1], dim=0).sin().sum()
+    ),
+    "a flip transposed by keywords, softmaxed": lambda x, y: (
+        x.flip(0).transpose(dim0=0, dim1=1).softmax(1) * 2
+    ).sum(),
+    "a roll permuted by keyword, softmaxed": lambda x, y: (
+        x.roll(1, 0).permute(dims=(1, 0, 2)).softmax(1) * 2
+    ).sum(),
+    "power-average pooling of an unbatched input whose positions are the samples": lambda x, y: (
+        F.lp_pool1d(x[:, 0].T, 2, 2).sum()
+    ),
+    "average pooling of the samples as positions, then a non-linearity": lambda x, y: (
+        F.avg_pool1d(x[:, 0].T, 2).sin().sum()
+    ),
+    "sum_to_size over the batch": lambda x, y: x.sum_to_size(1, N, N).sin().sum(),
+    "trapezoid over the batch": lambda x, y: torch.trapezoid(x, dim=0).sin().sum(),
+    "a spectrogram of the batch as one signal": lambda x, y: (
+        torch.stft(x[:, 0, 0], 2, 1, window=torch.ones(2, dtype=x.dtype), return_complex=True)
+        .abs()
+        .sin()
+        .sum()
+    ),
+    "each sample's values against another sample's data, without grad": lambda x, y: (
+        (x * x.detach().flip(0)).sin().sum()
+    ),
     "a solve with the samples as the rows of its right side": lambda x, y: (
         torch.linalg.solve(SOLVE, x[:, 0]).sin().sum()
     ),
@@ -1466,11 +1528,62 @@ def test_cross_products_without_a_dimension_are_taken_along_the_first_of_size_3(
         ctx = leanprop.per_sample(lin, leanprop.BatchGrad())
         with pytest.raises(leanprop.UnsupportedModelError, match="cross"), ctx:
             losses().sum().backward()
+        # (the first operand's shape decides: [1, N, 3] crosses along the batch)
+        quiet = warnings.catch_warnings()
+        with pytest.raises(leanprop.UnsupportedModelError, match="cross"), ctx, quiet:
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cross(lin(x)[None], torch.ones(3, 3, 3, dtype=x.dtype)).square().sum().backward()
         return
     with leanprop.per_sample(lin, leanprop.BatchGrad()):
         ls = losses()
         ls.sum().backward(retain_graph=True)
     expected = individual_gradients_of_losses(ls, dict(lin.named_parameters()))
+    for k, p in lin.named_parameters():
+        torch.testing.assert_close(p.grad_batch, expected[k], rtol=1e-10, atol=1e-12)
+
+
+class _Gram(torch.autograd.Function):
+    """``h hᵀ`` (the samples paired), its ops run by torch without gradients."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return (h @ h.T).relu() * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        (h,) = ctx.saved_tensors
+        g = g * (h @ h.T > 0)
+        return (g + g.T) @ h
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        return h * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_samples_mixed_inside_a_custom_function_are_refused():
+    """A custom autograd Function's forward runs its ops without gradients, so the samples it
+    pairs (``h hᵀ``) were not told as mixed: per-sample gradients came out, wrong. One that
+    keeps each sample's values apart stays exact."""
+    import leanprop
+    from leanprop.testing import individual_gradients_of_losses
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    refused = pytest.raises(leanprop.UnsupportedModelError, match="mixes the samples")
+    with refused, leanprop.per_sample(lin, leanprop.BatchGrad()):
+        _Gram.apply(lin(x)).sin().square().sum().backward()
+    with leanprop.per_sample(lin, leanprop.BatchGrad()):
+        losses = _Twice.apply(lin(x)).sin().square().sum(1)
+        losses.sum().backward(retain_graph=True)
+    expected = individual_gradients_of_losses(losses, dict(lin.named_parameters()))
     for k, p in lin.named_parameters():
         torch.testing.assert_close(p.grad_batch, expected[k], rtol=1e-10, atol=1e-12)
 

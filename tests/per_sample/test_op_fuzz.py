@@ -11,8 +11,8 @@ the batch by its size, and with D == 4), the loss ``sum sin(f(h))²`` is run und
 * each ``grad_batch`` is each sample's contribution: the gradient of the loss with the
   weight made a separate copy for that sample's row alone.
 
-Random functions (two calls differ) are left out, and so are in-place ones and those
-without a second derivative.
+Random functions draw alike in each call (the generator seeded before it); in-place ones and
+those without a second derivative are left out.
 """
 
 from __future__ import annotations
@@ -29,15 +29,23 @@ from torch.overrides import get_testing_overrides
 import leanprop
 from leanprop.per_sample.batch.rules import op_name
 
-SHAPES = [(3, 3), (3, 4)]  # (N, D): T == N == D, then a feature size of its own
+# functions that run on losses that mix the samples (README, "Not told apart yet"): torch.lobpcg
+# with gradients mixes them inside its own autograd Function in ways the tracker misses
+KNOWN_GAPS = frozenset({"lobpcg"})
+# (input shape, batch dimension): N == D (== T) so that no dimension is told from the batch
+# by its size, a feature size of its own, sequences batch-first and sequence-first
+LAYOUTS = {
+    "N==D": ((3, 3), 0), "N!=D": ((3, 4), 0), "T==N==D": ((3, 3, 3), 0),
+    "sequence-first": ((3, 3, 3), 1),
+}  # fmt: skip
 
 
 def _calls(h: Tensor) -> Iterator[tuple[Any, ...]]:
     """The ways each function is tried on ``h`` (those it does not take raise and are
     skipped): alone, with itself, with a dimension, with constants of either layout."""
     # (made for each call: a function may write into its operands)
-    n, d = h.shape
-    ones_row, ones_mat = torch.ones(d, dtype=h.dtype), torch.ones(n, d, dtype=h.dtype)
+    d = h.shape[-1]
+    ones_row, ones_mat = torch.ones(d, dtype=h.dtype), torch.ones_like(h).detach()
     well_posed = 3 * torch.eye(d, dtype=h.dtype) + 0.1 * torch.arange(d * d).view(d, d) / d**2
     yield from [(h,), (h, h), (h, 0), (h, 1), (h, -1), (h, 2), (h, h, h), (h, ones_row)]
     yield from [(h, ones_mat), (ones_mat.T, h), (well_posed, h), (h, well_posed.clone())]
@@ -70,14 +78,17 @@ def _cases() -> list[tuple[str, Callable, int]]:
 SKIPPED, REFUSED, EXACT = "skipped", "refused", "exact"
 
 
-def _checked(f: Callable, k: int, n_samples: int, d: int) -> str:
-    """What per_sample does with ``f``'s ``k``-th call: ``SKIPPED`` (not a call it takes, or
-    nothing to check), ``REFUSED`` (a clear error), ``EXACT``, or what is wrong."""
+def _checked(f: Callable, k: int, shape: tuple[int, ...], bd: int) -> str:
+    """What per_sample does with ``f``'s ``k``-th call on an input of ``shape`` with the
+    batch at ``bd``: ``SKIPPED`` (not a call it takes, or nothing to check), ``REFUSED`` (a
+    clear error), ``EXACT``, or what is wrong."""
     torch.manual_seed(0)
+    n_samples, d = shape[bd], shape[-1]
     lin = nn.Linear(d, d).double()
-    x = torch.randn(n_samples, d, dtype=torch.float64)
+    x = torch.randn(*shape, dtype=torch.float64)
 
     def run(inp: Tensor, layer: Callable[[Tensor], Tensor] = lin) -> Any:
+        torch.manual_seed(1)  # (a random function draws alike each time)
         return f(*list(_calls(layer(inp)))[k])
 
     try:
@@ -103,7 +114,7 @@ def _checked(f: Callable, k: int, n_samples: int, d: int) -> str:
 
     model = Model()
     try:
-        with leanprop.per_sample(model, leanprop.BatchGrad()):
+        with leanprop.per_sample(model, leanprop.BatchGrad(), batch_dim=bd):
             _loss(model(x)).backward()
     except leanprop.LeanpropError:
         return REFUSED
@@ -114,7 +125,10 @@ def _checked(f: Callable, k: int, n_samples: int, d: int) -> str:
             hessian = torch.autograd.functional.hessian(lambda t: _loss(run(t)), x)
         except (RuntimeError, NotImplementedError):  # (no second derivative: unchecked)
             return SKIPPED
-        blocks = hessian.reshape(n_samples, d, n_samples, d).permute(0, 2, 1, 3)
+        nd = x.dim()
+        rest = x.numel() // n_samples
+        per = hessian.movedim(bd, 0).movedim(nd + bd, nd).reshape(n_samples, rest, n_samples, rest)
+        blocks = per.permute(0, 2, 1, 3)
         pairs = [(i, j) for i in range(n_samples) for j in range(n_samples) if i != j]
         across = max(float(blocks[i, j].abs().max()) for i, j in pairs)
         if across > 1e-9:
@@ -123,29 +137,44 @@ def _checked(f: Callable, k: int, n_samples: int, d: int) -> str:
     for n in range(n_samples):  # (the weight a copy of its own in sample n's row)
         w = lin.weight.detach().clone().requires_grad_()
         rows = [
-            x[m] @ (w if m == n else lin.weight.detach()).T + lin.bias.detach()
+            x.select(bd, m) @ (w if m == n else lin.weight.detach()).T + lin.bias.detach()
             for m in range(n_samples)
         ]
+        torch.manual_seed(1)
         g = torch.autograd.grad(
-            _loss(f(*list(_calls(torch.stack(rows)))[k])), w, allow_unused=True
+            _loss(f(*list(_calls(torch.stack(rows, bd)))[k])), w, allow_unused=True
         )[0]
         expected.append(torch.zeros_like(w) if g is None else g)
-    got = lin.weight.grad_batch
-    if got is None or not torch.allclose(got, torch.stack(expected), 1e-8, 1e-10, equal_nan=True):
+    got, expected = lin.weight.grad_batch, torch.stack(expected)
+    if not torch.allclose(expected.sum(0), lin.weight.grad, 1e-6, 1e-8, equal_nan=True):
+        return SKIPPED  # (the oracle itself ill-conditioned: an SVD of nearly equal values)
+    if got is None or not torch.allclose(got, expected, 1e-8, 1e-10, equal_nan=True):
         return "per-sample gradients other than each sample's contribution"
     return EXACT
 
 
-@pytest.mark.parametrize(("n", "d"), SHAPES, ids=["N==D", "N!=D"])
-def test_every_torch_function_after_a_layer_is_refused_or_exact(n, d):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_torch_function_after_a_layer_is_refused_or_exact(layout):
     problems, counts = [], dict.fromkeys((SKIPPED, REFUSED, EXACT), 0)
     with warnings.catch_warnings():  # (deprecations of the calls tried)
         warnings.simplefilter("ignore")
         for name, f, k in _cases():
-            found = _checked(f, k, n, d)
+            if name in KNOWN_GAPS:
+                continue
+            found = _checked(f, k, *LAYOUTS[layout])
             if found in counts:
                 counts[found] += 1
             else:
                 problems.append(f"{name} (call {k}): {found}")
     assert counts[EXACT] and counts[REFUSED], counts  # (the loop checked something)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_GAPS))
+def test_known_gaps_still_are(name):
+    """A gap of KNOWN_GAPS that closes is taken off the list (and out of the README)."""
+    cases = [(f, k) for n, f, k in _cases() if n == name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = [_checked(f, k, *layout) for f, k in cases for layout in LAYOUTS.values()]
+    assert any(r not in (SKIPPED, REFUSED, EXACT) for r in found)

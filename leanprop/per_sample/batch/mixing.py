@@ -5,6 +5,8 @@ the samples differently meeting (``o @ o.T``, ``o * o.flip(0)``, a pair's halves
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from .infos import COMBINES_ALONG, MAY_MIX, MAY_REORDER, BatchDim, Combined, Info, Lost, Selected
@@ -79,6 +81,28 @@ _MULTILINEAR = frozenset({
 })  # fmt: skip
 
 
+def _spatial_rank(name: str, nd: int) -> int:
+    """The dimensions a convolution, pool or interpolation acts across: its name's (``1d``,
+    ``2d``, ``3d``), else all after the batch and channels."""
+    for k in (1, 2, 3):
+        if f"{k}d" in name:
+            return k
+    return max(nd - 2, 1)
+
+
+def _samples_off_front(name: str, which: int | str, bd: BatchDim, nd: int) -> bool:
+    """Whether an op taking the batch first (``[N, C, *S]``, or unbatched ``[C, *S]``; ``nd``
+    dimensions, as its output's) has the samples where it combines values: in its channels
+    (a convolution sums over them, a group norm normalises them together), or among the
+    positions it pools or interpolates."""
+    if which != 0 or not (name in _MIXES_AS_CHANNELS or name in _MIXES_AS_POSITIONS):
+        return False
+    k = _spatial_rank(name, nd)
+    if name in _MIXES_AS_CHANNELS:  # (only the batch of a batched input is kept apart)
+        return not (bd.dim == 0 and nd == k + 2)
+    return bd.dim >= nd - k
+
+
 def mixes_itself(name: str, which: int | str, bd: BatchDim, r: Info, out: Tensor) -> str | None:
     """Why an op mixes the samples of its operand ``which`` (batch at ``bd``; its result's
     ``r``, in ``out``) by acting along the batch (None where it does not): a softmax or a
@@ -90,9 +114,7 @@ def mixes_itself(name: str, which: int | str, bd: BatchDim, r: Info, out: Tensor
         and isinstance(which, int)
         and (which == 0 or name not in MATRIX_FUNCTIONS)
     )
-    off_front = (name in _MIXES_AS_CHANNELS and bd.dim != 0) or (
-        name in _MIXES_AS_POSITIONS and bd.dim >= 2
-    )
+    off_front = _samples_off_front(name, which, bd, out.dim())
     if type(r) is Lost and (
         name in _MIXES or where_lost or off_front or r.reason.endswith((MAY_MIX, COMBINES_ALONG))
     ):
@@ -142,15 +164,17 @@ def holds_samples(info: Info) -> bool:
 
 
 def mixing_by_joining(
-    name: str, batched: list[tuple[int | str, Tensor, Info]], res: Info, held: set[Info]
-) -> str | None:
+    name: str, batched: list[tuple[int | str, Tensor, Info]], res: Info, held: set[Info],
+    live: Callable[[Tensor], bool] = lambda t: t.requires_grad,
+) -> str | None:  # fmt: skip
     """Why an op's output (which requires grad; ``res``: where its batch is) mixes samples
     by joining its operands ``batched`` (none of which does already): a value over all
     samples that requires grad is joined with one that carries the batch (``o - o.mean(0)``);
     or operands that require grad reach the output holding the samples differently
     (``held``: where each one's batch went; ``o @ o.T``, ``o * o.flip(0)``: each sample's
-    values with another's). None where it does not."""
-    over_all = [i for _, t, i in batched if isinstance(i, Combined) and t.requires_grad]
+    values with another's). None where it does not. ``live``: whether an operand's values
+    reach the loss with gradients (it requires grad, or autograd does not record)."""
+    over_all = [i for _, t, i in batched if isinstance(i, Combined) and live(t)]
     per_sample = [i for _, _, i in batched if type(i) not in (Lost, Combined)]
     if over_all and per_sample:
         return (
@@ -166,7 +190,7 @@ def mixing_by_joining(
         return None
     if type(res) not in (Lost, Combined):
         return None
-    given = {i for _, t, i in batched if holds_samples(i) and t.requires_grad}
+    given = {i for _, t, i in batched if holds_samples(i) and live(t)}
     if len(held) > 1 or (len(given) > 1 and type(res) is Lost):  # (an op it cannot follow)
         return f"'{name}': {_DIFFERENT_PLACES} (each sample's values with another's)"
     return None

@@ -408,8 +408,10 @@ def result_dim(
     # the layers' ops next (each layer's call passes here): no branch below takes their names
     if name in ("linear", "bilinear", "embedding", "embedding_bag"):
         if name in ("linear", "bilinear") and bd.dim == nd - 1:
-            if name == "linear":  # (each output a weighted sum of the samples' values)
-                return Combined("a linear layer sums over the batch dimension")
+            other = args[1 - which] if name == "bilinear" and which in (0, 1) else None
+            if name == "linear" or tracker.info(other) is None:  # (each output a weighted
+                # sum of the samples' values; a bilinear form with a batch-free other side)
+                return Combined(f"a {name} layer sums over the batch dimension")
             return Lost(f"a bilinear layer multiplies samples together: it {MAY_MIX}")
         if name == "embedding_bag" and nd == 1:
             return Lost("embedding_bag with offsets")
@@ -502,7 +504,7 @@ def result_dim(
             return bd  # (rows of a tensor at the samples' indices, codebook[ids]: [*ids, ...])
         return index_result(args[1], nd, bd, n, tracker)
     if name in _AT_LEAST:
-        return _at_least_result(name, args, which, k, nd, bd)
+        return _at_least_result(name, nd, bd)
     if name in _STACKED_AT_LEAST:
         return _stacked_result(name, nd, bd)
     if name in _LEGACY_SOFTMAX and dims_arg(args, kwargs, 1, "dim") is None:
@@ -631,8 +633,29 @@ def result_dim(
         return matmul_result(args[1], args[2], which - 1, bd, od)
     if name in ("inner", "linalg_vecdot"):
         return _contraction_result(name, args, kwargs, which, nd, bd)
+    if name in ("trapezoid", "trapz") and which == 0:  # (y, x or dx, dim=-1): a weighted sum
+        d = dims_arg(args, kwargs, 2, "dim")
+        d = norm_dim(-1 if d is None else int(d), nd)
+        if d == bd.dim:
+            return Combined(f"{name} sums over the batch dimension")
+        return BatchDim(bd.dim - (d < bd.dim), bd.inner)
+    if name == "cumulative_trapezoid" and which == 0:  # (y, x or dx, dim=-1): running sums
+        d = dims_arg(args, kwargs, 2, "dim")
+        d = norm_dim(-1 if d is None else int(d), nd)
+        return bd if d != bd.dim else Lost(f"'{name}' {UNKNOWN_ALONG}")
+    if name == "sum_to_size" and which == 0:  # (each dimension summed to 1, or dropped)
+        size = list(args[1:]) if len(args) > 2 or isinstance(args[1], int) else list(args[1])
+        lead = nd - len(size)
+        if bd.dim < lead or (size[bd.dim - lead] == 1 and x.shape[bd.dim] != 1):
+            return Combined("sum_to_size sums over the batch dimension")
+        return BatchDim(bd.dim - lead, bd.inner)
+    if name in ("stft", "istft") and which == 0:  # (signals [N, L] -> [N, F, T]; and back)
+        batched_rank = 2 if name == "stft" else 3
+        if nd == batched_rank and bd.dim == 0:
+            return bd
+        return Lost(f"{name} along the samples {MAY_MIX}")
     if name in ("linalg_multi_dot", "chain_matmul"):
-        return Lost(f"'{name}' of the batch (products leanprop does not follow) {MAY_MIX}")
+        return _chain_result(args, which, nd, bd, od)
     if name == "addbmm" and which in (1, 2) and bd.dim == 0:
         return Combined("addbmm sums over the batch dimension")
     if name in ("addmm", "baddbmm", "addbmm"):
@@ -648,7 +671,8 @@ def result_dim(
             )
         if kwargs.get("reduction", "mean") != "none":
             return Combined("a loss reduces over samples")
-        return bd  # (a loss per row: [*R])
+        rows = x.shape[:-1] if which == 0 else x.shape  # (a loss per row, shaped as target)
+        return reshaped(rows, bd, n, out.shape)
     if name in _LOSSES:
         if kwargs.get("distance_function") is not None:  # (a user's function: ops not seen)
             return Lost(f"{name} with a distance_function (its ops are not followed)")
@@ -671,6 +695,9 @@ def result_dim(
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
     if name == "take" and which == 0 and nd > 1:  # (flat positions: laid out as the index)
         return Lost("take of a tensor of several dimensions (flat positions across samples)")
+    if name == "masked_select" and which == 0 and nd > 1:  # (flat positions across samples:
+        # each value still one sample's, a masked token loss)
+        return Lost("masked_select of a tensor of several dimensions (flat positions)")
     if name in ("take", "masked_select") and which == 0 and nd == 1:  # (losses [N] picked)
         return picks_by_index(name, dims_arg(args, kwargs, 1, "index", "mask"), x, bd, tracker)
     if name in ("index_put", "put") and which == 2:
@@ -696,9 +723,9 @@ def result_dim(
     if name == "cross" and dims_arg(args, kwargs, 2, "dim") is None:
         # (torch.cross without a dimension, deprecated: along the first of size 3 of the
         # broadcast shape, which a batch of three may be)
-        shape = torch.broadcast_shapes(*(t.shape for t in tensors_in(args, kwargs)))
-        along = next((d for d, size in enumerate(shape) if size == 3), None)
-        if along is None or along == len(shape) - (nd - bd.dim):
+        # (torch's choice: in the first operand's shape; both have the same rank)
+        along = next((d for d, size in enumerate(args[0].shape) if size == 3), None)
+        if along is None or along == bd.dim:
             return Lost(
                 f"torch.cross without a dimension, along the batch's (of size 3), {MAY_MIX}"
             )
@@ -763,6 +790,19 @@ def _layer_parameter_result(
 CONCATENATED = "concatenation along the batch dimension"
 
 
+def _chain_result(args: Sequence[Any], which: int, nd: int, bd: BatchDim, od: int) -> Info:
+    """``multi_dot([A, B, ..., Z])`` / ``chain_matmul``: a product of matrices (the first and
+    last may be vectors): a batch in the first's rows or the last's columns stays (first or
+    last output dimension); any other is summed over by a neighbour's product."""
+    mats = args[0] if len(args) == 1 and isinstance(args[0], list | tuple) else args
+    last = len(mats) - 1
+    if which == 0 and nd == 2 and bd.dim == 0:
+        return BatchDim(0, bd.inner)
+    if which == last and nd == 2 and bd.dim == 1:
+        return BatchDim(od - 1, bd.inner)
+    return Combined("a product of matrices sums over the batch dimension")
+
+
 def _contraction_result(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int, nd: int, bd: BatchDim
 ) -> Info:  # fmt: skip
@@ -778,13 +818,16 @@ def _contraction_result(
         return BatchDim(bd.dim + (a.dim() - 1 if which == 1 else 0), bd.inner)
     rank = max(a.dim(), b.dim())
     at = rank - (nd - bd.dim)  # (the batch's dimension in the broadcast shape)
-    summed = norm_dim(int(dims_arg(args, kwargs, 2, "dim") or -1), rank)
+    d = dims_arg(args, kwargs, 2, "dim")
+    summed = norm_dim(-1 if d is None else int(d), rank)
     if at == summed:
         return Combined("vecdot sums over the batch dimension")
     return BatchDim(at - (summed < at), bd.inner)
 
 
 _LEGACY_SOFTMAX = frozenset({"softmax", "log_softmax", "softmin"})
+# ops whose output k is their input k's alone, where they take several
+ONE_OUTPUT_EACH = frozenset({"atleast_1d", "atleast_2d", "atleast_3d"})
 # the rank each makes its inputs at least: a vector [K] becomes [1, K], or [1, K, 1]; a matrix
 # [A, B] becomes [A, B, 1] for atleast_3d
 _AT_LEAST = {"atleast_1d": 1, "atleast_2d": 2, "atleast_3d": 3}
@@ -804,14 +847,9 @@ def _at_least(name: str, nd: int, bd: BatchDim) -> tuple[int, BatchDim]:
     return least, BatchDim(bd.dim + (nd == 1), bd.inner)  # (a vector's entries go second)
 
 
-def _at_least_result(
-    name: str, args: Sequence[Any], which: int, k: int, nd: int, bd: BatchDim
-) -> Info:  # fmt: skip
-    """``atleast_Nd(x)``: where ``x``'s batch lands. With several inputs each gives an output
-    of its own (output ``k`` from input ``k``)."""
-    several = len(args) > 1 or isinstance(args[0], list | tuple)
-    if several and which != k:
-        return Lost(f"{name} of several tensors, each of which carries the batch")
+def _at_least_result(name: str, nd: int, bd: BatchDim) -> Info:
+    """``atleast_Nd(x)``: where ``x``'s batch lands (with several inputs, each gives an output
+    of its own: ``ONE_OUTPUT_EACH``)."""
     return _at_least(name, nd, bd)[1]
 
 

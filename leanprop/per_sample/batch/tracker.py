@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
@@ -46,6 +47,7 @@ from .rules import (
     CURVED_ELEMENTWISE,
     FACTORIES,
     NON_TENSOR,
+    ONE_OUTPUT_EACH,
     REJOINED,
     combines,
     in_place,
@@ -113,6 +115,11 @@ class BatchTracker:
         # through another's (softmax or flip along the batch, o @ o.T) or joined with a value
         # over all samples (o - o.mean(0)); a loss from one has no per-sample parts
         self._mixed = _ByTensor()
+        # the same, found while autograd did not record (the output required no grad): kept
+        # for a custom autograd Function's forward, whose outputs it returns with gradients
+        # (its own backward); a value computed under no_grad alone stays a constant
+        self._mixed_quietly = _ByTensor()
+        self._quiet = False  # (an op followed while autograd did not record)
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
         self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
         # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
@@ -138,6 +145,7 @@ class BatchTracker:
         self.n = None
         self._info = _ByTensor()
         self._mixed = _ByTensor()
+        self._mixed_quietly = _ByTensor()
         self._forward = object()
         self._edges_kept = False
         self._accumulators = {}
@@ -198,7 +206,24 @@ class BatchTracker:
     def mixed(self, t: Any) -> str | None:
         """Why ``t``'s values mix samples (see ``_record``), or None: a loss computed from such
         values is no sum of per-sample terms."""
-        return self._mixed.get(t) if isinstance(t, Tensor) else None
+        return self._mixing(t) if isinstance(t, Tensor) else None
+
+    def _mixing(self, t: Tensor) -> str | None:
+        """Why ``t`` mixes samples: found where autograd recorded, or while it did not inside a
+        custom autograd Function's forward that returned ``t`` (or, while it still does not,
+        an earlier op of that forward)."""
+        reason = self._mixed.get(t)
+        if reason is not None or not self._mixed_quietly:
+            return reason
+        reason = self._mixed_quietly.get(t)
+        if reason is not None and (self._quiet or _from_custom_function(t)):
+            return reason
+        return None
+
+    def _live(self, t: Tensor) -> bool:
+        """Whether ``t`` may carry gradients to the loss: it requires grad, or it is followed
+        while autograd does not record (a custom Function's forward may return it)."""
+        return t.requires_grad or self._quiet
 
     def info(self, t: Any) -> Info | None:
         """Where ``t`` carries the batch; None if it does not (or is not a tensor)."""
@@ -535,6 +560,7 @@ class BatchTracker:
         """Where the batch of the operands ``batched`` (position or keyword, tensor, info)
         went in each of the op's tensor outputs ``outs``: recorded."""
         n = self.n if self.n is not None else 0
+        self._quiet = not torch.is_grad_enabled()
         # (picks put together: cat([o[:2], o[2:]]) holds the batch again, in order; a pair's
         # halves side by side, stack([l[:k], l[k:]], 1), its samples over two dimensions)
         parts = None
@@ -548,12 +574,14 @@ class BatchTracker:
                 parts = None
         for k, o in enumerate(outs):
             results, constants = set(), None  # (constants: batch statistics without grad)
-            held = set()  # (what became of the operands that require grad: held differently,
+            held = set()  # (what became of the operands that hold samples: held differently,
             # their samples meet; and why the output mixes them: an operand's history first)
-            mixing = self._mixed_before(batched) if self._mixed else None
+            mixing = self._mixed_before(batched) if self._mixed or self._mixed_quietly else None
             # (an operand that requires grad concatenated with others along the batch)
             joined_rows = False
             for i, t, info in () if parts is not None else batched:
+                if name in ONE_OUTPUT_EACH and len(outs) > 1 and i != k:
+                    continue  # (atleast_2d(a, b): output k is input k's alone)
                 if type(info) is BatchDim and not (
                     info.inner == 1
                     and name in ORDER_OPS
@@ -563,12 +591,11 @@ class BatchTracker:
                         r = result_dim(name, args, kwargs, i, t, info, o, k, n, self)
                     except _UNREADABLE:
                         r = Lost(f"'{name}' with arguments leanprop cannot read: it {MAY_MIX}")
-                    if type(r) is not BatchDim:
-                        if t.requires_grad:
-                            mixing = mixing or mixes_itself(name, i, info, r, o)
-                            joined_rows = joined_rows or _joins(r)
-                        if type(r) is Lost:  # (a moving op that loses it: o.repeat(2, 1))
-                            r = replayed(name, args, kwargs, i, t, info, o, k, MOVED, n) or r
+                    if type(r) is Lost:  # (a moving op that loses it: o.repeat(2, 1))
+                        r = replayed(name, args, kwargs, i, t, info, o, k, MOVED, n) or r
+                    if type(r) is not BatchDim and self._live(t):
+                        mixing = mixing or mixes_itself(name, i, info, r, o)
+                        joined_rows = joined_rows or _joins(r)
                 else:
                     r, mixes, concatenated = self._operand_result(
                         name, args, kwargs, i, t, info, o, k, n, batched
@@ -580,7 +607,9 @@ class BatchTracker:
                 else:
                     results.add(r)
                 at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
-                if t.requires_grad and holds_samples(at):
+                if holds_samples(at) and (self._live(t) or type(at) is not Selected):
+                    # (without grad too: another sample's data; but for a pick of them, a
+                    # detached partner: SimSiam's)
                     held.add(at)
             results = results or constants or {parts}
             if (
@@ -591,17 +620,17 @@ class BatchTracker:
                 results = {Lost(REJOINED)}
             res = results.pop() if len(results) == 1 else merge_infos(results)
             self._info[o] = res
-            if o.requires_grad:
+            if o.requires_grad or self._quiet:
                 # (one operand mixes nothing by meeting: only an op of its own or its history)
                 if mixing is None and len(batched) > 1:
-                    mixing = mixing_by_joining(name, batched, res, held)
+                    mixing = mixing_by_joining(name, batched, res, held, self._live)
                 if mixing is None and joined_rows:  # (SimCLR's cat([z1, z2]), then z @ z.T)
                     mixing = (
                         "rows of the batch concatenated with other rows along it: what "
                         "follows would take them for samples of one batch"
                     )
                 if mixing is not None:
-                    self._mixed[o] = mixing
+                    (self._mixed if o.requires_grad else self._mixed_quietly)[o] = mixing
             if by_edge:
                 self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
@@ -617,7 +646,7 @@ class BatchTracker:
         ``k`` (``o``); why the op mixes that operand's samples (None where it does not, or
         ``t`` requires no grad); and whether it concatenates them with other rows along the
         batch."""
-        grad = t.requires_grad
+        grad = self._live(t)
         try:
             if isinstance(info, BatchDim):  # (an index or a flip along it: an order)
                 info = Reordered(REORDERED, info.dim, tuple(range(t.shape[info.dim])))
@@ -645,7 +674,8 @@ class BatchTracker:
                 return r or Lost(STRIDED_LOST), None, False
             return self._lost_result(name, args, kwargs, which, t, info, batched)
         except _UNREADABLE:
-            return Lost(f"'{name}' with arguments leanprop cannot read: it {MAY_MIX}"), None, False
+            r = Lost(f"'{name}' with arguments leanprop cannot read: it {MAY_MIX}")
+            return r, (r.reason if grad else None), False
 
     def _lost_result(
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str,
@@ -660,7 +690,7 @@ class BatchTracker:
         r = Combined(f"'{name}' over {info.reason}", of_pick=picked) if combined else info
         if type(r) is Combined and r.summed and not r.of_pick and t.numel() == 1:
             r = Combined(r.reason, summed=False)  # (made of totals: stack([l1, l2]))
-        if not t.requires_grad:
+        if not self._live(t):
             return r, None, False
         if type(info) is Combined and info.summed and t.numel() > 1:
             return r, reads_summed(name, which, info, batched), False
@@ -669,7 +699,7 @@ class BatchTracker:
     def _mixed_before(self, batched: list[tuple[int | str, Tensor, Info]]) -> str | None:
         """Why one of the operands ``batched`` mixes samples already (None where none does)."""
         for _, t, _ in batched:
-            reason = self._mixed.get(t)
+            reason = self._mixing(t)
             if reason is not None:
                 return reason
         return None
@@ -761,3 +791,8 @@ def _flat(out: Any) -> list[Any]:
     if isinstance(out, list | tuple):
         return [y for x in out for y in _flat(x)]
     return [out]
+
+
+def _from_custom_function(t: Tensor) -> bool:
+    """Whether ``t`` is an output of a custom autograd Function (its node is the Function's)."""
+    return isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction)
