@@ -1487,7 +1487,9 @@ class PerSample:
                 state.autograd_grads = []
         self._cycle.differentiating = False
 
-    def _on_param_grad(self, state: ParamState, grad: Tensor) -> None:
+    def _on_param_grad(self, state: ParamState, grad: Tensor | None) -> None:
+        if grad is None:  # (an op that reads the parameter's dtype alone: x.to(p), type_as)
+            return
         state.hooked_task = task = current_graph_task_id()  # (see _on_accumulated)
         # not while computing: the fallback's own per-sample autograd calls fire it too;
         # recorded before the cycle opens too (autograd may reach a parameter first)
