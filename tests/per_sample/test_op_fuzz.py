@@ -235,6 +235,10 @@ def _param_checked(f: Callable, k: int, shape: tuple[int, ...]) -> str:
     try:
         with leanprop.per_sample(model, leanprop.BatchGrad()):
             _loss(model(x)).backward()
+        grads = {"p": p.grad_batch, "lin.weight": lin.weight.grad_batch}
+        model.zero_grad(set_to_none=True)
+        with leanprop.per_sample(model, leanprop.BatchL2Grad()):  # (its closed forms alone)
+            _loss(model(x)).backward()
     except leanprop.LeanpropError:
         return REFUSED
     except Exception as e:
@@ -254,16 +258,20 @@ def _param_checked(f: Callable, k: int, shape: tuple[int, ...]) -> str:
         expected = torch.stack(expected)
         if not torch.allclose(expected.sum(0), param.grad, 1e-6, 1e-8, equal_nan=True):
             return SKIPPED  # (the oracle ill-conditioned)
-        got = param.grad_batch
+        got, norms = grads[name], param.batch_l2
         if got is None or not torch.allclose(got, expected, 1e-8, 1e-10, equal_nan=True):
             return f"{name}'s per-sample gradients other than each sample's contribution"
+        squares = expected.flatten(1).square().sum(1)
+        if norms is None or not torch.allclose(norms, squares, 1e-8, 1e-10, equal_nan=True):
+            return f"{name}'s batch_l2 other than each contribution's squared norm"
     return EXACT
 
 
 @pytest.mark.parametrize("shape", PARAM_SHAPES)
 def test_every_torch_function_using_a_parameter_is_refused_or_exact(shape):
     """A parameter used directly by an op beside the batch (broadcast over it, multiplied
-    with it): its individual gradients, and those of the layer before, are each sample's."""
+    with it): its individual gradients and their squared norms (from the closed forms, asked
+    alone), and those of the layer before, are each sample's."""
     problems, counts = [], dict.fromkeys((SKIPPED, REFUSED, EXACT), 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
