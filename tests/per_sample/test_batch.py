@@ -62,6 +62,23 @@ def follow(op, quick=False):
     return [(o, tracker.info(o)) for o in outs]
 
 
+def _copied_into_a_view(v):
+    buf = torch.zeros_like(v)
+    buf.narrow(0, 0, v.shape[0]).copy_(v)
+    return buf
+
+
+def _added_in_place(x):
+    """A loss started without grad from a softmax over the batch (times zero), the
+    per-sample loss added in place, then another op without grad."""
+    with torch.no_grad():
+        loss = x.softmax(0).amax() * 0
+    loss += x.square().sum()
+    with torch.no_grad():
+        x.abs().mean()
+    return loss
+
+
 def _implicit(softmax, x):
     """``softmax(x)`` with its dimension left to torch's legacy choice (deprecated: warns)."""
     with warnings.catch_warnings():
@@ -845,6 +862,20 @@ def _mixed(op):
 
 
 PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients are defined
+    "a CTC loss summed, its targets the input's": lambda x, y: F.ctc_loss(
+        x.transpose(0, 1).log_softmax(2),
+        x.detach()[:, 0, :2].long().clamp(1, 2),
+        torch.full((N,), N),
+        torch.full((N,), 2),
+        reduction="sum",
+    ),
+    "token losses weighed by the input's weights": lambda x, y: (
+        x.square().sum(2).T @ x.detach()[:, 0, 0]
+    ).sum(),
+    "a term without grad, then the loss added to it in place": lambda x, y: _added_in_place(x),
+    "one of two tensors made 2-d": lambda x, y: (
+        torch.atleast_2d(x[:, 0, 0], x.softmax(0)[:, 0, 0])[0].sin().sum()
+    ),
     "vecdot along features named dim=0": lambda x, y: (
         torch.linalg.vecdot(x[:, 0].T, x[:, 1].T, dim=0).sin().sum()
     ),
@@ -1046,6 +1077,27 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
+    "a masked selection softmaxed over its values": lambda x, y: (
+        torch.masked_select(x, x.detach() > 0).softmax(0) * 2
+    ).sum(),
+    "values taken by flat positions, softmaxed": lambda x, y: (
+        torch.take(x, torch.arange(6)).softmax(0) * 2
+    ).sum(),
+    "a reshape splitting the batch, softmaxed across it": lambda x, y: (
+        x[:, 0, :2].reshape(2, N).softmax(1) * 2
+    ).sum(),
+    "a softmax over the batch copied into a view of a buffer": lambda x, y: (
+        _copied_into_a_view(x.softmax(0)).sin().sum()
+    ),
+    "predictions [N, 1] against targets [N] (a broadcast mse)": lambda x, y: _implicit(
+        lambda t: F.mse_loss(t[:, 0, :1], t[:, 0, 1]), x
+    ),
+    "predictions [N, 1] against the input's targets [N]": lambda x, y: _implicit(
+        lambda t: F.mse_loss(t[:, 0, :1], t.detach()[:, 0, 1]), x
+    ),
+    "a product of matrices by keyword, contracting the batch": lambda x, y: (
+        torch.linalg.multi_dot(tensors=[torch.ones(2, N, dtype=x.dtype), x[:, 0]]).sin().sum()
+    ),
     "vecdot along the batch, named dim=0": lambda x, y: (
         torch.linalg.vecdot(x[:, 0], x[:, 1], dim=0).sin().sum()
     ),
@@ -1567,25 +1619,59 @@ class _Twice(torch.autograd.Function):
         return g * 2
 
 
+class _Into(torch.autograd.Function):
+    """A softmax over the samples written into a fresh tensor (by ``__setitem__``)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        out = torch.empty_like(h)
+        out[:] = h.softmax(0)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Centred(torch.autograd.Function):
+    """``h - m`` for a statistic ``m`` passed in detached (a constant)."""
+
+    @staticmethod
+    def forward(ctx, h, m):
+        return h - m
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 def test_samples_mixed_inside_a_custom_function_are_refused():
     """A custom autograd Function's forward runs its ops without gradients, so the samples it
-    pairs (``h hᵀ``) were not told as mixed: per-sample gradients came out, wrong. One that
-    keeps each sample's values apart stays exact."""
+    pairs (``h hᵀ``), or a softmax over them written into its output, were not told as mixed:
+    per-sample gradients came out, wrong. One that keeps each sample's values apart, or
+    subtracts a statistic passed in detached, stays exact."""
     import leanprop
     from leanprop.testing import individual_gradients_of_losses
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(3, 3).double()
     x = torch.randn(4, 3, dtype=torch.float64)
-    refused = pytest.raises(leanprop.UnsupportedModelError, match="mixes the samples")
-    with refused, leanprop.per_sample(lin, leanprop.BatchGrad()):
-        _Gram.apply(lin(x)).sin().square().sum().backward()
-    with leanprop.per_sample(lin, leanprop.BatchGrad()):
-        losses = _Twice.apply(lin(x)).sin().square().sum(1)
-        losses.sum().backward(retain_graph=True)
-    expected = individual_gradients_of_losses(losses, dict(lin.named_parameters()))
-    for k, p in lin.named_parameters():
-        torch.testing.assert_close(p.grad_batch, expected[k], rtol=1e-10, atol=1e-12)
+    for mixing in (_Gram.apply, _Into.apply):
+        refused = pytest.raises(leanprop.UnsupportedModelError, match="mixes the samples")
+        with refused, leanprop.per_sample(lin, leanprop.BatchGrad()):
+            mixing(lin(x)).sin().square().sum().backward()
+
+    def centred(h):
+        return _Centred.apply(h, h.mean(0).detach())
+
+    for apart in (_Twice.apply, centred):
+        with leanprop.per_sample(lin, leanprop.BatchGrad()):
+            losses = apart(lin(x)).sin().square().sum(1)
+            losses.sum().backward(retain_graph=True)
+        expected = individual_gradients_of_losses(losses, dict(lin.named_parameters()))
+        for k, p in lin.named_parameters():
+            torch.testing.assert_close(p.grad_batch, expected[k], rtol=1e-10, atol=1e-12)
+        lin.zero_grad(set_to_none=True)
 
 
 def test_complex_parameters_and_their_complex_uses_are_refused():

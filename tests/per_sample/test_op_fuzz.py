@@ -29,9 +29,6 @@ from torch.overrides import get_testing_overrides
 import leanprop
 from leanprop.per_sample.batch.rules import op_name
 
-# functions that run on losses that mix the samples (README, "Not told apart yet"): torch.lobpcg
-# with gradients mixes them inside its own autograd Function in ways the tracker misses
-KNOWN_GAPS = frozenset({"lobpcg"})
 # (input shape, batch dimension): N == D (== T) so that no dimension is told from the batch
 # by its size, a feature size of its own, sequences batch-first and sequence-first
 LAYOUTS = {
@@ -159,8 +156,6 @@ def test_every_torch_function_after_a_layer_is_refused_or_exact(layout):
     with warnings.catch_warnings():  # (deprecations of the calls tried)
         warnings.simplefilter("ignore")
         for name, f, k in _cases():
-            if name in KNOWN_GAPS:
-                continue
             found = _checked(f, k, *LAYOUTS[layout])
             if found in counts:
                 counts[found] += 1
@@ -168,16 +163,6 @@ def test_every_torch_function_after_a_layer_is_refused_or_exact(layout):
                 problems.append(f"{name} (call {k}): {found}")
     assert counts[EXACT] and counts[REFUSED], counts  # (the loop checked something)
     assert not problems, "\n".join(problems)
-
-
-@pytest.mark.parametrize("name", sorted(KNOWN_GAPS))
-def test_known_gaps_still_are(name):
-    """A gap of KNOWN_GAPS that closes is taken off the list (and out of the README)."""
-    cases = [(f, k) for n, f, k in _cases() if n == name]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        found = [_checked(f, k, *layout) for f, k in cases for layout in LAYOUTS.values()]
-    assert any(r not in (SKIPPED, REFUSED, EXACT) for r in found)
 
 
 def _param_calls(h: Tensor, p: Tensor) -> list[tuple[Any, ...]]:
@@ -276,7 +261,7 @@ def test_every_torch_function_using_a_parameter_is_refused_or_exact(shape):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, f, k in _cases():
-            if k >= 4 or name in KNOWN_GAPS:
+            if k >= 4:
                 continue
             found = _param_checked(f, k, PARAM_SHAPES[shape])
             if found in counts:

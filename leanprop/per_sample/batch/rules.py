@@ -207,6 +207,12 @@ _LOSSES = {  # (each takes the samples first; with reduction="none" a value per 
 }  # fmt: skip
 
 
+# losses of each element of their two operands broadcast together (input, target, ...)
+_POINTWISE_LOSSES = frozenset({
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "gaussian_nll_loss",
+    "soft_margin_loss",
+})  # fmt: skip
 CLASS_LOSSES = {"cross_entropy", "nll_loss"}  # [N, C, ...] scores: the classes' dim goes
 
 
@@ -244,7 +250,7 @@ def reshaped(in_shape: Sequence[int], bd: BatchDim, n: int, out_shape: Sequence[
     return Lost(SPLIT)
 
 
-SPLIT = "a reshape split the batch dimension"
+SPLIT = f"a reshape split the batch dimension {MAY_REORDER}"
 
 
 def _grouped(block: int, n: int, out_shape: Sequence[int], e: int) -> Info:
@@ -684,6 +690,8 @@ def result_dim(
         if name in CLASS_LOSSES and which == 0 and bd.dim == (1 if nd > 1 else 0):
             # (the classes' dimension: [N, C, ...] -> [N, ...]; a vector's only one)
             return Lost(f"{name} over the batch dimension (taken as the classes')")
+        if name in _POINTWISE_LOSSES and _batches_apart(args, which, bd, tracker):
+            return Lost(f"'{name}' of operands broadcast with their batches apart: it {MAY_MIX}")
         if kwargs.get("reduction", "mean") != "none":
             return Combined("a loss reduces over samples")
         if name in SAMPLE_LOSSES:  # [N, ...] -> [N]
@@ -694,10 +702,13 @@ def result_dim(
             return Lost(f"{name}'s argument {which}")
         return BatchDim(bd.dim - (bd.dim > 1), bd.inner)
     if name == "take" and which == 0 and nd > 1:  # (flat positions: laid out as the index)
-        return Lost("take of a tensor of several dimensions (flat positions across samples)")
-    if name == "masked_select" and which == 0 and nd > 1:  # (flat positions across samples:
-        # each value still one sample's, a masked token loss)
-        return Lost("masked_select of a tensor of several dimensions (flat positions)")
+        return Lost(f"take of a tensor of several dimensions (flat positions) {MAY_REORDER}")
+    if name == "masked_select" and (which in (1, "mask") or nd > 1):  # (flat positions
+        # across samples, whichever operand carries them: each value one sample's, a masked
+        # token loss)
+        return Lost(
+            f"masked_select of a tensor of several dimensions (flat positions) {MAY_REORDER}"
+        )
     if name in ("take", "masked_select") and which == 0 and nd == 1:  # (losses [N] picked)
         return picks_by_index(name, dims_arg(args, kwargs, 1, "index", "mask"), x, bd, tracker)
     if name in ("index_put", "put") and which == 2:
@@ -801,6 +812,24 @@ def _chain_result(args: Sequence[Any], which: int, nd: int, bd: BatchDim, od: in
     if which == last and nd == 2 and bd.dim == 1:
         return BatchDim(od - 1, bd.inner)
     return Combined("a product of matrices sums over the batch dimension")
+
+
+def _batches_apart(
+    args: Sequence[Any], which: int | str, bd: BatchDim, tracker: BatchTracker
+) -> bool:  # fmt: skip
+    """Whether a pointwise loss's two operands (input, target) both carry the batch, in
+    different dimensions of their broadcast shape (``mse_loss(p [N, 1], y [N])``: each sample's
+    prediction against every sample's target)."""
+    if which not in (0, 1) or len(args) < 2 or not all(isinstance(t, Tensor) for t in args[:2]):
+        return False
+    other = args[1 - which]
+    info = tracker.info(other)
+    if not isinstance(info, BatchDim):
+        return False
+    rank = max(args[0].dim(), args[1].dim())
+    here = rank - (args[which].dim() - bd.dim)
+    there = rank - (other.dim() - info.dim)
+    return here != there
 
 
 def _contraction_result(

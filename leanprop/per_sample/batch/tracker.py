@@ -119,7 +119,10 @@ class BatchTracker:
         # for a custom autograd Function's forward, whose outputs it returns with gradients
         # (its own backward); a value computed under no_grad alone stays a constant
         self._mixed_quietly = _ByTensor()
-        self._quiet = False  # (an op followed while autograd did not record)
+        # tensors computed while autograd did not record from one that may carry gradients
+        # (inside a custom Function's forward: what its outputs are made of)
+        self._quiet_live = _ByTensor()
+        self._quiet = False  # (while an op is followed with autograd not recording)
         self._derived = _ByTensor()  # tensor -> the tracked parameters it derives from
         self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
         # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
@@ -146,6 +149,7 @@ class BatchTracker:
         self._info = _ByTensor()
         self._mixed = _ByTensor()
         self._mixed_quietly = _ByTensor()
+        self._quiet_live = _ByTensor()
         self._forward = object()
         self._edges_kept = False
         self._accumulators = {}
@@ -221,9 +225,10 @@ class BatchTracker:
         return None
 
     def _live(self, t: Tensor) -> bool:
-        """Whether ``t`` may carry gradients to the loss: it requires grad, or it is followed
-        while autograd does not record (a custom Function's forward may return it)."""
-        return t.requires_grad or self._quiet
+        """Whether ``t`` may carry gradients to the loss: it requires grad, or, while autograd
+        does not record, it was computed from one that does (a custom Function's forward may
+        return it; a detached statistic stays a constant)."""
+        return t.requires_grad or (self._quiet and t in self._quiet_live)
 
     def info(self, t: Any) -> Info | None:
         """Where ``t`` carries the batch; None if it does not (or is not a tensor)."""
@@ -378,7 +383,8 @@ class BatchTracker:
         outs = _tensor_outputs(out)
         if not outs:
             return
-        if "tensors" in kwargs and name in SIDE_BY_SIDE:  # (torch.cat(tensors=[...], dim=1))
+        if "tensors" in kwargs and (name in SIDE_BY_SIDE or name == "linalg_multi_dot"):
+            # (torch.cat(tensors=[...], dim=1), linalg.multi_dot(tensors=[...]))
             args = (kwargs["tensors"], *args)
             kwargs = {k: v for k, v in kwargs.items() if k != "tensors"}
         batched: list[tuple[int | str, Tensor, Info]] = []
@@ -404,6 +410,14 @@ class BatchTracker:
                 if by_edge:
                     self._remember_edge(t, info)
         for key, v in kwargs.items():
+            if isinstance(v, list | tuple) and any(self.info(e) is not None for e in v):
+                # (tensors that carry the batch in a list passed by keyword: in no place a
+                # rule reads; the op is taken to mix them)
+                unplaced = Lost(f"'{name}' of tensors passed by keyword ({key}=): it {MAY_MIX}")
+                for o in outs:
+                    self._info[o] = unplaced
+                    self._mixed[o] = unplaced.reason
+                return
             if isinstance(v, Tensor):
                 info = self.info(v)
                 if info is not None:
@@ -468,10 +482,27 @@ class BatchTracker:
                 "values of other samples, or of samples in another place, written into a "
                 "tensor that carries the batch"
             )  # fmt: skip
-        reason = self._mixed.get(value)
-        if reason is not None and dest.requires_grad:
-            self._mixed[dest] = reason
+        if not torch.is_grad_enabled() and self._live_quietly(value):
+            self._quiet_live[dest] = True
+        self._carry_mixing(value, dest)
         self._written_through_view(dest, had)
+
+    def _live_quietly(self, t: Tensor) -> bool:
+        return t.requires_grad or t in self._quiet_live
+
+    def _carry_mixing(self, source: Tensor, dest: Tensor) -> None:
+        """``dest`` now holds values of ``source`` (written into it, or into a view of it):
+        so it mixes samples where ``source`` does (found while autograd does not record: kept
+        so too, for a custom Function's forward that returns ``dest``)."""
+        reason = self._mixing(source) or (
+            self._mixed_quietly.get(source) if not torch.is_grad_enabled() else None
+        )
+        if reason is None:
+            return
+        if torch.is_grad_enabled() and dest.requires_grad:
+            self._mixed[dest] = reason
+        else:
+            self._mixed_quietly[dest] = reason
 
     def _written_through_view(self, t: Tensor, before: Info | None) -> None:
         """An op wrote values into ``t`` in place, a view of another tensor, where ``t``'s
@@ -482,6 +513,7 @@ class BatchTracker:
         info = self.info(t) if base is not None else None
         if info is None:
             return
+        self._carry_mixing(t, base)
         had = self.info(base)
         if had is None:
             self._info[base] = base_result(t, base, info)
@@ -559,8 +591,21 @@ class BatchTracker:
     ) -> None:  # fmt: skip
         """Where the batch of the operands ``batched`` (position or keyword, tensor, info)
         went in each of the op's tensor outputs ``outs``: recorded."""
-        n = self.n if self.n is not None else 0
         self._quiet = not torch.is_grad_enabled()
+        try:
+            self._record_op(name, args, kwargs, outs, batched, by_edge, replay)
+        finally:
+            self._quiet = False
+
+    def _record_op(
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any], outs: list[Tensor],
+        batched: list[tuple[int | str, Tensor, Info]], by_edge: bool, replay: bool,
+    ) -> None:  # fmt: skip
+        """:meth:`_record` (``self._quiet`` set for it)."""
+        n = self.n if self.n is not None else 0
+        if self._quiet and any(self._live(t) for _, t, _ in batched):
+            for o in outs:
+                self._quiet_live[o] = True
         # (picks put together: cat([o[:2], o[2:]]) holds the batch again, in order; a pair's
         # halves side by side, stack([l[:k], l[k:]], 1), its samples over two dimensions)
         parts = None
@@ -572,7 +617,10 @@ class BatchTracker:
                 parts = read(ids, REJOINED, n) if ids is not None else None
             except _UNREADABLE:
                 parts = None
+        every = batched
         for k, o in enumerate(outs):
+            if name in ONE_OUTPUT_EACH and len(outs) > 1:  # (atleast_2d(a, b): output k is
+                batched = [b for b in every if b[0] == k]  # input k's alone)
             results, constants = set(), None  # (constants: batch statistics without grad)
             held = set()  # (what became of the operands that hold samples: held differently,
             # their samples meet; and why the output mixes them: an operand's history first)
@@ -580,8 +628,6 @@ class BatchTracker:
             # (an operand that requires grad concatenated with others along the batch)
             joined_rows = False
             for i, t, info in () if parts is not None else batched:
-                if name in ONE_OUTPUT_EACH and len(outs) > 1 and i != k:
-                    continue  # (atleast_2d(a, b): output k is input k's alone)
                 if type(info) is BatchDim and not (
                     info.inner == 1
                     and name in ORDER_OPS
@@ -602,14 +648,16 @@ class BatchTracker:
                     )
                     mixing = mixing or mixes
                     joined_rows = joined_rows or concatenated
-                if type(r) is Combined and not t.requires_grad and o.requires_grad:
+                if type(r) is Combined and not self._live(t) and (o.requires_grad or self._quiet):
                     constants = {r}  # (o - o.mean(0).detach(): still each sample's values)
                 else:
                     results.add(r)
                 at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
-                if holds_samples(at) and (self._live(t) or type(at) is not Selected):
-                    # (without grad too: another sample's data; but for a pick of them, a
-                    # detached partner: SimSiam's)
+                if holds_samples(at) and (
+                    self._live(t) or (type(at) is not Selected and not isinstance(r, Combined))
+                ):  # (without grad too: another sample's data where the op lines it up with
+                    # these, h * x.flip(0); not a pick of them, a detached partner: SimSiam's;
+                    # nor a reduction's operands, compared as they came: ctc_loss's targets)
                     held.add(at)
             results = results or constants or {parts}
             if (
@@ -629,8 +677,10 @@ class BatchTracker:
                         "rows of the batch concatenated with other rows along it: what "
                         "follows would take them for samples of one batch"
                     )
-                if mixing is not None:
-                    (self._mixed if o.requires_grad else self._mixed_quietly)[o] = mixing
+                if mixing is not None and not self._quiet:
+                    self._mixed[o] = mixing
+                elif mixing is not None:
+                    self._mixed_quietly[o] = mixing
             if by_edge:
                 self._remember_edge(o, res)
             if name in CURVED_ELEMENTWISE and o.grad_fn is not None and not replay:
