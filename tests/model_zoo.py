@@ -359,6 +359,30 @@ def spatial_transformer() -> Built:
     return m, lambda: per_sample_sq(m(x)), {}
 
 
+class ModulatedConv(nn.Module):
+    """StyleGAN2's modulated convolution: each sample's weight scaled by its style and
+    demodulated, all samples in one grouped convolution over ``[1, N*C, H, W]``."""
+
+    def __init__(self, c: int = 2, o: int = 3, w: int = 4) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(o, c, 3, 3))
+        self.affine = nn.Linear(w, c)
+
+    def forward(self, x: Tensor, style: Tensor) -> Tensor:  # [N, C, H, W], [N, W]
+        n, c, h, w = x.shape
+        weight = self.weight[None] * self.affine(style)[:, None, :, None, None]  # [N, O, C, 3, 3]
+        weight = weight * (weight.square().sum((2, 3, 4), keepdim=True) + 1e-8).rsqrt()
+        out = F.conv2d(x.reshape(1, n * c, h, w), weight.reshape(-1, c, 3, 3), padding=1, groups=n)
+        return out.view(n, -1, h, w)
+
+
+@model
+def stylegan2_modulated_conv() -> Built:
+    m = ModulatedConv()
+    x, style = torch.randn(N, 2, N, N), torch.randn(N, 4)  # H == W == N
+    return m, lambda: per_sample_sq(m(x, style)), {}
+
+
 class PoolsWithIndices(nn.Module):
     """SegNet's decoder unpools at the encoder's max positions; fractional max pooling
     (random windows per sample and channel), adaptive max pooling with its indices, and

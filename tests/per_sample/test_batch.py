@@ -659,6 +659,14 @@ MOVED = {  # ops that change each sample's values, and where they leave the batc
         lambda x: F.prelu(torch.ones(2, N, 3, dtype=x.dtype), x[:, 0, 0]), BatchDim(1)),
     "differences along the batch": (lambda x: x.diff(dim=0), Lost),
     "power-average pooling over time": (lambda x: F.lp_pool1d(x, 2, 2), BatchDim(0)),
+    "a depthwise convolution of the samples as channels": (
+        lambda x: F.conv1d(x[:, 0], torch.ones(2 * N, 1, 2, dtype=x.dtype), groups=N),
+        BatchDim(0, 2)),
+    "samples flattened into a grouped convolution's channels": (
+        lambda x: F.conv2d(x.reshape(1, N * N, N)[..., None], torch.ones(N, N, 1, 1,
+                           dtype=x.dtype), groups=N), BatchDim(1)),
+    "a convolution mixing the samples' channels in a group": (
+        lambda x: F.conv1d(x[:, 0], torch.ones(2, N // 2, 2, dtype=x.dtype), groups=2), Lost),
     "the LM head's loss of each token, rows flattened": (
         lambda x: __import__("leanprop").chunked_linear_cross_entropy(
             x.reshape(N * N, N), torch.ones(5, N, dtype=x.dtype),

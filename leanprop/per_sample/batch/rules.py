@@ -440,6 +440,10 @@ def result_dim(
             return bd
         if name in ("pixel_shuffle", "pixel_unshuffle") and bd.dim < nd - 3:
             return bd  # (it acts on the last three dimensions: [*, C, H, W])
+        if name in _GROUPABLE and which == 0:
+            grouped = _samples_in_groups(name, args, kwargs, x, bd, n, out)
+            if grouped is not None:
+                return grouped
         if bd.dim != 0:
             return Lost(f"{name} needs the batch first")
         if bd.inner != 1:
@@ -830,6 +834,29 @@ def _batches_apart(
     here = rank - (args[which].dim() - bd.dim)
     there = rank - (other.dim() - info.dim)
     return here != there
+
+
+_GROUPABLE = frozenset({"conv1d", "conv2d", "conv3d"})
+
+
+def _samples_in_groups(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor, bd: BatchDim, n: int,
+    out: Tensor,
+) -> Info | None:  # fmt: skip
+    """A convolution whose groups each hold channels of one sample: the samples flattened
+    into the channels (``[B, N*C, *S]``, or unbatched ``[N*C, *S]``) with ``groups`` a
+    multiple of N (StyleGAN2's modulated convolution with a weight per sample, a depthwise
+    one over samples as channels). Each sample's output channels are its own groups':
+    ``BatchDim(channels, O / N)``. None for any other layout."""
+    channels = x.dim() - int(name[-2]) - 1
+    groups = dims_arg(args, kwargs, 6, "groups")
+    groups = 1 if groups is None else int(groups)
+    if bd.dim != channels or not n or x.shape[channels] % groups:
+        return None
+    per_group = x.shape[channels] // groups
+    if bd.inner % per_group or out.shape[channels] % n:  # (a group across two samples)
+        return None
+    return BatchDim(channels, out.shape[channels] // n)
 
 
 def _contraction_result(
