@@ -870,6 +870,10 @@ def _mixed(op):
 
 
 PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients are defined
+    "a flipped batch flattened, elementwise": lambda x, y: x.flip(0).reshape(-1).sin().sum(),
+    "a per-sample weight into a grouped convolution": lambda x, y: F.conv1d(
+        x[:, :2, :2].reshape(1, 2 * N, 2), x[:, :2, :1].reshape(2 * N, 1, 1), groups=2 * N
+    ).sum(),
     "a CTC loss summed, its targets the input's": lambda x, y: F.ctc_loss(
         x.transpose(0, 1).log_softmax(2),
         x.detach()[:, 0, :2].long().clamp(1, 2),
@@ -1085,6 +1089,12 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
+    "a rolled batch flattened, times the batch flattened": lambda x, y: (
+        (x.roll(1, 0).reshape(-1) * x.reshape(-1)).sin().sum()
+    ),
+    "a per-sample weight reordered into a grouped convolution": lambda x, y: F.conv1d(
+        x[:, :2, :2].reshape(1, 2 * N, 2), x[:, :2, :1].flip(0).reshape(2 * N, 1, 1), groups=2 * N
+    ).sum(),
     "a masked selection softmaxed over its values": lambda x, y: (
         torch.masked_select(x, x.detach() > 0).softmax(0) * 2
     ).sum(),

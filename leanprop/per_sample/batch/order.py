@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .infos import (
     MAY_MIX,
+    MAY_REORDER,
     PACKED,
     REORDERED,
     BatchDim,
@@ -81,7 +82,7 @@ def ordered_result(
         if info.order == tuple(range(len(info.order))):  # (in their order: as they are)
             return res
         if res.inner != 1:
-            return Lost(f"{REORDERED}, flattened with another dimension")
+            return Lost(f"{REORDERED}, flattened with another dimension {MAY_REORDER}")
         return in_order(res.dim, info.order)
     return res
 
