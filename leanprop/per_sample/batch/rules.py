@@ -736,9 +736,8 @@ def result_dim(
             return Lost("conv_tbc with its batch elsewhere than its input's dim 1")
         return bd
     if name == "cross" and dims_arg(args, kwargs, 2, "dim") is None:
-        # (torch.cross without a dimension, deprecated: along the first of size 3 of the
-        # broadcast shape, which a batch of three may be)
-        # (torch's choice: in the first operand's shape; both have the same rank)
+        # (torch.cross without a dimension, deprecated: along the first dimension of size 3
+        # of its first operand, which a batch of three may be; both have the same rank)
         along = next((d for d, size in enumerate(args[0].shape) if size == 3), None)
         if along is None or along == bd.dim:
             return Lost(
