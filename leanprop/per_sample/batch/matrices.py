@@ -44,7 +44,7 @@ MATRIX_FUNCTIONS = frozenset({
     "cholesky_solve", "triangular_solve", "linalg_solve_triangular", "lu_solve",
     "linalg_lu_solve", "lu_unpack", "linalg_ldl_factor_ex", "linalg_ldl_solve",
     "linalg_householder_product", "orgqr", "ormqr", "geqrf", "qr", "lobpcg", "linalg_lstsq",
-    "svd_lowrank", "pca_lowrank",
+    "svd_lowrank", "pca_lowrank", "linalg_polar",
 })  # fmt: skip
 # functions of a whole tensor taken as one matrix (its leading dimensions as the rows)
 WHOLE_TENSOR_FUNCTIONS = frozenset({"linalg_tensorinv", "linalg_tensorsolve"})
