@@ -168,6 +168,13 @@ def dims_arg(args: Sequence[Any], kwargs: dict[str, Any], pos: int, *names: str)
     return args[pos] if len(args) > pos else None
 
 
+def dim_or_last(args: Sequence[Any], kwargs: dict[str, Any], pos: int, ndim: int) -> int:
+    """An op's ``dim`` argument (at position ``pos``, or by keyword), the last dimension where
+    it is not given, as a non-negative index of ``ndim`` dimensions."""
+    d = dims_arg(args, kwargs, pos, "dim")
+    return norm_dim(-1 if d is None else int(d), ndim)
+
+
 def to_front(t: Tensor, info: BatchDim, n: int) -> Tensor:
     """``t`` with its batch moved to dimension 0 as ``[N, ...]`` (``inner`` split off)."""
     if info.dim != 0:

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .infos import MAY_MIX, BatchDim, Combined, Info, Lost, dims_arg, norm_dim
+from .infos import MAY_MIX, BatchDim, Combined, Info, Lost, dim_or_last, dims_arg, norm_dim
 
 # the arguments of the products and of the ops placing values, by position (for the rules,
 # which read them so, where they come by keyword)
@@ -58,8 +58,7 @@ def _pairs(
     covariances between rows (``cov``, ``corrcoef``), differences of neighbours (``diff``):
     where the batch of operand ``which`` goes, or why its samples are mixed."""
     if name == "diff":  # (x, n, dim)
-        d = dims_arg(args, kwargs, 2, "dim")
-        if norm_dim(-1 if d is None else int(d), nd) == bd.dim:
+        if dim_or_last(args, kwargs, 2, nd) == bd.dim:
             return Lost("diff along the batch dimension mixes samples")
         return bd  # (prepend and append are laid out as the input)
     if name == "cdist" and bd.dim < nd - 2:

@@ -26,6 +26,7 @@ from .infos import (
     Info,
     Lost,
     Selected,
+    dim_or_last,
     dims_arg,
     norm_dim,
     samples_at,
@@ -514,7 +515,7 @@ def result_dim(
             return bd  # (rows of a tensor at the samples' indices, codebook[ids]: [*ids, ...])
         return index_result(args[1], nd, bd, n, tracker)
     if name in _AT_LEAST:
-        return _at_least_result(name, nd, bd)
+        return _at_least(name, nd, bd)[1]  # (several inputs: ONE_OUTPUT_EACH)
     if name in _STACKED_AT_LEAST:
         return _stacked_result(name, nd, bd)
     if name in _LEGACY_SOFTMAX and dims_arg(args, kwargs, 1, "dim") is None:
@@ -605,8 +606,7 @@ def result_dim(
         front = 1 if isinstance(q, Tensor) and q.dim() == 1 else 0  # (a quantile per q first)
         return BatchDim(front + bd.dim - dims * (norm_dim(int(d), nd) < bd.dim), bd.inner)
     if name == "gumbel_softmax":  # (logits, tau, hard, eps, dim=-1)
-        d = dims_arg(args, kwargs, 4, "dim")
-        if norm_dim(-1 if d is None else int(d), nd) == bd.dim:
+        if dim_or_last(args, kwargs, 4, nd) == bd.dim:
             return Lost("gumbel_softmax along the batch dimension mixes samples")
         return bd
     if name in _DIM_OPS:
@@ -644,15 +644,13 @@ def result_dim(
     if name in ("inner", "linalg_vecdot"):
         return _contraction_result(name, args, kwargs, which, nd, bd)
     if name in ("trapezoid", "trapz") and which == 0:  # (y, x or dx, dim=-1): a weighted sum
-        d = dims_arg(args, kwargs, 2, "dim")
-        d = norm_dim(-1 if d is None else int(d), nd)
+        d = dim_or_last(args, kwargs, 2, nd)
         if d == bd.dim:
             return Combined(f"{name} sums over the batch dimension")
         return BatchDim(bd.dim - (d < bd.dim), bd.inner)
     if name == "cumulative_trapezoid" and which == 0:  # (y, x or dx, dim=-1): running sums
-        d = dims_arg(args, kwargs, 2, "dim")
-        d = norm_dim(-1 if d is None else int(d), nd)
-        return bd if d != bd.dim else Lost(f"'{name}' {UNKNOWN_ALONG}")
+        along = dim_or_last(args, kwargs, 2, nd) == bd.dim
+        return Lost(f"'{name}' {UNKNOWN_ALONG}") if along else bd
     if name == "sum_to_size" and which == 0:  # (each dimension summed to 1, or dropped)
         size = list(args[1:]) if len(args) > 2 or isinstance(args[1], int) else list(args[1])
         lead = nd - len(size)
@@ -873,8 +871,7 @@ def _contraction_result(
         return BatchDim(bd.dim + (a.dim() - 1 if which == 1 else 0), bd.inner)
     rank = max(a.dim(), b.dim())
     at = rank - (nd - bd.dim)  # (the batch's dimension in the broadcast shape)
-    d = dims_arg(args, kwargs, 2, "dim")
-    summed = norm_dim(-1 if d is None else int(d), rank)
+    summed = dim_or_last(args, kwargs, 2, rank)
     if at == summed:
         return Combined("vecdot sums over the batch dimension")
     return BatchDim(at - (summed < at), bd.inner)
@@ -900,12 +897,6 @@ def _at_least(name: str, nd: int, bd: BatchDim) -> tuple[int, BatchDim]:
     if nd >= least:
         return nd, bd
     return least, BatchDim(bd.dim + (nd == 1), bd.inner)  # (a vector's entries go second)
-
-
-def _at_least_result(name: str, nd: int, bd: BatchDim) -> Info:
-    """``atleast_Nd(x)``: where ``x``'s batch lands (with several inputs, each gives an output
-    of its own: ``ONE_OUTPUT_EACH``)."""
-    return _at_least(name, nd, bd)[1]
 
 
 def _stacked_result(name: str, nd: int, bd: BatchDim) -> Info:

@@ -482,13 +482,10 @@ class BatchTracker:
                 "values of other samples, or of samples in another place, written into a "
                 "tensor that carries the batch"
             )  # fmt: skip
-        if not torch.is_grad_enabled() and self._live_quietly(value):
-            self._quiet_live[dest] = True
+        if not torch.is_grad_enabled() and (value.requires_grad or value in self._quiet_live):
+            self._quiet_live[dest] = True  # (written inside a custom Function's forward)
         self._carry_mixing(value, dest)
         self._written_through_view(dest, had)
-
-    def _live_quietly(self, t: Tensor) -> bool:
-        return t.requires_grad or t in self._quiet_live
 
     def _carry_mixing(self, source: Tensor, dest: Tensor) -> None:
         """``dest`` now holds values of ``source`` (written into it, or into a view of it):
