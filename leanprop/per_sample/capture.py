@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from .._eager import in_eager_backward
 from .._torch_compat import (
     BatchNormBase,
+    checkpoint_saves_tensors,
     current_graph_task_id,
     function_modes,
     in_reentrant_checkpoint_backward,
@@ -895,6 +896,18 @@ class PerSample:
         :meth:`follow_op`): parameters broadcast over the batch (broadcast.py), parameters
         used in an op with no rule (ops.py), and where the batch went in the outputs."""
         args, kwargs = self.before_op(func, args, kwargs)
+        # (a tensor computed from parameters without the batch, under a non-reentrant
+        # checkpoint, keeps what its ops save: its parameters' contributions are handed back
+        # through it by a backward of our own, ops.hand_back)
+        keep = checkpoint_saves_tensors() and self._batch_free(args, kwargs)
+        with ops.saving_own(keep):
+            return self._run_op(func, args, kwargs)
+
+    def _batch_free(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether no tensor of an op carries the batch, nor values the batch went into."""
+        return all(self._tracker.info(t) is None for t in _flat_tensors(args, kwargs))
+
+    def _run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rule_op = self._rule_op(args, kwargs)
         if rule_op is not None:
             return self._run_rule_op(func, args, kwargs, *rule_op)

@@ -202,6 +202,17 @@ def _kept(t: Tensor) -> Tensor:
 
 
 _NO_HOOKS = contextlib.nullcontext()
+
+
+def saving_own(keep: bool) -> AbstractContextManager[Any]:
+    """Where ``keep``: saved-tensor hooks that keep what the ops inside save, in place of a
+    non-reentrant checkpoint's, which drop it and recompute it in the first backward that
+    needs it. A per-sample pass of ours through the graph is a backward of its own: the
+    checkpoint would recompute its block once more there, outside the op interception, and
+    refuse what it recomputed (fewer tensors saved than in the forward)."""
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept) if keep else _NO_HOOKS
+
+
 # the ops whose captured parameters have closed forms (op_rules.py): no per-sample pass
 # through their local graph
 _LINEAR_FORMS = frozenset({"linear", "matmul", "mm", "addmm"})
@@ -271,7 +282,7 @@ class OpCapture(torch.autograd.Function):
         closed_form_op = op_name(op.func) in _CLOSED_FORM_OPS
         read = closed_form_op and _closed_forms_read(op, tensors)
         own = not read and checkpoint_saves_tensors()
-        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept) if own else _NO_HOOKS:
+        with saving_own(own):
             local, out = _local_graph(op, tensors)
         out_leaves, op.out_spec = flatten(out)
         outs = [o for o in out_leaves if isinstance(o, Tensor)]

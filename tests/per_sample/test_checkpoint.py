@@ -50,7 +50,7 @@ def loop_oracle(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
         model.zero_grad()
         model(x[i : i + 1]).square().sum().backward()
         for k, p in model.named_parameters():
-            rows.setdefault(k, []).append(p.grad.clone())
+            rows.setdefault(k, []).append(p.grad.clone() if p.grad is not None else p * 0)
     model.zero_grad()
     return {k: torch.stack(v) for k, v in rows.items()}
 
@@ -707,3 +707,90 @@ def test_a_constant_made_from_an_input_of_a_reentrant_checkpoint_is_no_change(co
     model = Model().double()
     x = torch.randn(5, 4, dtype=torch.float64)
     assert_grad_batch_is_the_loops(model, x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart", "hf_llama", "hf_bert", "hf_vit"])
+def test_hf_gradient_checkpointing_gives_the_same_quantities(name, reentrant):
+    """Each HF model with its own gradient checkpointing: the quantities of the same forward
+    without it (exact against the per-sample oracle: test_models.py). T5's relative position
+    bias, computed from a parameter alone inside the first checkpointed block and used by each
+    attention, crashed under a non-reentrant checkpoint: handing its parameter's contributions
+    back, a backward of our own, had the checkpoint recompute the block outside the op
+    interception (CheckpointError: a different number of tensors saved)."""
+    pytest.importorskip("transformers")
+    from ..model_zoo import hf_models
+
+    torch.manual_seed(0)
+    model, losses_fn, options = hf_models()[name]()
+    model.double()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    quantities = (BatchGrad(), BatchL2Grad(), Variance())
+    expected = {}
+    for checkpointing in (False, True):
+        if checkpointing:
+            kwargs = {"use_reentrant": reentrant}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        with leanprop.per_sample(model, *quantities, **options):
+            torch.manual_seed(1)  # (the same dropout masks in both runs)
+            losses_fn().sum().backward()
+        for k, p in params.items():
+            for q in quantities:
+                got = getattr(p, q.attr)
+                if not checkpointing:
+                    expected[k, q.attr] = got.clone()
+                else:
+                    assert_close(got, expected[k, q.attr], f"{k}.{q.attr}", 1e-10, 1e-12)
+
+
+class _DerivedInside(nn.Module):
+    """A tensor computed from parameters alone inside a checkpointed block, then used with the
+    batch: a scaled weight (``w * s``), a position table looked up and added, or a bias table
+    from a small MLP (Swin-v2's continuous position bias) added to attention-like scores."""
+
+    def __init__(self, form: str, reentrant: bool) -> None:
+        super().__init__()
+        self.form, self.reentrant = form, reentrant
+        self.w, self.s = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+        self.table = nn.Embedding(5, 4)
+        self.mlp = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 5))
+        self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self._block, self.inp(x), use_reentrant=self.reentrant))
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, T, 4], T == 5
+        if self.form == "scaled_weight":
+            return torch.tanh(nn.functional.linear(x, self.w * self.s))
+        if self.form == "position_table":
+            positions = torch.arange(x.shape[1])
+            h = torch.tanh(x + self.table(positions).sin())
+        else:
+            coords = torch.linspace(-1, 1, 2 * x.shape[1], dtype=x.dtype).view(x.shape[1], 2)
+            bias = self.mlp(coords)  # [T, T]
+            scores = torch.softmax(x @ x.transpose(1, 2) + bias, dim=-1)
+            h = torch.tanh(scores @ x) * self.s
+        return nn.functional.linear(h, self.w)  # (an op captured: its record saves more)
+
+
+@pytest.mark.parametrize("form", ["scaled_weight", "position_table", "mlp_bias_table"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_tensor_from_parameters_alone_inside_a_checkpoint(reentrant, form):
+    """Crashed under a non-reentrant checkpoint (CheckpointError) before: see
+    test_hf_gradient_checkpointing_gives_the_same_quantities."""
+    torch.manual_seed(0)
+    model = _DerivedInside(form, reentrant).double()
+    x = torch.randn(5, 5, 4, dtype=torch.float64)  # T == N
+    expected = loop_oracle(model, x)
+    quantities = (BatchGrad(), BatchL2Grad())
+    with leanprop.per_sample(model, *quantities):
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        ref = quantities_from_individual(expected[k])
+        for q in quantities:
+            assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-9, 1e-12)
