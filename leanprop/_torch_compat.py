@@ -52,6 +52,12 @@ def detaching_checkpoint_inputs() -> bool:
     return _called_from("detach_variable", "utils", "checkpoint.py")
 
 
+def reentrant_checkpoint_output(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an output of ``checkpoint(use_reentrant=True)`` (its graph goes back
+    into the block only once that checkpoint's backward recomputes it)."""
+    return t.grad_fn is not None and type(t.grad_fn).__name__ == "CheckpointFunctionBackward"
+
+
 def inside_function_backward() -> bool:
     """Whether this code runs inside the backward of an autograd ``Function`` (a backward or
     ``autograd.grad`` started there is nested in a running one: a reentrant checkpoint's)."""

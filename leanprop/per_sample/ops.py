@@ -41,7 +41,7 @@ from .._torch_compat import (
     saveable,
     saved_tensor_hooks_in_effect,
 )
-from .batch import BatchDim, op_name, to_front
+from .batch import BatchDim, ThroughCopies, op_name, to_front
 from .chunks import Scratch, sample_chunks
 from .op_rules import closed_form, closed_norms, linear_form, linear_input_grad, linear_reweigher
 from .pytree import flatten, unflatten
@@ -129,23 +129,22 @@ _TENSOR = object()  # marks where a tensor output goes back into the op's output
 
 
 def hand_back(
-    w: Tensor, params: tuple[nn.Parameter, ...], per_sample: Tensor, contribute: Contribute,
-    compute_dtype: torch.dtype | None = None, summed: Tensor | None = None,
+    w: Tensor | ThroughCopies, params: tuple[nn.Parameter, ...], per_sample: Tensor,
+    contribute: Contribute, compute_dtype: torch.dtype | None = None,
+    summed: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Give each parameter ``w`` derives from its contributions ``(dw/dp)ᵀ per_sample[n]``.
 
     Args:
-        w: a parameter, or a batch-free tensor computed from ``params``.
+        w: a parameter, or a batch-free tensor computed from ``params`` (or where the product
+            from it goes, for one computed inside a reentrant checkpoint's recomputation).
         per_sample: ``[N, *w.shape]``, each sample's contribution to ``w``'s gradient.
         summed: ``per_sample``'s sum, as the op hands it to autograd for ``w``.
     """
     if len(params) == 1 and w is params[0]:
         contribute({w: per_sample}, compute_dtype, {w: summed} if summed is not None else None)
         return
-    grads = torch.autograd.grad(
-        w, params, per_sample, retain_graph=True, allow_unused=True, is_grads_batched=True,
-        create_graph=torch.is_grad_enabled(),  # (create_graph: the results stay differentiable)
-    )  # fmt: skip
+    grads = _batched_vjp_to(w, params, per_sample)
     n = per_sample.shape[0]
     contribute(
         {
@@ -154,6 +153,30 @@ def hand_back(
         },
         compute_dtype,
     )
+
+
+def _batched_vjp_to(
+    w: Tensor | ThroughCopies, params: tuple[nn.Parameter, ...], per_sample: Tensor
+) -> list[Tensor | None]:
+    """``(dw/dp)ᵀ per_sample[n]`` for each of ``params`` (None: ``w`` does not use it)."""
+    batched = {
+        "retain_graph": True, "allow_unused": True, "is_grads_batched": True,
+        "create_graph": torch.is_grad_enabled(),  # (create_graph: results differentiable)
+    }  # fmt: skip
+    if isinstance(w, Tensor):
+        return list(torch.autograd.grad(w, params, per_sample, **batched))
+    # (w's graph ends at the checkpoint's detached copies: each one's part goes on from the
+    # tensor it was detached from)
+    k = len(w.copies)
+    grads = torch.autograd.grad(w.tensor, (*w.copies, *params), per_sample, **batched)
+    total = list(grads[k:])
+    for g, source in zip(grads[:k], w.sources, strict=True):
+        if g is None:
+            continue
+        for j, more in enumerate(_batched_vjp_to(source, params, g)):
+            if more is not None:
+                total[j] = more if total[j] is None else total[j] + more
+    return total
 
 
 @dataclass(eq=False)
@@ -165,7 +188,7 @@ class OpSpec:
     leaves: list[Any]  # non-tensor leaves (tensor places are filled from the inputs)
     tensor_at: list[int]  # leaf index of each tensor input
     captured: dict[int, tuple[nn.Parameter, ...]]  # tensor input -> the parameters it is/uses
-    originals: dict[int, Tensor]  # the captured inputs themselves (parameters or derived)
+    originals: dict[int, Tensor | ThroughCopies]  # the captured inputs (parameters, derived)
     batch_of: Callable[[Tensor], BatchDim | None]  # where the batch is in an output
     n: int
     workspace_bytes: int

@@ -646,11 +646,12 @@ def test_a_leaf_the_model_detached_passed_to_a_checkpoint_under_copying_hooks(re
 @pytest.mark.parametrize("change", ["view", "op", "weight_t"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_an_input_from_parameters_changed_inside_a_reentrant_checkpoint(reentrant, change):
-    """A parameter (or a tensor computed from parameters alone) passed to a reentrant
-    checkpoint and changed inside before it meets the batch: the recomputation detached it,
-    so its parameters' individual gradients came out zero (refused by the sum check, or under
-    its float32 tolerance where the block's part is small, review): a clear error now. Exact
-    without reentrance."""
+    """A parameter (or a tensor computed from parameters alone) passed to a checkpoint and
+    changed inside before it meets the batch. Reentrant: the recomputation detached it, so its
+    parameters' individual gradients came out zero (refused by the sum check, or under its
+    float32 tolerance where the block's part is small, review), then a clear error; exact now,
+    the product going from the detached copy on to the tensor it was detached from (HF T5's
+    position bias, masked in each block after the first)."""
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -672,16 +673,9 @@ def test_an_input_from_parameters_changed_inside_a_reentrant_checkpoint(reentran
             return torch.tanh(torch.nn.functional.linear(h, w.t()))
 
     torch.manual_seed(0)
-    model = Model()  # (float32: the block's part under the sum check's tolerance)
-    x = torch.randn(5, 4)
-    if reentrant:
-        with (
-            pytest.raises(UnsupportedModelError, match="changed inside the checkpointed"),
-            leanprop.per_sample(model, BatchGrad()),
-        ):
-            model(x).square().sum().backward()
-        return
-    assert_grad_batch_is_the_loops(model.double(), x.double())
+    model = Model().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert_grad_batch_is_the_loops(model, x)
 
 
 @pytest.mark.parametrize("constant", ["mask", "detached_sum"])
@@ -794,3 +788,69 @@ def test_a_tensor_from_parameters_alone_inside_a_checkpoint(reentrant, form):
         ref = quantities_from_individual(expected[k])
         for q in quantities:
             assert_close(getattr(p, q.attr), ref[q.attr], f"{k}.{q.attr}", 1e-9, 1e-12)
+
+
+def test_an_input_from_parameters_changed_in_nested_reentrant_checkpoints():
+    """A tensor from parameters passed through two nested reentrant checkpoints, changed in
+    each before it meets the batch: the product goes from each detached copy on to the tensor
+    it was detached from, itself computed from the outer checkpoint's copy."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+            self.w = nn.Parameter(torch.linspace(-1, 1, 16).view(4, 4))
+            self.s = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            return self.head(checkpoint(self._outer, h, self.w * 2, use_reentrant=True))
+
+        def _outer(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self._inner, h, w * self.s, use_reentrant=True) + h
+
+        def _inner(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(h @ (w.t() + self.s))
+
+    torch.manual_seed(0)
+    assert_grad_batch_is_the_loops(Model().double(), torch.randn(4, 4, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "unchecked"])
+@pytest.mark.parametrize("use", ["next_block", "changed_in_next_block", "outside"])
+def test_a_tensor_from_parameters_returned_by_a_reentrant_checkpoint(use, check):
+    """Computed from parameters inside a reentrant block and returned (a position bias made
+    in the first block): its parameter's individual gradients were taken through the
+    checkpoint's node, whose backward runs the recomputation (wrong, no error with
+    check=False); a clear error now, whichever way it meets the batch later."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+            self.table = nn.Parameter(torch.linspace(-1, 1, 20).view(5, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, bias = checkpoint(self._first, self.inp(x), use_reentrant=True)
+            if use == "outside":
+                return self.head(h * bias)
+            return self.head(checkpoint(self._next, h, bias, use_reentrant=True))
+
+        def _first(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            bias = self.table * 2
+            return torch.tanh(h + bias), bias
+
+        def _next(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(h * (bias + 1 if use == "changed_in_next_block" else bias))
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x = torch.randn(5, 5, 4, dtype=torch.float64)  # T == N
+    with (
+        pytest.raises(UnsupportedModelError, match="is returned from it and meets the batch"),
+        leanprop.per_sample(model, BatchGrad(), check=check),
+    ):
+        model(x).square().sum().backward()
+    with leanprop.per_sample(model, BatchGrad()):  # (the context is usable again)
+        model.head(model.inp(x)).sum().backward()
+    assert model.inp.weight.grad_batch.shape == (5, 4, 4)

@@ -29,13 +29,14 @@ the samples) and ``tracker.py`` (the state of one forward, updated op by op).
 
 from .infos import BatchDim, Lost, how_to_keep, packed_data, to_front
 from .rules import in_place, op_name, tensors_in
-from .tracker import BatchTracker, Lookup
+from .tracker import BatchTracker, Lookup, ThroughCopies
 
 __all__ = [
     "BatchDim",
     "BatchTracker",
     "Lookup",
     "Lost",
+    "ThroughCopies",
     "how_to_keep",
     "in_place",
     "op_name",

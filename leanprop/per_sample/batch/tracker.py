@@ -16,6 +16,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..._torch_compat import (
     current_graph_task_id,
     detaching_checkpoint_inputs,
+    reentrant_checkpoint_output,
     saved_tensor_hooks_in_effect,
 )
 from ...errors import UnsupportedModelError
@@ -56,6 +57,20 @@ from .rules import (
 )
 from .spread import MOVED, grouped_result, joined, read, replayed, selected_result
 from .unknown import STRIDED_LOST, STRIDED_VIEWS
+
+
+@dataclass(frozen=True, eq=False)
+class ThroughCopies:
+    """Where a vector-Jacobian product from a derived tensor to its parameters goes when the
+    tensor was computed inside a reentrant checkpoint's recomputation from detached copies of
+    the block's inputs (T5's position bias, masked in each later block): ``tensor``'s graph
+    ends at each of ``copies`` (and at the parameters the block reads itself); each copy's part
+    goes on from ``sources[i]``, the tensor it was detached from (itself a ``ThroughCopies``
+    where that one was computed so, in an outer reentrant checkpoint)."""
+
+    tensor: Tensor
+    copies: tuple[Tensor, ...]
+    sources: tuple[Tensor | ThroughCopies, ...]
 
 
 class _ByTensor:
@@ -127,10 +142,12 @@ class BatchTracker:
         self._lookups = _ByTensor()  # derived tensor -> Lookup, where it is one
         # derived tensor -> the tensor it was detached from by a reentrant checkpoint's
         # recomputation, or a parameter whose copy it is (see vjp_root); derived tensors
-        # computed from such detached copies -> True
+        # computed from such detached copies -> those copies
         self._sources = _ByTensor()
         self._detached = _ByTensor()
         self._from_detached = _ByTensor()
+        # derived tensors computed from a reentrant checkpoint's output -> True
+        self._past_reentrant = _ByTensor()
         # kept in the autograd nodes' own metadata (gone with the graph, never held here):
         # where the batch is in each tensor followed while saved-tensor hooks were in effect
         # (see _recover), and in each curved elementwise op's output (the Hessian's residual
@@ -180,24 +197,47 @@ class BatchTracker:
             slot = slots[id(self)] = (self._ref, self._forward, {})
         slot[2][output_nr] = value
 
-    def vjp_root(self, t: Tensor) -> Tensor:
+    def vjp_root(self, t: Tensor) -> Tensor | ThroughCopies:
         """Where a vector-Jacobian product from the derived tensor ``t`` to its parameters
-        starts: ``t``, or, for a copy that a reentrant checkpoint's recomputation detached
-        from the forward's (its input), that tensor, which leads to them.
+        starts: ``t``; for a copy that a reentrant checkpoint's recomputation detached from
+        the forward's (its input), that tensor, which leads to them; for a tensor computed
+        inside from such copies, a :class:`ThroughCopies`.
 
         Raises:
-            UnsupportedModelError: ``t`` was computed from such a copy inside the checkpointed
-                function (its graph ends at the copy: no product reaches the parameters)."""
-        if self._from_detached and t in self._from_detached:
-            raise UnsupportedModelError(
-                "per_sample: a tensor computed from parameters alone is passed to "
-                "checkpoint(use_reentrant=True) and changed inside the checkpointed function "
-                "before it meets the batch. The recomputation detaches the checkpoint's inputs, "
-                "so leanprop cannot take its parameters' per-sample gradients back through that "
-                "change. Change it before the checkpoint (pass the result), read the parameters "
-                "inside the function instead of passing them, or use use_reentrant=False."
-            )
+            UnsupportedModelError: ``t`` was computed from a reentrant checkpoint's output
+                (its graph back to the parameters is there only in that checkpoint's
+                backward)."""
+        root = self._root(t)
+        self._refuse_past_reentrant(root)
+        return root
+
+    def _root(self, t: Tensor) -> Tensor | ThroughCopies:
+        """:meth:`vjp_root` unchecked (a copy's, when it is detached: it may never be used)."""
+        copies = self._from_detached.get(t) if self._from_detached else None
+        if copies is not None:
+            return ThroughCopies(t, copies, tuple(self._sources.get(c, c) for c in copies))
         return self._sources.get(t, t)
+
+    def _refuse_past_reentrant(self, root: Tensor | ThroughCopies) -> None:
+        if isinstance(root, ThroughCopies):
+            for source in root.sources:
+                self._refuse_past_reentrant(source)
+        elif self._past_reentrant_output(root):
+            raise UnsupportedModelError(
+                "per_sample: a tensor computed from parameters alone inside "
+                "checkpoint(use_reentrant=True) is returned from it and meets the batch "
+                "later (a position bias computed in the first block, passed to the next ones). "
+                "Its graph back to the parameters is recomputed only when that checkpoint's "
+                "backward runs, so leanprop cannot take its parameters' per-sample gradients "
+                "through it. Compute it before the checkpoint and pass it in, or use "
+                "use_reentrant=False."
+            )
+
+    def _past_reentrant_output(self, t: Tensor) -> bool:
+        """``t`` is a reentrant checkpoint's output, or computed from one."""
+        return reentrant_checkpoint_output(t) or (
+            bool(self._past_reentrant) and t in self._past_reentrant
+        )
 
     def lookup(self, t: Any) -> Lookup | None:
         """How ``t`` was computed, if it is rows of one tracked parameter looked up with
@@ -269,9 +309,9 @@ class BatchTracker:
             self._info[t] = found
         return True
 
-    def _is_detached(self, t: Tensor) -> bool:
-        """``t`` is a reentrant checkpoint's detached copy, or computed from one."""
-        return t in self._detached or t in self._from_detached
+    def _copies_in(self, t: Tensor) -> tuple[Tensor, ...]:
+        """The reentrant checkpoint's detached copies ``t`` is, or is computed from."""
+        return (t,) if t in self._detached else self._from_detached.get(t, ())
 
     def _edge_node(self, t: Tensor) -> Any:
         """The autograd node where ``t``'s gradient goes: its ``grad_fn``, or a leaf's gradient
@@ -389,7 +429,8 @@ class BatchTracker:
             kwargs = {k: v for k, v in kwargs.items() if k != "tensors"}
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
-        detached = False  # (a derived input is a reentrant checkpoint's detached copy)
+        copies: dict[int, Tensor] = {}  # (reentrant checkpoints' detached copies, by id)
+        past_reentrant = False  # (a derived input is a reentrant checkpoint's output)
         # (a checkpoint's saved inputs may come back as copies: see _recover(). Kept while
         # saved-tensor hooks other than a checkpoint's own are in effect, for the op's tensors
         # too: such a hook that copies what it saves reads the tensor with an op. Not inside a
@@ -405,7 +446,9 @@ class BatchTracker:
                     batched.append((i + j, t, info))
                 else:
                     derived |= self._derived_input(t, by_edge)
-                    detached = detached or (bool(self._detached) and self._is_detached(t))
+                    past_reentrant = past_reentrant or self._past_reentrant_output(t)
+                    if self._detached:
+                        copies.update((id(c), c) for c in self._copies_in(t))
                     continue
                 if by_edge:
                     self._remember_edge(t, info)
@@ -426,7 +469,9 @@ class BatchTracker:
                         self._remember_edge(v, info)
                 else:
                     derived |= self._derived_input(v, by_edge)
-                    detached = detached or (bool(self._detached) and self._is_detached(v))
+                    past_reentrant = past_reentrant or self._past_reentrant_output(v)
+                    if self._detached:
+                        copies.update((id(c), c) for c in self._copies_in(v))
         batched = by_value(name, args, kwargs, batched)
         if not batched:
             if derived:
@@ -435,13 +480,15 @@ class BatchTracker:
                     self._derived[o] = params
                     if by_edge:
                         self._remember_edge(o, params)
+                    if past_reentrant:
+                        self._past_reentrant[o] = True
                 if name == "detach" and detaching_checkpoint_inputs():
-                    self._sources[outs[0]] = self.vjp_root(args[0])
+                    self._sources[outs[0]] = self._root(args[0])
                     self._detached[outs[0]] = True
-                elif detached:  # (one that carries no gradient is a constant: a mask)
+                elif copies:  # (one that carries no gradient is a constant: a mask)
                     for o in outs:
                         if o.requires_grad:
-                            self._from_detached[o] = True
+                            self._from_detached[o] = tuple(copies.values())
                 if name == "embedding" and len(outs) == 1:
                     found = _lookup(args, kwargs, self.params)
                     if found is not None:
