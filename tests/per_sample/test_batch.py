@@ -870,6 +870,14 @@ def _mixed(op):
 
 
 PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients are defined
+    "a mean squared error against the batch's own targets, reduced": lambda x, y: F.mse_loss(
+        x[:, 0], x.detach()[:, 1]
+    ),
+    "a binary cross-entropy with per-sample weights [N, 1]": lambda x, y: (
+        F.binary_cross_entropy_with_logits(
+            x[:, 0], x.detach()[:, 1].sigmoid(), weight=x.detach()[:, 0, :1].abs()
+        )
+    ),
     "a flipped batch flattened, elementwise": lambda x, y: x.flip(0).reshape(-1).sin().sum(),
     "a per-sample weight into a grouped convolution": lambda x, y: F.conv1d(
         x[:, :2, :2].reshape(1, 2 * N, 2), x[:, :2, :1].reshape(2 * N, 1, 1), groups=2 * N
@@ -1089,6 +1097,25 @@ PER_SAMPLE_LOSSES = {  # each term depends on one sample: per-sample gradients a
     ).sum(),
 }
 MIXING_LOSSES = {  # a sample's term reads other samples' values
+    "a mean squared error against the flipped batch's targets, reduced": lambda x, y: F.mse_loss(
+        x[:, 0], x.detach()[:, 0].flip(0)
+    ),
+    "a binary cross-entropy with per-sample weights [N] along the classes": lambda x, y: (
+        F.binary_cross_entropy_with_logits(
+            x[:, 0], x.detach()[:, 1].sigmoid(), weight=x.detach()[:, 0, 0].abs()
+        )
+    ),
+    "a binary cross-entropy with a pos_weight [N] along the classes": lambda x, y: (
+        F.binary_cross_entropy_with_logits(
+            x[:, 0],
+            x.detach()[:, 1].sigmoid(),
+            pos_weight=x.detach()[:, 0, 0].abs(),
+            reduction="none",
+        ).sum()
+    ),
+    "a binary cross-entropy with its weight [N] passed by position": lambda x, y: (
+        F.binary_cross_entropy(x[:, 0].sigmoid(), x.detach()[:, 1].sigmoid(), x.detach()[:, 0, 0])
+    ),
     "a rolled batch flattened, times the batch flattened": lambda x, y: (
         (x.roll(1, 0).reshape(-1) * x.reshape(-1)).sin().sum()
     ),

@@ -209,7 +209,7 @@ _LOSSES = {  # (each takes the samples first; with reduction="none" a value per 
 
 
 # losses of each element of their two operands broadcast together (input, target, ...)
-_POINTWISE_LOSSES = frozenset({
+POINTWISE_LOSSES = frozenset({
     "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "gaussian_nll_loss",
     "soft_margin_loss",
@@ -692,7 +692,7 @@ def result_dim(
         if name in CLASS_LOSSES and which == 0 and bd.dim == (1 if nd > 1 else 0):
             # (the classes' dimension: [N, C, ...] -> [N, ...]; a vector's only one)
             return Lost(f"{name} over the batch dimension (taken as the classes')")
-        if name in _POINTWISE_LOSSES and _batches_apart(args, which, bd, tracker):
+        if name in POINTWISE_LOSSES and _batches_apart(name, args, kwargs, which, bd, tracker):
             return Lost(f"'{name}' of operands broadcast with their batches apart: it {MAY_MIX}")
         if kwargs.get("reduction", "mean") != "none":
             return Combined("a loss reduces over samples")
@@ -816,21 +816,44 @@ def _chain_result(args: Sequence[Any], which: int, nd: int, bd: BatchDim, od: in
 
 
 def _batches_apart(
-    args: Sequence[Any], which: int | str, bd: BatchDim, tracker: BatchTracker
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], which: int | str, bd: BatchDim,
+    tracker: BatchTracker,
 ) -> bool:  # fmt: skip
-    """Whether a pointwise loss's two operands (input, target) both carry the batch, in
-    different dimensions of their broadcast shape (``mse_loss(p [N, 1], y [N])``: each sample's
-    prediction against every sample's target)."""
-    if which not in (0, 1) or len(args) < 2 or not all(isinstance(t, Tensor) for t in args[:2]):
+    """Whether a pointwise loss's operands that carry the batch (input, target, and the
+    weights broadcast with them) hold it in different dimensions of their broadcast shape
+    (``mse_loss(p [N, 1], y [N])``: each sample's prediction against every sample's target;
+    ``binary_cross_entropy_with_logits(h [N, C], y, weight=w [N])``: every sample's weight
+    on each sample's classes)."""
+    operands = _pointwise_loss_operands(name, args, kwargs)
+    own = operands.get(which)
+    if own is None:
         return False
-    other = args[1 - which]
-    info = tracker.info(other)
-    if not isinstance(info, BatchDim):
-        return False
-    rank = max(args[0].dim(), args[1].dim())
-    here = rank - (args[which].dim() - bd.dim)
-    there = rank - (other.dim() - info.dim)
-    return here != there
+    rank = max(t.dim() for t in operands.values())
+    here = rank - (own.dim() - bd.dim)
+    for key, other in operands.items():
+        info = tracker.info(other) if key != which else None
+        if isinstance(info, BatchDim) and rank - (other.dim() - info.dim) != here:
+            return True
+    return False
+
+
+def _pointwise_loss_operands(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any]
+) -> dict[int | str, Tensor]:
+    """A pointwise loss's tensors broadcast together, by position or keyword (as the batch
+    tracker numbers them): input and target; ``weight`` and ``pos_weight`` of the binary
+    cross-entropies (``gaussian_nll_loss``'s ``var`` broadcasts its own way: not read)."""
+    found: dict[int | str, Tensor] = {}
+    places: tuple[tuple[int, str], ...] = ((0, "input"), (1, "target"))
+    if name == "binary_cross_entropy":
+        places += ((2, "weight"),)
+    elif name == "binary_cross_entropy_with_logits":
+        places += ((2, "weight"), (6, "pos_weight"))
+    for i, key in places:
+        t = args[i] if i < len(args) else kwargs.get(key)
+        if isinstance(t, Tensor):
+            found[i if i < len(args) else (0 if key == "input" else key)] = t
+    return found
 
 
 _GROUPABLE = frozenset({"conv1d", "conv2d", "conv3d"})

@@ -49,6 +49,7 @@ from .rules import (
     FACTORIES,
     NON_TENSOR,
     ONE_OUTPUT_EACH,
+    POINTWISE_LOSSES,
     REJOINED,
     combines,
     in_place,
@@ -697,11 +698,13 @@ class BatchTracker:
                 else:
                     results.add(r)
                 at = info if isinstance(r, Combined) else r  # (a reduction: as they came)
+                lined_up = not isinstance(r, Combined) or name in POINTWISE_LOSSES
                 if holds_samples(at) and (
-                    self._live(t) or (type(at) is not Selected and not isinstance(r, Combined))
+                    self._live(t) or (type(at) is not Selected and lined_up)
                 ):  # (without grad too: another sample's data where the op lines it up with
-                    # these, h * x.flip(0); not a pick of them, a detached partner: SimSiam's;
-                    # nor a reduction's operands, compared as they came: ctc_loss's targets)
+                    # these, h * x.flip(0), mse_loss(h, y.flip(0)); not a pick of them, a
+                    # detached partner: SimSiam's; nor a reduction's operands, compared as
+                    # they came: ctc_loss's targets)
                     held.add(at)
             results = results or constants or {parts}
             if (
