@@ -46,16 +46,32 @@ def in_reentrant_checkpoint_backward() -> bool:
     return _called_from("backward", "utils", "checkpoint.py")
 
 
+def recomputing_checkpoint() -> bool:
+    """Whether this code runs inside a non-reentrant checkpoint's recomputation of its block
+    (started in a backward, where a saved tensor it dropped is needed)."""
+    return _called_from("recompute_fn", "utils", "checkpoint.py")
+
+
 def detaching_checkpoint_inputs() -> bool:
     """Whether this code runs inside ``torch.utils.checkpoint``'s ``detach_variable`` (a
     reentrant checkpoint's recomputation detaching the block's saved inputs)."""
     return _called_from("detach_variable", "utils", "checkpoint.py")
 
 
-def reentrant_checkpoint_output(t: torch.Tensor) -> bool:
-    """Whether ``t`` is an output of ``checkpoint(use_reentrant=True)`` (its graph goes back
-    into the block only once that checkpoint's backward recomputes it)."""
-    return t.grad_fn is not None and type(t.grad_fn).__name__ == "CheckpointFunctionBackward"
+def through_reentrant_checkpoint(t: torch.Tensor) -> bool:
+    """Whether ``t``'s graph reaches an output of ``checkpoint(use_reentrant=True)`` (a
+    graph back into the block exists only once that checkpoint's backward recomputes it).
+    Walks the whole graph: for tensors computed from parameters alone (small graphs)."""
+    seen, nodes = set(), [t.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        nodes += [next_node for next_node, _ in node.next_functions]
+    return False
 
 
 def inside_function_backward() -> bool:

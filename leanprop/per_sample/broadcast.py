@@ -150,7 +150,8 @@ def meet(
                 params != (lookup.weight,) or bd.inner != 1 or t.shape[:-1] != lookup.ids.shape
             ):
                 lookup = None
-            root = (tracker.vjp_root(t),)
+            # (rows scattered directly: no product from t, so no root to look for)
+            root = (t if lookup is not None else tracker.vjp_root(t),)
             e = BroadcastCapture.apply(t, shape_of(t), bd, n, params, contribute, lookup, root)
             tracker.mark(e, bd)
             t = e

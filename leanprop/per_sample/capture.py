@@ -49,6 +49,7 @@ from .._torch_compat import (
     pop_innermost_mode,
     push_mode,
     queue_callback,
+    recomputing_checkpoint,
     saving_loses_leaf_hooks,
     top_function_mode,
     tree_flatten,
@@ -59,6 +60,7 @@ from .batch import (
     BatchDim,
     BatchTracker,
     Lost,
+    ThroughCopies,
     how_to_keep,
     in_place,
     op_name,
@@ -247,6 +249,33 @@ class _OwnWork:
         ops.WORKING.depth -= 1
 
 
+class _ModelPass:
+    """:meth:`PerSample.model_pass`'s context: inside own work, a backward of ours through the
+    model's graph (a parameter-derived tensor's contributions handed back to its parameters).
+    A non-reentrant checkpoint recomputes its block there, in a graph task of its own: that
+    recomputation is the model's forward replayed, followed by the op interception as the
+    forward was (else it saves other tensors than the forward: the checkpoint refuses them,
+    or, where their shapes agree, hands that backward the wrong ones)."""
+
+    __slots__ = ("_capture", "_pushed")
+
+    def __init__(self, capture: PerSample) -> None:
+        self._capture = capture
+
+    def __enter__(self) -> None:
+        capture = self._capture
+        capture._model_passes += 1
+        mode = capture._intercept
+        self._pushed = mode is not None and top_function_mode() is not mode
+        if self._pushed:
+            push_mode(mode)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pushed:
+            pop_innermost_mode(self._capture._intercept)
+        self._capture._model_passes -= 1
+
+
 class PerSample:
     """Context manager computing per-sample quantities during ``backward``; see
     :func:`leanprop.per_sample`."""
@@ -324,6 +353,7 @@ class PerSample:
         self._cycle.watch_results = weakref.WeakMethod(self._watch_results)  # (no cycle)
         self._active = False
         self._computing_here = False
+        self._model_passes = 0  # see model_pass
         self._layer_outputs_only = 0  # see for_layer_outputs
         self._intercept: Intercept | None = None
         self._fusable_by_weight: dict[int, list[Site]] = {}  # id(weight) -> fusable sites
@@ -886,7 +916,7 @@ class PerSample:
         of that part of their gradient)."""
         if not (self._active and not self._computing and not self._passive and self._kinds):
             return
-        with self.own_work():
+        with self.own_work(), self.model_pass():
             found = reached(t, list(params), grad)
         for p in found:
             self._cycle.escaped.setdefault(self._states[p].name, name)
@@ -942,7 +972,7 @@ class PerSample:
 
     def _run_setitem(
         self, args: tuple[Any, ...], captured: dict[int, tuple[nn.Parameter, ...]], n: int,
-        device: torch.device, roots: dict[int, Tensor],
+        device: torch.device, roots: dict[int, Tensor | ThroughCopies],
     ) -> None:  # fmt: skip
         """``x[index] = value`` with a parameter in ``value`` (Wav2Vec2's masked time steps
         take a learned embedding): captured as the same assignment into a copy of ``x``,
@@ -1088,7 +1118,7 @@ class PerSample:
             self._cycle.contributions = ops.Contribute(
                 _Weakly(self._contribute), _Weakly(self.own_work), _Weakly(self._is_passive),
                 _Weakly(self._norms_only), _Weakly(self._store_norms), self._cycle.scratch,
-                _Weakly(self._sums_wanted),
+                _Weakly(self._sums_wanted), _Weakly(self.model_pass),
             )  # fmt: skip
         return self._cycle.contributions
 
@@ -1100,13 +1130,21 @@ class PerSample:
     @property
     def _computing(self) -> bool:
         """This context, or another one on this thread (nested contexts), runs its own
-        per-sample work: its ops and module calls are not the model's."""
+        per-sample work: its ops and module calls are not the model's (but for a block that a
+        checkpoint recomputes inside a model pass of ours: see ``model_pass``)."""
+        if self._model_passes and recomputing_checkpoint():
+            return False
         return self._computing_here or ops.working()
 
     def own_work(self) -> _OwnWork:
         """Work of ours (per-sample and backward computations): its ops are not followed or
         captured, and hooks ignore the autograd calls made inside (a context manager)."""
         return _OwnWork(self)
+
+    def model_pass(self) -> _ModelPass:
+        """Inside :meth:`own_work`, a backward of ours through the model's own graph (a
+        context manager; see :class:`_ModelPass`)."""
+        return _ModelPass(self)
 
     def _sums_wanted(self) -> bool:
         """Whether a replaced op's summed gradients go into ``.grad``: not in a clipped

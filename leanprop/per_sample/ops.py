@@ -71,9 +71,13 @@ class Contribute:
         norms: Callable[..., None],
         scratch: Scratch,
         sums_wanted: Callable[[], bool],
+        model_pass: Callable[[], AbstractContextManager[None]],
     ) -> None:
         self.sink = sink  # sink(batch, compute_dtype, source): source is this object
         self.computing = computing  # marks the per-sample work (its autograd calls) as ours
+        # inside computing(): a backward of ours through the model's graph (a checkpoint's
+        # recomputation there is followed as the forward was: PerSample.model_pass)
+        self.model_pass = model_pass
         self.passive = passive  # a backward that is not for parameters (e.g. d output / d x)
         # norms_only(t): t is a parameter used once, and only BatchL2Grad is asked for;
         # norms(p, ||c_n||² [N], summed gradient, compute dtype, source, reweigher) then stores
@@ -144,7 +148,8 @@ def hand_back(
     if len(params) == 1 and w is params[0]:
         contribute({w: per_sample}, compute_dtype, {w: summed} if summed is not None else None)
         return
-    grads = _batched_vjp_to(w, params, per_sample)
+    with contribute.model_pass():
+        grads = _batched_vjp_to(w, params, per_sample)
     n = per_sample.shape[0]
     contribute(
         {
@@ -231,8 +236,8 @@ def saving_own(keep: bool) -> AbstractContextManager[Any]:
     """Where ``keep``: saved-tensor hooks that keep what the ops inside save, in place of a
     non-reentrant checkpoint's, which drop it and recompute it in the first backward that
     needs it. A per-sample pass of ours through the graph is a backward of its own: the
-    checkpoint would recompute its block once more there, outside the op interception, and
-    refuse what it recomputed (fewer tensors saved than in the forward)."""
+    checkpoint would recompute the whole block once more there for each such pass
+    (``PerSample.model_pass``)."""
     return torch.autograd.graph.saved_tensors_hooks(_kept, _kept) if keep else _NO_HOOKS
 
 
@@ -612,7 +617,7 @@ def run(
     captured: dict[int, tuple[nn.Parameter, ...]], follow: Callable[[Any], None],
     batch_of: Callable[[Tensor], BatchDim | None], n: int, workspace_bytes: int,
     contribute: Contribute, rule: Callable[..., dict[int, Tensor]] | None = None,
-    roots: dict[int, Tensor] | None = None,
+    roots: dict[int, Tensor | ThroughCopies] | None = None,
 ) -> Any:  # fmt: skip
     """``func(*args, **kwargs)`` through :class:`OpCapture`.
 

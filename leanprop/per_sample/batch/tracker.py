@@ -16,8 +16,8 @@ from torch.autograd.graph import get_gradient_edge
 from ..._torch_compat import (
     current_graph_task_id,
     detaching_checkpoint_inputs,
-    reentrant_checkpoint_output,
     saved_tensor_hooks_in_effect,
+    through_reentrant_checkpoint,
 )
 from ...errors import UnsupportedModelError
 from .indexing import assigned_result, base_result
@@ -147,8 +147,6 @@ class BatchTracker:
         self._sources = _ByTensor()
         self._detached = _ByTensor()
         self._from_detached = _ByTensor()
-        # derived tensors computed from a reentrant checkpoint's output -> True
-        self._past_reentrant = _ByTensor()
         # kept in the autograd nodes' own metadata (gone with the graph, never held here):
         # where the batch is in each tensor followed while saved-tensor hooks were in effect
         # (see _recover), and in each curved elementwise op's output (the Hessian's residual
@@ -220,25 +218,26 @@ class BatchTracker:
         return self._sources.get(t, t)
 
     def _refuse_past_reentrant(self, root: Tensor | ThroughCopies) -> None:
-        if isinstance(root, ThroughCopies):
-            for source in root.sources:
-                self._refuse_past_reentrant(source)
-        elif self._past_reentrant_output(root):
-            raise UnsupportedModelError(
-                "per_sample: a tensor computed from parameters alone inside "
-                "checkpoint(use_reentrant=True) is returned from it and meets the batch "
-                "later (a position bias computed in the first block, passed to the next ones). "
-                "Its graph back to the parameters is recomputed only when that checkpoint's "
-                "backward runs, so leanprop cannot take its parameters' per-sample gradients "
-                "through it. Compute it before the checkpoint and pass it in, or use "
-                "use_reentrant=False."
-            )
-
-    def _past_reentrant_output(self, t: Tensor) -> bool:
-        """``t`` is a reentrant checkpoint's output, or computed from one."""
-        return reentrant_checkpoint_output(t) or (
-            bool(self._past_reentrant) and t in self._past_reentrant
-        )
+        """Refuse a product from ``root`` to its parameters that would pass through a
+        reentrant checkpoint's node (whose graph back into its block exists only while that
+        checkpoint's backward runs: its individual gradients would be taken through the
+        checkpoint's own backward, wrongly)."""
+        tensors = [root]
+        while tensors:
+            t = tensors.pop()
+            if isinstance(t, ThroughCopies):
+                tensors += [t.tensor, *t.sources]
+            elif through_reentrant_checkpoint(t):
+                raise UnsupportedModelError(
+                    "per_sample: a tensor computed from parameters alone meets the batch after "
+                    "passing through checkpoint(use_reentrant=True): the checkpointed function "
+                    "returned it, or something it was computed from (a position bias made in "
+                    "the first block or passed through each, as HF T5's blocks return it). Its "
+                    "graph back to the parameters is recomputed only when that checkpoint's "
+                    "backward runs, so leanprop cannot take its parameters' per-sample "
+                    "gradients through it. Use use_reentrant=False, or compute the tensor "
+                    "outside the checkpoints and pass it to each without returning it."
+                )
 
     def lookup(self, t: Any) -> Lookup | None:
         """How ``t`` was computed, if it is rows of one tracked parameter looked up with
@@ -311,8 +310,11 @@ class BatchTracker:
         return True
 
     def _copies_in(self, t: Tensor) -> tuple[Tensor, ...]:
-        """The reentrant checkpoint's detached copies ``t`` is, or is computed from."""
-        return (t,) if t in self._detached else self._from_detached.get(t, ())
+        """The reentrant checkpoints' detached copies ``t`` is, or is computed from, that
+        carry a gradient (a copy of a value without one leads to no parameter)."""
+        if t in self._detached:
+            return (t,) if t.requires_grad else ()
+        return self._from_detached.get(t, ())
 
     def _edge_node(self, t: Tensor) -> Any:
         """The autograd node where ``t``'s gradient goes: its ``grad_fn``, or a leaf's gradient
@@ -431,7 +433,6 @@ class BatchTracker:
         batched: list[tuple[int | str, Tensor, Info]] = []
         derived: set[nn.Parameter] = set()
         copies: dict[int, Tensor] = {}  # (reentrant checkpoints' detached copies, by id)
-        past_reentrant = False  # (a derived input is a reentrant checkpoint's output)
         # (a checkpoint's saved inputs may come back as copies: see _recover(). Kept while
         # saved-tensor hooks other than a checkpoint's own are in effect, for the op's tensors
         # too: such a hook that copies what it saves reads the tensor with an op. Not inside a
@@ -447,7 +448,6 @@ class BatchTracker:
                     batched.append((i + j, t, info))
                 else:
                     derived |= self._derived_input(t, by_edge)
-                    past_reentrant = past_reentrant or self._past_reentrant_output(t)
                     if self._detached:
                         copies.update((id(c), c) for c in self._copies_in(t))
                     continue
@@ -470,7 +470,6 @@ class BatchTracker:
                         self._remember_edge(v, info)
                 else:
                     derived |= self._derived_input(v, by_edge)
-                    past_reentrant = past_reentrant or self._past_reentrant_output(v)
                     if self._detached:
                         copies.update((id(c), c) for c in self._copies_in(v))
         batched = by_value(name, args, kwargs, batched)
@@ -481,14 +480,14 @@ class BatchTracker:
                     self._derived[o] = params
                     if by_edge:
                         self._remember_edge(o, params)
-                    if past_reentrant:
-                        self._past_reentrant[o] = True
                 if name == "detach" and detaching_checkpoint_inputs():
                     self._sources[outs[0]] = self._root(args[0])
                     self._detached[outs[0]] = True
-                elif copies:  # (one that carries no gradient is a constant: a mask)
+                elif copies:  # (one that carries no gradient is a constant: a mask; one that
+                    # is a copy itself, b.contiguous(), stays one: holding itself, it would
+                    # never be dropped)
                     for o in outs:
-                        if o.requires_grad:
+                        if o.requires_grad and id(o) not in copies:
                             self._from_detached[o] = tuple(copies.values())
                 if name == "embedding" and len(outs) == 1:
                     found = _lookup(args, kwargs, self.params)
