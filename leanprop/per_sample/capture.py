@@ -264,16 +264,16 @@ class _ModelPass:
 
     def __enter__(self) -> None:
         capture = self._capture
-        capture._model_passes += 1
-        mode = capture._intercept
-        self._pushed = mode is not None and top_function_mode() is not mode
+        ops.MODEL_PASSES.depth = getattr(ops.MODEL_PASSES, "depth", 0) + 1
+        mode = capture._intercept  # (taken off by own work where it was innermost only)
+        self._pushed = mode is not None and all(m is not mode for m in function_modes())
         if self._pushed:
             push_mode(mode)
 
     def __exit__(self, *exc: object) -> None:
         if self._pushed:
             pop_innermost_mode(self._capture._intercept)
-        self._capture._model_passes -= 1
+        ops.MODEL_PASSES.depth -= 1
 
 
 class PerSample:
@@ -353,7 +353,6 @@ class PerSample:
         self._cycle.watch_results = weakref.WeakMethod(self._watch_results)  # (no cycle)
         self._active = False
         self._computing_here = False
-        self._model_passes = 0  # see model_pass
         self._layer_outputs_only = 0  # see for_layer_outputs
         self._intercept: Intercept | None = None
         self._fusable_by_weight: dict[int, list[Site]] = {}  # id(weight) -> fusable sites
@@ -1132,7 +1131,7 @@ class PerSample:
         """This context, or another one on this thread (nested contexts), runs its own
         per-sample work: its ops and module calls are not the model's (but for a block that a
         checkpoint recomputes inside a model pass of ours: see ``model_pass``)."""
-        if self._model_passes and recomputing_checkpoint():
+        if ops.in_model_pass() and recomputing_checkpoint():
             return False
         return self._computing_here or ops.working()
 

@@ -57,6 +57,17 @@ def working() -> bool:
     return getattr(WORKING, "depth", 0) > 0
 
 
+# how many backward passes of ours through the model's graph run on this thread (see
+# PerSample.model_pass): a block a checkpoint recomputes there is the model's, for every
+# context
+MODEL_PASSES = threading.local()
+
+
+def in_model_pass() -> bool:
+    """Whether some context runs a backward of its own through the model's graph here."""
+    return getattr(MODEL_PASSES, "depth", 0) > 0
+
+
 class Contribute:
     """Where one forward's captured uses hand their per-sample contributions; closed when the
     forward's records are dropped, and while a backward differentiates a ``create_graph``

@@ -1107,3 +1107,33 @@ def test_hf_t5_with_several_blocks_under_gradient_checkpointing(reentrant):
         losses().sum().backward()
     for (k, attr), ref in expected.items():
         assert_close(getattr(model.get_parameter(k), attr), ref, f"{k}.{attr}", 1e-10, 1e-12)
+
+
+def test_nested_contexts_on_a_models_function_inside_a_checkpoint():
+    """Two contexts on the same model, a tensor from parameters through the model's own
+    Function inside a non-reentrant checkpoint: the block recomputed in one context's backward
+    of its own must be followed by both, as the forward was (a CheckpointError before)."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+            self.table = nn.Parameter(torch.linspace(-1, 1, 16).view(4, 4))
+            self.s = nn.Parameter(torch.linspace(0.5, 1.5, 16).view(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self._block, self.inp(x), use_reentrant=False))
+
+        def _block(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(nn.functional.linear(h, _SinFunction.apply(self.table * self.s)))
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x = torch.randn(4, 4, 4, dtype=torch.float64)
+    expected = loop_oracle(model, x)
+    with leanprop.per_sample(model, BatchGrad()), leanprop.per_sample(model, BatchL2Grad()):
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        ref = quantities_from_individual(expected[k])
+        for attr in ("grad_batch", "batch_l2"):
+            assert_close(getattr(p, attr), ref[attr], f"{k}.{attr}", 1e-9, 1e-12)
