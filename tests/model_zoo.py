@@ -205,6 +205,29 @@ def resnet_batchnorm_eval() -> Built:
     return m, lambda: F.cross_entropy(m(x), y, reduction="none"), {}
 
 
+class LinearBatchNormOnTokens(nn.Module):
+    """HF LeViT's ``MLPLayerWithBN``: an eval-mode BatchNorm1d on the tokens flattened with
+    the samples, ``[N*T, C]`` (an affine map of each row's channels)."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.linear, self.batch_norm = nn.Linear(i, o, bias=False), nn.BatchNorm1d(o)
+        self.batch_norm.running_mean.uniform_(-0.5, 0.5)
+        self.batch_norm.running_var.uniform_(0.5, 1.5)
+        self.batch_norm.eval()
+
+    def forward(self, h: Tensor) -> Tensor:  # [N, T, i]
+        h = self.linear(h)
+        return self.batch_norm(h.flatten(0, 1)).reshape_as(h)
+
+
+@model
+def levit_batchnorm_on_tokens_eval() -> Built:
+    m = nn.Sequential(LinearBatchNormOnTokens(4, 6), nn.GELU(), LinearBatchNormOnTokens(6, 3))
+    x = torch.randn(N, N, 4)  # T == N
+    return m, lambda: per_sample_sq(m(x)), {}
+
+
 class InPlaceAfterLayers(nn.Module):
     """Results changed in place right after the layer that made them, each accepted by plain
     autograd: an embedding's output scaled in place; ``h += x`` and ``ReLU(inplace=True)``

@@ -447,7 +447,9 @@ def result_dim(
                 return grouped
         if bd.dim != 0:
             return Lost(f"{name} needs the batch first")
-        if bd.inner != 1:
+        if bd.inner != 1 and not (name == "batch_norm" and _eval_mode(args, kwargs)):
+            # (an eval-mode batch norm is an affine map of each row's channels: HF LeViT's
+            # on [N*T, C])
             return Lost(f"{name} on samples flattened with another dimension")
         if nd < _BATCHED_RANK.get(name, 0):  # (an unbatched call: the samples are its channels)
             return Lost(f"{name} of an unbatched input, whose channels are the samples")
@@ -813,6 +815,13 @@ def _chain_result(args: Sequence[Any], which: int, nd: int, bd: BatchDim, od: in
     if which == last and nd == 2 and bd.dim == 1:
         return BatchDim(od - 1, bd.inner)
     return Combined("a product of matrices sums over the batch dimension")
+
+
+def _eval_mode(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``batch_norm`` call (torch's or ``F``'s: ``training`` sixth in both) uses
+    its running statistics only, without updating them."""
+    training = kwargs.get("training", args[5] if len(args) > 5 else False)
+    return isinstance(training, bool) and not training
 
 
 def _batches_apart(
