@@ -52,6 +52,15 @@ def recomputing_checkpoint() -> bool:
     return _called_from("recompute_fn", "utils", "checkpoint.py")
 
 
+def selective_checkpoint_active() -> bool:
+    """Whether selective activation checkpointing's caching is active here (its
+    recomputation hands out each op's cached result once only)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    names = ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+    return any(type(m).__name__ in names for m in _get_current_dispatch_mode_stack())
+
+
 def detaching_checkpoint_inputs() -> bool:
     """Whether this code runs inside ``torch.utils.checkpoint``'s ``detach_variable`` (a
     reentrant checkpoint's recomputation detaching the block's saved inputs)."""

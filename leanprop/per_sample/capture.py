@@ -51,6 +51,7 @@ from .._torch_compat import (
     queue_callback,
     recomputing_checkpoint,
     saving_loses_leaf_hooks,
+    selective_checkpoint_active,
     top_function_mode,
     tree_flatten,
 )
@@ -247,6 +248,16 @@ class _OwnWork:
             push_mode(self._popped)
         self._capture._computing_here = self._before
         ops.WORKING.depth -= 1
+
+
+_SELECTIVE_RECOMPUTED = (
+    "per_sample: selective activation checkpointing (checkpoint's context_fn) around a tensor "
+    "computed from parameters alone whose graph holds what the checkpoint dropped (through "
+    "your own autograd Function): handing its parameters' per-sample gradients back needs a "
+    "recomputation of the block of its own, and selective checkpointing's cache serves one "
+    "only. Checkpoint without context_fn, keep that Function out of the checkpointed block, "
+    "or compute the tensor before the checkpoint and pass it in."
+)
 
 
 class _ModelPass:
@@ -1132,6 +1143,8 @@ class PerSample:
         per-sample work: its ops and module calls are not the model's (but for a block that a
         checkpoint recomputes inside a model pass of ours: see ``model_pass``)."""
         if ops.in_model_pass() and recomputing_checkpoint():
+            if selective_checkpoint_active():
+                raise UnsupportedModelError(_SELECTIVE_RECOMPUTED)
             return False
         return self._computing_here or ops.working()
 

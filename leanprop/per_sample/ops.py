@@ -162,6 +162,11 @@ def hand_back(
     with contribute.model_pass():
         grads = _batched_vjp_to(w, params, per_sample)
     n = per_sample.shape[0]
+    # (the sum check's tolerance: a tensor computed in a lower precision than its parameters,
+    # HF Gemma's `weight.float()` in a float64 model, is checked as such)
+    low = per_sample.dtype
+    if compute_dtype is None and all(_bits(low) < _bits(p.dtype) for p in params):
+        compute_dtype = low
     contribute(
         {
             p: g if g is not None else p.new_zeros(n, *p.shape)
@@ -171,20 +176,20 @@ def hand_back(
     )
 
 
+def _bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits if dtype.is_floating_point else 0
+
+
 def _batched_vjp_to(
     w: Tensor | ThroughCopies, params: tuple[nn.Parameter, ...], per_sample: Tensor
 ) -> list[Tensor | None]:
     """``(dw/dp)ᵀ per_sample[n]`` for each of ``params`` (None: ``w`` does not use it)."""
-    batched = {
-        "retain_graph": True, "allow_unused": True, "is_grads_batched": True,
-        "create_graph": torch.is_grad_enabled(),  # (create_graph: results differentiable)
-    }  # fmt: skip
     if isinstance(w, Tensor):
-        return list(torch.autograd.grad(w, params, per_sample, **batched))
+        return _rows_grad([w], params, [per_sample])
     # (w's graph ends at the checkpoint's detached copies: each one's part goes on from the
     # tensor it was detached from)
     k = len(w.copies)
-    grads = torch.autograd.grad(w.tensor, (*w.copies, *params), per_sample, **batched)
+    grads = _rows_grad([w.tensor], (*w.copies, *params), [per_sample])
     total = list(grads[k:])
     for g, source in zip(grads[:k], w.sources, strict=True):
         if g is None:
@@ -582,32 +587,53 @@ def _per_sample(
 
 def _batched_vjp(outputs: list[Tensor], inputs: list[Tensor], masks: list[Tensor]) -> list:
     k = masks[0].shape[0]
+    return [
+        t.new_zeros(k, *t.shape) if g is None else g
+        for t, g in zip(inputs, _rows_grad(outputs, inputs, masks), strict=True)
+    ]
+
+
+def _rows_grad(
+    outputs: Sequence[Tensor], inputs: Sequence[Tensor], grads: Sequence[Tensor]
+) -> list[Tensor | None]:
+    """``torch.autograd.grad(outputs, inputs, ...)`` for each row of ``grads`` (each
+    ``[k, *output.shape]``): ``[k, *input.shape]`` per input, None where none is used. All
+    rows at once (vmap), else one at a time where vmap cannot batch the backward (an RNN's;
+    random ops that a checkpoint recomputes in it)."""
+    k = grads[0].shape[0]
+    if k == 0:
+        return [t.new_zeros(0, *t.shape) for t in inputs]
+    create = torch.is_grad_enabled()  # (create_graph: the results stay differentiable)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="There is a performance drop")
-            grads = torch.autograd.grad(
-                outputs, inputs, masks, retain_graph=True, allow_unused=True,
-                is_grads_batched=True, create_graph=torch.is_grad_enabled(),
-            )  # fmt: skip
-    except RuntimeError:  # vmap cannot batch this op's backward (e.g. RNNs): one at a time
+            return list(
+                torch.autograd.grad(
+                    outputs,
+                    inputs,
+                    grads,
+                    retain_graph=True,
+                    allow_unused=True,
+                    is_grads_batched=True,
+                    create_graph=create,
+                )
+            )
+    except RuntimeError:
         rows = [
             torch.autograd.grad(
                 outputs,
                 inputs,
-                [m[j] for m in masks],
+                [g[j] for g in grads],
                 retain_graph=True,
                 allow_unused=True,
-                create_graph=torch.is_grad_enabled(),
+                create_graph=create,
             )
             for j in range(k)
         ]
-        grads = [
+        return [
             None if rows[0][i] is None else torch.stack([r[i] for r in rows])
             for i in range(len(inputs))
         ]
-    return [
-        t.new_zeros(k, *t.shape) if g is None else g for t, g in zip(inputs, grads, strict=True)
-    ]
 
 
 def _no_batch_error(op: OpSpec, o: Tensor) -> Exception:

@@ -1137,3 +1137,92 @@ def test_nested_contexts_on_a_models_function_inside_a_checkpoint():
         ref = quantities_from_individual(expected[k])
         for attr in ("grad_batch", "batch_l2"):
             assert_close(getattr(p, attr), ref[attr], f"{k}.{attr}", 1e-9, 1e-12)
+
+
+class _DropoutAround(nn.Module):
+    """Dropout on the batch and on a tensor from parameters that goes through the model's own
+    Function, inside a non-reentrant checkpoint."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.inp, self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.table = nn.Parameter(torch.linspace(-1, 1, 16).view(4, 4))
+        self.drop, self.checkpointed = nn.Dropout(0.3), checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = checkpoint(self._block, h, use_reentrant=False) if self.checkpointed else self._block(h)
+        return self.head(h)
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        t = _SinFunction.apply(self.drop(self.table * 2))
+        return torch.tanh(self.drop(self.lin(h)) + t)
+
+
+def test_random_ops_in_a_block_recomputed_in_a_backward_of_ours():
+    """The block a checkpoint recomputes while a tensor's contributions are handed back runs
+    under that backward's vmap, which refuses random ops (a raw RuntimeError, review): those
+    passes go one sample at a time then, each recomputation drawing the forward's numbers (the
+    checkpoint restores them): the quantities of the same forward without the checkpoint."""
+    quantities = (BatchGrad(), BatchL2Grad(), Variance())
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = _DropoutAround(checkpointed).double()
+        x = torch.randn(4, 4, 4, dtype=torch.float64)
+        torch.manual_seed(5)
+        with leanprop.per_sample(model, *quantities):
+            model(x).square().sum().backward()
+        results.append(
+            {
+                (k, q.attr): getattr(p, q.attr)
+                for k, p in model.named_parameters()
+                for q in quantities
+            }
+        )
+    for key, ref in results[0].items():
+        assert_close(results[1][key], ref, f"{key[0]}.{key[1]}", 1e-12, 1e-14)
+
+
+def test_selective_checkpointing_around_a_models_function_is_refused():
+    """Selective activation checkpointing serves one recomputation of the block from its
+    cache; handing back the contributions of a tensor through the model's own Function needs
+    one more (a raw RuntimeError from torch in the model's backward, review): a clear error.
+    Without such a Function, exact."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Model(nn.Module):
+        def __init__(self, through_function: bool) -> None:
+            super().__init__()
+            self.inp, self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+            self.table = nn.Parameter(torch.linspace(-1, 1, 16).view(4, 4))
+            self.through_function = through_function
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+            h = checkpoint(self._block, self.inp(x), use_reentrant=False, context_fn=contexts)
+            return self.head(h)
+
+        def _block(self, h: torch.Tensor) -> torch.Tensor:
+            t = self.table * 2
+            t = _SinFunction.apply(t) if self.through_function else t.sin()
+            return torch.tanh(self.lin(h) + t)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, 4, dtype=torch.float64)
+    assert_grad_batch_is_the_loops(Model(False).double(), x)
+    model = Model(True).double()
+    with (
+        pytest.raises(UnsupportedModelError, match="selective activation checkpointing"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(x).square().sum().backward()
+    with leanprop.per_sample(model, BatchGrad()):  # (usable again, without context_fn)
+        model.head(model.inp(x)).sum().backward()
+    assert model.inp.weight.grad_batch.shape == (4, 4, 4)

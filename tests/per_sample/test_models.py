@@ -482,3 +482,36 @@ def test_a_parameter_first_in_a_matmul_under_a_non_reentrant_checkpoint():
     with leanprop.per_sample(model, BatchGrad()):
         model(x).square().sum().backward()
     assert_close(model.w.grad_batch, expected["w"], "w", 1e-9, 1e-12)
+
+
+class _GemmaRMSNorm(torch.nn.Module):
+    """HF Gemma's RMSNorm: computed in float32 whatever the model's dtype,
+    ``x * rsqrt(mean(x²) + eps) * (1 + weight.float())``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(-0.5, 0.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+def test_a_parameter_used_in_float32_inside_a_float64_model():
+    """The sum check took the float32 use of a float64 parameter (its contributions handed
+    back through ``weight.float()``) for a float64 one, and refused its rounding as an
+    escaped use (review of HF Gemma in float64); checked as float32 now."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), _GemmaRMSNorm(8), torch.nn.Linear(8, 3)
+    ).double()
+    x = torch.randn(4, 4, 8, dtype=torch.float64)  # T == N
+    params = dict(model.named_parameters())
+    with leanprop.per_sample(model, BatchGrad(), BatchL2Grad()):
+        losses = model(x).square().sum((1, 2))
+        losses.sum().backward(retain_graph=True)
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        ref = quantities_from_individual(expected[k])
+        for attr in ("grad_batch", "batch_l2"):
+            assert_close(getattr(p, attr), ref[attr], f"{k}.{attr}", 1e-5, 1e-7)
