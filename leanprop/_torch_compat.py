@@ -61,6 +61,38 @@ def selective_checkpoint_active() -> bool:
     return any(type(m).__name__ in names for m in _get_current_dispatch_mode_stack())
 
 
+_CHECKPOINT_REFUSED = (
+    "per_sample: torch's non-reentrant checkpoint refused to recompute a block of a forward "
+    "a per_sample context recorded (torch's error above). Where torch alone accepts the "
+    "model, the cause is one of: this backward runs after the context's `with` block ended "
+    "(run every backward through a forward recorded inside it before the block ends); or "
+    "non-reentrant checkpoints are nested (one inside another's block, as HF Swin's "
+    "gradient checkpointing of its stages and their layers): not supported yet, use "
+    "use_reentrant=True or checkpoint one level only."
+)
+
+
+@contextmanager
+def explained_checkpoint_errors() -> Iterator[None]:
+    """Torch's CheckpointError inside as an error that says why (a backward through a forward
+    that a per_sample context recorded)."""
+    from torch.utils.checkpoint import CheckpointError
+
+    from .errors import UnsupportedModelError
+
+    try:
+        yield
+    except CheckpointError as e:
+        raise UnsupportedModelError(_CHECKPOINT_REFUSED) from e
+
+
+def checkpointed_saved_tensors(ctx: Any) -> tuple[torch.Tensor, ...]:
+    """``ctx.saved_tensors`` of one of leanprop's autograd Functions (also after the context
+    ended), with :func:`explained_checkpoint_errors`."""
+    with explained_checkpoint_errors():
+        return ctx.saved_tensors
+
+
 def detaching_checkpoint_inputs() -> bool:
     """Whether this code runs inside ``torch.utils.checkpoint``'s ``detach_variable`` (a
     reentrant checkpoint's recomputation detaching the block's saved inputs)."""

@@ -26,8 +26,10 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
 from .._torch_compat import (
+    checkpointed_saved_tensors,
     engine_backward,
     engine_grad,
+    explained_checkpoint_errors,
     function_modes,
     not_a_view,
     saveable,
@@ -92,7 +94,7 @@ class FusedOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        x, _ = ctx.saved_tensors
+        x, _ = checkpointed_saved_tensors(ctx)
         capture, module, rule = ctx.capture, ctx.module, ctx.call.site.rule
         needs = ctx.needs_input_grad
         want = _WANT[needs[4], needs[5]]
@@ -256,7 +258,7 @@ class Intercept(TorchFunctionMode):
                     scopes.enter_context(c.backward_scope(passive, True, roots))
                 if call is None:
                     return func(*args, **kwargs)
-                with self:
+                with self, explained_checkpoint_errors():
                     return engine_backward(*call)
         if func is torch.autograd.grad:
             call = _grad_call(args, kwargs)
@@ -273,7 +275,7 @@ class Intercept(TorchFunctionMode):
                     return func(*args, **kwargs)
                 for c in wanting:
                     c.before_grad()
-                with self:
+                with self, explained_checkpoint_errors():
                     results = engine_grad(*call)
                 for c in wanting:
                     c.after_grad(call[1], results)

@@ -35,6 +35,7 @@ from torch.autograd.graph import GradientEdge
 
 from .._torch_compat import (
     checkpoint_saves_tensors,
+    checkpointed_saved_tensors,
     engine_grad,
     function_modes_active,
     graph_nodes,
@@ -357,7 +358,7 @@ class OpCapture(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         op: OpSpec = ctx.op
-        saved = ctx.saved_tensors
+        saved = checkpointed_saved_tensors(ctx)
         k = ctx.n_local
         local, outs = list(saved[:k]), list(saved[k : len(saved) - k])
         if ctx.held is not None:

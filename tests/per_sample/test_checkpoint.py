@@ -1226,3 +1226,35 @@ def test_selective_checkpointing_around_a_models_function_is_refused():
     with leanprop.per_sample(model, BatchGrad()):  # (usable again, without context_fn)
         model.head(model.inp(x)).sum().backward()
     assert model.inp.weight.grad_batch.shape == (4, 4, 4)
+
+
+class _NestedNonReentrant(nn.Module):
+    """A non-reentrant checkpoint around blocks that are checkpointed themselves (HF Swin's
+    gradient checkpointing of its stages and of their layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self._stage, x, use_reentrant=False))
+
+    def _stage(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(lambda h: h + torch.tanh(self.a(h)), x, use_reentrant=False)
+        return checkpoint(lambda h: h + torch.tanh(self.b(h)), x, use_reentrant=False)
+
+
+def test_nested_non_reentrant_checkpoints_are_refused_with_an_explanation():
+    """Nested non-reentrant checkpoints (HF Swin's gradient checkpointing): torch's raw
+    CheckpointError, naming tensor counts, before; an error that says why now, and the
+    context stays usable."""
+    torch.manual_seed(0)
+    model = _NestedNonReentrant()
+    x = torch.randn(4, 3, 4)
+    with (
+        pytest.raises(UnsupportedModelError, match="non-reentrant checkpoints are nested"),
+        leanprop.per_sample(model, BatchGrad()),
+    ):
+        model(x).square().sum().backward()
+    model = Checkpointed(reentrant=False, tied=False, uses=1)
+    assert_grad_batch_is_the_loops(model.double(), torch.randn(4, 4, dtype=torch.float64))
