@@ -619,7 +619,11 @@ def _rows_grad(
                     create_graph=create,
                 )
             )
-    except RuntimeError:
+    except RuntimeError as e:
+        from ..errors import LeanpropError
+
+        if isinstance(e, LeanpropError):  # (a refusal inside, a recomputation's: not vmap's)
+            raise
         rows = [
             torch.autograd.grad(
                 outputs,
