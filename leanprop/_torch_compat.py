@@ -101,18 +101,10 @@ def detaching_checkpoint_inputs() -> bool:
 
 def through_reentrant_checkpoint(t: torch.Tensor) -> bool:
     """Whether ``t``'s graph reaches an output of ``checkpoint(use_reentrant=True)`` (a
-    graph back into the block exists only once that checkpoint's backward recomputes it).
-    Walks the whole graph: for tensors computed from parameters alone (small graphs)."""
-    seen, nodes = set(), [t.grad_fn]
-    while nodes:
-        node = nodes.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
-        nodes += [next_node for next_node, _ in node.next_functions]
-    return False
+    graph back into the block exists only once that checkpoint's backward recomputes it)."""
+    return any(
+        type(node).__name__ == "CheckpointFunctionBackward" for node in graph_nodes([t.grad_fn])
+    )
 
 
 def inside_function_backward() -> bool:

@@ -44,6 +44,7 @@ from .._torch_compat import (
 )
 from .batch import BatchDim, ThroughCopies, op_name, to_front
 from .chunks import Scratch, sample_chunks
+from .cycle import bits
 from .op_rules import closed_form, closed_norms, linear_form, linear_input_grad, linear_reweigher
 from .pytree import flatten, unflatten
 from .stats import sample_sum
@@ -166,7 +167,7 @@ def hand_back(
     # (the sum check's tolerance: a tensor computed in a lower precision than its parameters,
     # HF Gemma's `weight.float()` in a float64 model, is checked as such)
     low = per_sample.dtype
-    if compute_dtype is None and all(_bits(low) < _bits(p.dtype) for p in params):
+    if compute_dtype is None and all(bits(low) < bits(p.dtype) for p in params):
         compute_dtype = low
     contribute(
         {
@@ -175,10 +176,6 @@ def hand_back(
         },
         compute_dtype,
     )
-
-
-def _bits(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits if dtype.is_floating_point else 0
 
 
 def _batched_vjp_to(

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from ..._torch_compat import is_checkpoint_error
+from ..._torch_compat import is_checkpoint_error, through_reentrant_checkpoint
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
@@ -197,7 +197,7 @@ def compute_ggn(
         target_front = target.movedim(bd, 0) if target.dim() > bd else target
         # (a reentrant checkpoint's block ran under no_grad: its layers were not recorded,
         # and a pass that skips them would leave their parameters without quantities, unsaid)
-        reentrant = _through_reentrant_checkpoint(output)
+        reentrant = through_reentrant_checkpoint(output)
     params = list({p: None for c in contexts for p in c.model.parameters() if p.requires_grad})
     asked = {q.savefield for qs in by_mc.values() for q in qs}
     names = list(dict.fromkeys([*(q.attr for q in ALL_QUANTITIES), *sorted(asked)]))
@@ -298,21 +298,6 @@ def compute_ggn(
                 setattr(p, attr, res[attr])
             elif hasattr(p, attr):
                 delattr(p, attr)
-
-
-def _through_reentrant_checkpoint(output: Tensor) -> bool:
-    """Whether ``output``'s graph goes through a reentrant checkpoint's node
-    (``torch.utils.checkpoint(..., use_reentrant=True)``)."""
-    seen, stack = set(), [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
 
 
 def _output_batch_dim(contexts: Sequence[PerSample], output: Tensor) -> int:
