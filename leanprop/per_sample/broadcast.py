@@ -110,9 +110,11 @@ def _looked_up_rows(h: Tensor, w_shape: torch.Size, bd: BatchDim, n: int, lookup
 def meet(
     tracker: BatchTracker, name: str, args: tuple[Any, ...], owned: frozenset[nn.Parameter],
     contribute: Contribute, count_use: Callable[[frozenset[nn.Parameter]], None],
+    refuse: Callable[[str], None],
 ) -> tuple[Any, ...]:  # fmt: skip
     """``args`` with every parameter-derived operand of a meeting op expanded to the batched
-    shape through :class:`BroadcastCapture` (unchanged if the op is no meeting).
+    shape through :class:`BroadcastCapture` (unchanged if the op is no meeting); ``refuse``
+    gets what makes an operand's contributions out of reach (see ``BatchTracker.vjp_root``).
 
     Only operands derived from parameters in ``owned`` are captured here (the others belong
     to a torch.func fallback root, which computes their individual gradients itself)."""
@@ -151,7 +153,7 @@ def meet(
             ):
                 lookup = None
             # (rows scattered directly: no product from t, so no root to look for)
-            root = (t if lookup is not None else tracker.vjp_root(t),)
+            root = (t if lookup is not None else tracker.vjp_root(t, refuse),)
             e = BroadcastCapture.apply(t, shape_of(t), bd, n, params, contribute, lookup, root)
             tracker.mark(e, bd)
             t = e

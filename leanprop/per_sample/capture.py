@@ -268,23 +268,32 @@ class _ModelPass:
     forward was (else it saves other tensors than the forward: the checkpoint refuses them,
     or, where their shapes agree, hands that backward the wrong ones)."""
 
-    __slots__ = ("_capture", "_pushed")
+    __slots__ = ("_capture", "_in_rule", "_pushed", "_running")
 
     def __init__(self, capture: PerSample) -> None:
         self._capture = capture
 
     def __enter__(self) -> None:
         capture = self._capture
+        # (what the model's forward holds while a module runs: put back where a recomputation
+        # stopped half-way, an attempt under vmap, see ops._rows_grad)
+        self._in_rule = capture._in_rule.copy()
+        self._running = [(s, s.running, s.fused) for s in capture._sites]
         ops.MODEL_PASSES.depth = getattr(ops.MODEL_PASSES, "depth", 0) + 1
         mode = capture._intercept  # (taken off by own work where it was innermost only)
         self._pushed = mode is not None and all(m is not mode for m in function_modes())
         if self._pushed:
             push_mode(mode)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        capture = self._capture
         if self._pushed:
-            pop_innermost_mode(self._capture._intercept)
+            pop_innermost_mode(capture._intercept)
         ops.MODEL_PASSES.depth -= 1
+        if kind is not None:
+            capture._in_rule = self._in_rule
+            for site, running, fused in self._running:
+                site.running, site.fused = running, fused
 
 
 class PerSample:
@@ -495,8 +504,8 @@ class PerSample:
         """Raise what the recorded forward's backward would refuse before computing anything
         (BatchNorm in training mode, with no quantities asked): for curvature computed
         without the engine's per-sample passes."""
-        if self._cycle.bn_problem is not None:
-            raise UnsupportedModelError(self._cycle.bn_problem)
+        if self._cycle.pending_refusal is not None:
+            raise UnsupportedModelError(self._cycle.pending_refusal)
 
     @contextmanager
     def for_layer_outputs(self) -> Iterator[None]:
@@ -709,19 +718,22 @@ class PerSample:
             self._refuse_batch_statistics(f"{type(module).__name__} '{name}'")
 
     def _refuse_batch_statistics(self, what: str) -> None:
-        """A batch norm in training mode in this forward: refused now if quantities are
-        asked, else when a backward asks for them (the first one seen is named)."""
-        if self._cycle.bn_problem is not None:
-            return
-        problem = (
+        """A batch norm in training mode in this forward (see :meth:`_refuse_when_asked`)."""
+        self._refuse_when_asked(
             f"per_sample: {what} normalises with statistics of the whole batch (training "
             "mode), so each sample's gradient depends on the other samples and per-sample "
             "quantities are undefined. Put it in eval mode (module.eval(), or training=False "
             "with running statistics), or replace it with GroupNorm/LayerNorm."
         )
+
+    def _refuse_when_asked(self, problem: str) -> None:
+        """Something in this forward makes per-sample quantities undefined or out of reach:
+        refused now if quantities are asked, else when a backward asks for them (the first
+        one seen is kept). A forward for curvature alone, or with none asked, goes on."""
         if self._kinds:
             raise UnsupportedModelError(problem)
-        self._cycle.bn_problem = problem  # idle: raise if quantities are asked in backward
+        if self._cycle.pending_refusal is None:
+            self._cycle.pending_refusal = problem
 
     def _on_model_enter(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -882,7 +894,13 @@ class PerSample:
         if self._tracking():
             owned = self._captured - self._in_rule.keys() if self._in_rule else self._captured
             args = broadcast.meet(
-                self._tracker, op_name(func), args, owned, self._sink(), self._count_use
+                self._tracker,
+                op_name(func),
+                args,
+                owned,
+                self._sink(),
+                self._count_use,
+                self._refuse_when_asked,
             )
         escaping = self._escaping(func, args, kwargs)
         if escaping:
@@ -961,7 +979,7 @@ class PerSample:
         tensors = _flat_tensors(args, kwargs)
         if any(t.is_complex() for t in tensors):
             _refuse_complex(func)
-        roots = {i: self._tracker.vjp_root(tensors[i]) for i in captured}
+        roots = {i: self._tracker.vjp_root(tensors[i], self._refuse_when_asked) for i in captured}
         if func is Tensor.__setitem__ and not kwargs and self._batch_at(args[0]) is not None:
             return self._run_setitem(args, captured, n, device, roots)
 
@@ -1454,8 +1472,8 @@ class PerSample:
         if not self._cycle.open:
             if self._clip is not None and self._clip.clipped_this_forward:
                 raise UnsupportedModelError(_SECOND_CLIPPED_BACKWARD)
-            if self._cycle.bn_problem is not None:
-                problem, self._cycle.bn_problem = self._cycle.bn_problem, None
+            if self._cycle.pending_refusal is not None:
+                problem, self._cycle.pending_refusal = self._cycle.pending_refusal, None
                 raise UnsupportedModelError(problem)
             self._cycle.open = self._cycle_seen = True
             self._cycle.grad_mode = torch.is_grad_enabled()

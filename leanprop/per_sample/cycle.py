@@ -268,7 +268,10 @@ class Cycle:
     finish_queued: bool = False  # finish() is queued to run when the engine's task ends
     backward_done: bool = False  # a backward ended since this forward's state was made
     grad_mode: bool = False  # the backward records autograd (create_graph)
-    bn_problem: str | None = None  # BatchNorm in training mode: refused when backward opens
+    # what the forward would refuse had quantities been asked (BatchNorm in training mode, a
+    # tensor from parameters through a reentrant checkpoint's output): refused when a
+    # backward opens
+    pending_refusal: str | None = None
     # parameters this backward reached through values in which the samples were combined
     # (name -> the op where they joined them): refused by the check
     escaped: dict[str, str] = field(default_factory=dict)
@@ -395,7 +398,7 @@ class Cycle:
                 call.args = call.kwargs = None
         self.calls[:] = kept
         self.scratch.clear()
-        self.bn_problem = None
+        self.pending_refusal = None
         self.escaped = {}
         self.source = None
         if self.grad_mode:

@@ -161,38 +161,42 @@ def hand_back(
     if len(params) == 1 and w is params[0]:
         contribute({w: per_sample}, compute_dtype, {w: summed} if summed is not None else None)
         return
-    with contribute.model_pass():
-        grads = _batched_vjp_to(w, params, per_sample)
+    grads = _batched_vjp_to(w, params, per_sample, contribute.model_pass)
     n = per_sample.shape[0]
-    # (the sum check's tolerance: a tensor computed in a lower precision than its parameters,
-    # HF Gemma's `weight.float()` in a float64 model, is checked as such)
+    batch = {
+        p: g if g is not None else p.new_zeros(n, *p.shape)
+        for p, g in zip(params, grads, strict=True)
+    }
+    # (the sum check's tolerance: a parameter whose use was computed in a lower precision than
+    # the parameter, HF Gemma's `weight.float()` in a float64 model, is checked as such)
     low = per_sample.dtype
-    if compute_dtype is None and all(bits(low) < bits(p.dtype) for p in params):
-        compute_dtype = low
-    contribute(
-        {
-            p: g if g is not None else p.new_zeros(n, *p.shape)
-            for p, g in zip(params, grads, strict=True)
-        },
-        compute_dtype,
-    )
+    lower = {p: b for p, b in batch.items() if bits(low) < bits(p.dtype)}
+    if compute_dtype is not None or not lower:
+        contribute(batch, compute_dtype)
+        return
+    contribute(lower, low)
+    rest = {p: b for p, b in batch.items() if p not in lower}
+    if rest:
+        contribute(rest)
 
 
 def _batched_vjp_to(
-    w: Tensor | ThroughCopies, params: tuple[nn.Parameter, ...], per_sample: Tensor
-) -> list[Tensor | None]:
-    """``(dw/dp)ᵀ per_sample[n]`` for each of ``params`` (None: ``w`` does not use it)."""
+    w: Tensor | ThroughCopies, params: tuple[nn.Parameter, ...], per_sample: Tensor,
+    attempt: Callable[[], AbstractContextManager[None]],
+) -> list[Tensor | None]:  # fmt: skip
+    """``(dw/dp)ᵀ per_sample[n]`` for each of ``params`` (None: ``w`` does not use it); each
+    backward through the model's graph inside ``attempt()`` (see :func:`_rows_grad`)."""
     if isinstance(w, Tensor):
-        return _rows_grad([w], params, [per_sample])
+        return _rows_grad([w], params, [per_sample], attempt)
     # (w's graph ends at the checkpoint's detached copies: each one's part goes on from the
     # tensor it was detached from)
     k = len(w.copies)
-    grads = _rows_grad([w.tensor], (*w.copies, *params), [per_sample])
+    grads = _rows_grad([w.tensor], (*w.copies, *params), [per_sample], attempt)
     total = list(grads[k:])
     for g, source in zip(grads[:k], w.sources, strict=True):
         if g is None:
             continue
-        for j, more in enumerate(_batched_vjp_to(source, params, g)):
+        for j, more in enumerate(_batched_vjp_to(source, params, g, attempt)):
             if more is not None:
                 total[j] = more if total[j] is None else total[j] + more
     return total
@@ -592,18 +596,20 @@ def _batched_vjp(outputs: list[Tensor], inputs: list[Tensor], masks: list[Tensor
 
 
 def _rows_grad(
-    outputs: Sequence[Tensor], inputs: Sequence[Tensor], grads: Sequence[Tensor]
-) -> list[Tensor | None]:
+    outputs: Sequence[Tensor], inputs: Sequence[Tensor], grads: Sequence[Tensor],
+    attempt: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+) -> list[Tensor | None]:  # fmt: skip
     """``torch.autograd.grad(outputs, inputs, ...)`` for each row of ``grads`` (each
     ``[k, *output.shape]``): ``[k, *input.shape]`` per input, None where none is used. All
     rows at once (vmap), else one at a time where vmap cannot batch the backward (an RNN's;
-    random ops that a checkpoint recomputes in it)."""
+    random ops that a checkpoint recomputes in it). Each backward runs inside ``attempt()``
+    (a model pass: it puts back what a recomputation that vmap stopped half-way left)."""
     k = grads[0].shape[0]
     if k == 0:
         return [t.new_zeros(0, *t.shape) for t in inputs]
     create = torch.is_grad_enabled()  # (create_graph: the results stay differentiable)
     try:
-        with warnings.catch_warnings():
+        with attempt(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="There is a performance drop")
             return list(
                 torch.autograd.grad(
@@ -617,25 +623,36 @@ def _rows_grad(
                 )
             )
     except RuntimeError as e:
-        from ..errors import LeanpropError
-
-        if isinstance(e, LeanpropError):  # (a refusal inside, a recomputation's: not vmap's)
+        if not _vmap_may_be_why(e):
             raise
-        rows = [
-            torch.autograd.grad(
-                outputs,
-                inputs,
-                [g[j] for g in grads],
-                retain_graph=True,
-                allow_unused=True,
-                create_graph=create,
+    rows = []
+    for j in range(k):
+        with attempt():
+            rows.append(
+                torch.autograd.grad(
+                    outputs,
+                    inputs,
+                    [g[j] for g in grads],
+                    retain_graph=True,
+                    allow_unused=True,
+                    create_graph=create,
+                )
             )
-            for j in range(k)
-        ]
-        return [
-            None if rows[0][i] is None else torch.stack([r[i] for r in rows])
-            for i in range(len(inputs))
-        ]
+    return [
+        None if rows[0][i] is None else torch.stack([r[i] for r in rows])
+        for i in range(len(inputs))
+    ]
+
+
+def _vmap_may_be_why(e: RuntimeError) -> bool:
+    """Whether a batched backward's error may be vmap's (retried one row at a time): not a
+    refusal of ours inside it (a recomputation's), running out of memory, or a checkpoint's
+    refusal of what its recomputation saved (the same one row at a time)."""
+    from torch.utils.checkpoint import CheckpointError
+
+    from ..errors import LeanpropError
+
+    return not isinstance(e, (LeanpropError, torch.OutOfMemoryError, CheckpointError))
 
 
 def _no_batch_error(op: OpSpec, o: Tensor) -> Exception:

@@ -1113,6 +1113,11 @@ MIXING_LOSSES = {  # a sample's term reads other samples' values
             reduction="none",
         ).sum()
     ),
+    "torch's binary cross-entropy with a pos_weight [N] passed by position": lambda x, y: (
+        torch.binary_cross_entropy_with_logits(
+            x[:, 0], x.detach()[:, 1].sigmoid(), None, x.detach()[:, 0, 0].abs()
+        )
+    ),
     "a binary cross-entropy with its weight [N] passed by position": lambda x, y: (
         F.binary_cross_entropy(x[:, 0].sigmoid(), x.detach()[:, 1].sigmoid(), x.detach()[:, 0, 0])
     ),

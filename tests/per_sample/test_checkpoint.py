@@ -876,6 +876,41 @@ def test_a_tensor_from_parameters_returned_by_a_reentrant_checkpoint(use, check)
     assert model.inp.weight.grad_batch.shape == (5, 4, 4)
 
 
+def test_a_tensor_from_parameters_returned_by_a_reentrant_checkpoint_without_quantities():
+    """The refusal above is about per-sample quantities: a context with none asked (opened
+    for curvature, or around a plain training step) was refused in the forward as well, a
+    false refusal (review). Its gradients are the plain run's now."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+            self.table = nn.Parameter(torch.linspace(-1, 1, 20).view(5, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, bias = checkpoint(self._first, self.inp(x), use_reentrant=True)
+            return self.head(checkpoint(self._next, h, bias, use_reentrant=True))
+
+        def _first(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            bias = self.table * 2
+            return torch.tanh(h + bias), bias
+
+        def _next(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(h * bias)
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x = torch.randn(5, 5, 4, dtype=torch.float64)  # T == N
+    model(x).square().sum().backward()
+    expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    with leanprop.per_sample(model):
+        model(x).square().sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k], rtol=0, atol=0)
+        assert not hasattr(p, "grad_batch")
+
+
 class _SinFunction(torch.autograd.Function):
     """A model's own autograd Function, which saves its input (a quantizer, an activation)."""
 
@@ -1182,6 +1217,93 @@ def test_random_ops_in_a_block_recomputed_in_a_backward_of_ours():
         )
     for key, ref in results[0].items():
         assert_close(results[1][key], ref, f"{key[0]}.{key[1]}", 1e-12, 1e-14)
+
+
+@pytest.mark.parametrize("error", ["out_of_memory", "checkpoint"])
+def test_a_batched_hand_back_out_of_memory_is_not_retried_row_by_row(monkeypatch, error):
+    """Only vmap's failures of the batched hand-back are retried one sample at a time: running
+    out of memory, or a checkpoint refusing its recomputation, was retried N more times
+    (review); it is raised as it came now (the checkpoint's explained)."""
+    from torch.utils.checkpoint import CheckpointError
+
+    made = torch.OutOfMemoryError("no memory") if error == "out_of_memory" else None
+    made = made or CheckpointError("recomputed values differ")
+    grad, rows = torch.autograd.grad, []
+
+    def failing_grad(*args, **kwargs):
+        if kwargs.get("is_grads_batched"):
+            raise made
+        rows.append(1)
+        return grad(*args, **kwargs)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+            self.table = nn.Parameter(torch.linspace(-1, 1, 20).view(5, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.inp(x) + _SinFunction.apply(self.table * 2)))
+
+    model = Model().double()
+    x = torch.randn(5, 5, 4, dtype=torch.float64)
+    monkeypatch.setattr(torch.autograd, "grad", failing_grad)
+    expected = type(made) if error == "out_of_memory" else UnsupportedModelError
+    with pytest.raises(expected) as raised, leanprop.per_sample(model, BatchGrad()):
+        model(x).square().sum().backward()
+    assert made in (raised.value, raised.value.__cause__, raised.value.__context__)
+    assert not rows
+
+
+class _NoisyScale(nn.Module):
+    """A user's module with a rule of its own (hooked as a whole) that draws random numbers
+    inside its forward (noise that does not change its gradients)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + 0 * torch.rand_like(x)
+
+
+def _noisy_scale_batch_grads(module, inputs, g, names, options):
+    x = inputs[0]
+    return {"weight": (g * x).reshape(x.shape[0], -1, x.shape[-1]).sum(1)}
+
+
+def test_a_recomputation_stopped_half_way_by_vmap_leaves_nothing_behind():
+    """vmap stops the batched hand-back's recomputation at the first random op, inside a
+    module hooked as a whole: that module stayed 'running', owning its weight, so the
+    one-sample-at-a-time passes after it recomputed the block differently (torch's
+    CheckpointError, review). What the forward's bookkeeping holds is put back now."""
+    leanprop.register_rule(_NoisyScale)(_noisy_scale_batch_grads)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.head, self.noisy = nn.Linear(4, 4), nn.Linear(4, 3), _NoisyScale()
+            self.table = nn.Parameter(torch.linspace(-1, 1, 16).view(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self._block, self.inp(x), use_reentrant=False))
+
+        def _block(self, h: torch.Tensor) -> torch.Tensor:
+            h = self.noisy(h)
+            t = _SinFunction.apply(self.table * 2)
+            return torch.tanh(h * self.noisy.weight + t)
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x = torch.randn(4, 4, 4, dtype=torch.float64)
+    expected = loop_oracle(model, x)
+    for check in (True, False):
+        with leanprop.per_sample(model, BatchGrad(), BatchL2Grad(), check=check):
+            model(x).square().sum().backward()
+        for k, p in model.named_parameters():
+            ref = quantities_from_individual(expected[k])
+            for attr in ("grad_batch", "batch_l2"):
+                assert_close(getattr(p, attr), ref[attr], f"{k}.{attr}", 1e-9, 1e-12)
 
 
 def test_selective_checkpointing_around_a_models_function_is_refused():

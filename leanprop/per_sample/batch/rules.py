@@ -857,7 +857,8 @@ def _pointwise_loss_operands(
     if name == "binary_cross_entropy":
         places += ((2, "weight"),)
     elif name == "binary_cross_entropy_with_logits":
-        places += ((2, "weight"), (6, "pos_weight"))
+        # (pos_weight: torch's by position at 3, torch.nn.functional's at 6)
+        places += ((2, "weight"), (3, "pos_weight"), (6, "pos_weight"))
     for i, key in places:
         t = args[i] if i < len(args) else kwargs.get(key)
         if isinstance(t, Tensor):

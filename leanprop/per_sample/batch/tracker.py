@@ -5,7 +5,7 @@ interception calls :meth:`BatchTracker.propagate` on every op."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,6 @@ from ..._torch_compat import (
     saved_tensor_hooks_in_effect,
     through_reentrant_checkpoint,
 )
-from ...errors import UnsupportedModelError
 from .indexing import assigned_result, base_result
 from .infos import (
     MAY_MIX,
@@ -196,18 +195,18 @@ class BatchTracker:
             slot = slots[id(self)] = (self._ref, self._forward, {})
         slot[2][output_nr] = value
 
-    def vjp_root(self, t: Tensor) -> Tensor | ThroughCopies:
+    def vjp_root(self, t: Tensor, refuse: Callable[[str], None]) -> Tensor | ThroughCopies:
         """Where a vector-Jacobian product from the derived tensor ``t`` to its parameters
         starts: ``t``; for a copy that a reentrant checkpoint's recomputation detached from
         the forward's (its input), that tensor, which leads to them; for a tensor computed
         inside from such copies, a :class:`ThroughCopies`.
 
-        Raises:
-            UnsupportedModelError: ``t`` was computed from a reentrant checkpoint's output
-                (its graph back to the parameters is there only in that checkpoint's
-                backward)."""
+        ``refuse`` gets the reason when ``t`` was computed from a reentrant checkpoint's
+        output (its graph back to the parameters is there only in that checkpoint's
+        backward): raised by it where quantities are asked."""
         root = self._root(t)
-        self._refuse_past_reentrant(root)
+        if self._past_reentrant(root):
+            refuse(_PAST_REENTRANT)
         return root
 
     def _root(self, t: Tensor) -> Tensor | ThroughCopies:
@@ -217,9 +216,10 @@ class BatchTracker:
             return ThroughCopies(t, copies, tuple(self._sources.get(c, c) for c in copies))
         return self._sources.get(t, t)
 
-    def _refuse_past_reentrant(self, root: Tensor | ThroughCopies) -> None:
-        """Refuse a product from ``root`` to its parameters that would pass through a
-        reentrant checkpoint's node (whose graph back into its block exists only while that
+    @staticmethod
+    def _past_reentrant(root: Tensor | ThroughCopies) -> bool:
+        """Whether a product from ``root`` to its parameters would pass through a reentrant
+        checkpoint's node (whose graph back into its block exists only while that
         checkpoint's backward runs: its individual gradients would be taken through the
         checkpoint's own backward, wrongly)."""
         tensors = [root]
@@ -228,16 +228,8 @@ class BatchTracker:
             if isinstance(t, ThroughCopies):
                 tensors += [t.tensor, *t.sources]
             elif through_reentrant_checkpoint(t):
-                raise UnsupportedModelError(
-                    "per_sample: a tensor computed from parameters alone meets the batch after "
-                    "passing through checkpoint(use_reentrant=True): the checkpointed function "
-                    "returned it, or something it was computed from (a position bias made in "
-                    "the first block or passed through each, as HF T5's blocks return it). Its "
-                    "graph back to the parameters is recomputed only when that checkpoint's "
-                    "backward runs, so leanprop cannot take its parameters' per-sample "
-                    "gradients through it. Use use_reentrant=False, or compute the tensor "
-                    "outside the checkpoints and pass it to each without returning it."
-                )
+                return True
+        return False
 
     def lookup(self, t: Any) -> Lookup | None:
         """How ``t`` was computed, if it is rows of one tracked parameter looked up with
@@ -834,6 +826,15 @@ def _position_of(key: str) -> int | str:
 
 
 # what an op's arguments may raise where leanprop reads them other than the op does
+_PAST_REENTRANT = (
+    "per_sample: a tensor computed from parameters alone meets the batch after passing "
+    "through checkpoint(use_reentrant=True): the checkpointed function returned it, or "
+    "something it was computed from (a position bias made in the first block or passed "
+    "through each, as HF T5's blocks return it). Its graph back to the parameters is "
+    "recomputed only when that checkpoint's backward runs, so leanprop cannot take its "
+    "parameters' per-sample gradients through it. Use use_reentrant=False, or compute the "
+    "tensor outside the checkpoints and pass it to each without returning it."
+)
 _UNREADABLE = (IndexError, TypeError, ValueError, KeyError, RuntimeError, ZeroDivisionError)
 
 
