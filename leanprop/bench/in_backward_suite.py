@@ -1,7 +1,10 @@
 """Optimizer step inside backward on a GPT-2-like language model.
 
-Variants, each training the same initial model for a few steps with AdamW (torch's default
-kernels on CPU, fused kernels on CUDA):
+Variants, each a trainer of its own (a model from the same initial weights and its optimizer,
+kept between timed calls: the steady state of a long run), each call training it for a few
+steps with AdamW (torch's default kernels on CPU, fused kernels on CUDA). The first call, which
+builds the optimizer's state, gives the peak memory; later calls, interleaved round by round,
+the time per step:
 
 * ``ordinary``: ``backward(); step(); zero_grad()``.
 * ``hooks``: PyTorch's tutorial recipe, one optimizer per parameter stepped in
@@ -20,13 +23,15 @@ Sizes: ``small_b1`` (about 4.2M parameters) and ``gpt2_10m`` (about 10M, InBackw
 Python cost of one bucket step beyond the plain optimizer's ``step()`` on the same tensors
 (tiny tensors, so that only the per-call cost is left).
 
-:func:`leanprop.compare` times them, measures peak memory above the parameters (optimizer state,
-gradients and activations) and checks that leanprop's parameters equal the ordinary loop's
-exactly (per-tensor sums compared with zero tolerance).
+:func:`leanprop.compare` times them and measures peak memory above the parameters (optimizer
+state, gradients and activations); fresh trainers of each leanprop variant and of the ordinary
+loop, run once, check that their parameters agree exactly (per-tensor sums compared with zero
+tolerance).
 """
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
 
@@ -76,98 +81,105 @@ class LM(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
-def _variants(size: str, device: str) -> tuple[dict[str, Callable[[], object]], list[nn.Module]]:
+# builds a trainer: its model and a step that runs STEPS training steps each call
+Variant = Callable[[], tuple[Callable[[], Tensor], nn.Module]]
+
+
+def _variants(size: str, device: str) -> tuple[dict[str, Variant], Callable[[], nn.Module]]:
+    """Each variant as a builder: it makes its own model (the same initial weights) and
+    optimizer, and returns the training loop's step, which runs :data:`STEPS` steps on the
+    same data each call (a trainer kept between calls: steady state, as a long training run;
+    the first call builds the optimizer's state, as the first step does)."""
     cfg = SIZES[size]
     torch.manual_seed(0)
-    models = [
-        LM(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"]).to(device)
-        for _ in range(4)
-    ]
-    init = {k: v.clone() for k, v in models[0].state_dict().items()}
+    init = LM(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"]).state_dict()
     x = torch.randint(0, cfg["vocab"], (STEPS, cfg["batch"], cfg["seq"]), device=device)
     y = torch.randint(0, cfg["vocab"], (STEPS, cfg["batch"], cfg["seq"]), device=device)
     loss_fn = nn.CrossEntropyLoss()
     # fused kernels on CUDA; torch's default (a per-tensor loop) on CPU, where it is fastest
     kernel = {"fused": True} if torch.device(device).type == "cuda" else {}
 
-    def loss(model: nn.Module, s: int) -> Tensor:
-        return loss_fn(model(x[s]).flatten(0, 1), y[s].flatten())
+    def model() -> nn.Module:
+        m = LM(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"]).to(device)
+        m.load_state_dict(init)
+        return m
 
-    def summary(model: nn.Module) -> Tensor:
-        return torch.stack([p.detach().double().sum() for p in model.parameters()])
+    def loss(m: nn.Module, s: int) -> Tensor:
+        return loss_fn(m(x[s]).flatten(0, 1), y[s].flatten())
 
-    def ordinary() -> Tensor:
-        model = models[0]
-        model.load_state_dict(init)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kernel)
-        for s in range(STEPS):
-            loss(model, s).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return summary(model)
+    def summary(m: nn.Module) -> Tensor:
+        return torch.stack([p.detach().double().sum() for p in m.parameters()])
 
-    def hooks() -> Tensor:
-        model = models[1]
-        model.load_state_dict(init)
-        opts = {p: torch.optim.AdamW([p], lr=1e-3, foreach=False) for p in model.parameters()}
+    def ordinary() -> tuple[Callable[[], Tensor], nn.Module]:
+        m = model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, **kernel)
+
+        def steps() -> Tensor:
+            for s in range(STEPS):
+                loss(m, s).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return summary(m)
+
+        return steps, m
+
+    def hooks() -> tuple[Callable[[], Tensor], nn.Module]:
+        m = model()
+        opts = {p: torch.optim.AdamW([p], lr=1e-3, foreach=False) for p in m.parameters()}
 
         def hook(p: Tensor) -> None:
             opts[p].step()
             opts[p].zero_grad(set_to_none=True)
 
-        handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()]
-        try:
-            for s in range(STEPS):
-                loss(model, s).backward()
-        finally:
-            for h in handles:
-                h.remove()
-        return summary(model)
+        for p in m.parameters():  # (the model is the trainer's own: its hooks go with it)
+            p.register_post_accumulate_grad_hook(hook)
 
-    def torch_in_backward() -> Tensor:
+        def steps() -> Tensor:
+            for s in range(STEPS):
+                loss(m, s).backward()
+            return summary(m)
+
+        return steps, m
+
+    def torch_in_backward() -> tuple[Callable[[], Tensor], nn.Module]:
         with warnings.catch_warnings():  # (the package's import scripts a function with jit)
             warnings.simplefilter("ignore", DeprecationWarning)
             from torch.distributed.optim import _apply_optimizer_in_backward
-            from torch.distributed.optim.apply_optimizer_in_backward import (
-                param_to_optim_hook_handle_map,
-            )
 
-        model = models[3]
-        model.load_state_dict(init)
-        params = list(model.parameters())
-        _apply_optimizer_in_backward(torch.optim.AdamW, params, {"lr": 1e-3, **kernel})
-        try:
+        m = model()
+        params, options = list(m.parameters()), {"lr": 1e-3, **kernel}
+        _apply_optimizer_in_backward(torch.optim.AdamW, params, options)
+
+        def steps() -> Tensor:
             for s in range(STEPS):
-                loss(model, s).backward()
-        finally:  # (it has no removal API: its hooks and per-parameter optimizers go here)
-            for p in params:
-                for h in param_to_optim_hook_handle_map.pop(p, []):
-                    h.remove()
-                for attr in ("_in_backward_optimizers", "_optimizer_classes", "_optimizer_kwargs"):
-                    delattr(p, attr)
-        return summary(model)
+                loss(m, s).backward()
+            return summary(m)
 
-    def in_backward(record_norms: bool | None = None) -> Tensor:
-        model = models[2]
-        model.load_state_dict(init)
+        return steps, m
+
+    def in_backward(record_norms: bool | None = None) -> tuple[Callable[[], Tensor], nn.Module]:
+        m = model()
         opt = leanprop.InBackward(
-            model.parameters(), torch.optim.AdamW, bucket_mb=BUCKET_MB[size], lr=1e-3,
+            m.parameters(), torch.optim.AdamW, bucket_mb=BUCKET_MB[size], lr=1e-3,
             record_norms=record_norms, **kernel,
         )  # fmt: skip
-        try:
-            for s in range(STEPS):
-                loss(model, s).backward()
-                opt.step()
-        finally:
-            opt.remove()
-        return summary(model)
 
-    variants = {"ordinary": ordinary, "hooks": hooks, "torch_in_backward": torch_in_backward}
-    return variants | {
+        def steps() -> Tensor:
+            for s in range(STEPS):
+                loss(m, s).backward()
+                opt.step()
+            return summary(m)
+
+        return steps, m
+
+    return {
+        "ordinary": ordinary,
+        "hooks": hooks,
+        "torch_in_backward": torch_in_backward,
         "leanprop": in_backward,
         "leanprop_norms": lambda: in_backward(record_norms=True),
         "leanprop_no_norms": lambda: in_backward(record_norms=False),
-    }, models
+    }, model
 
 
 def _then_free(step: Callable[[], None], params: list[nn.Parameter]) -> Callable[[], None]:
@@ -175,6 +187,16 @@ def _then_free(step: Callable[[], None], params: list[nn.Parameter]) -> Callable
         step()
         for p in params:
             p.grad = None
+
+    return run
+
+
+def _with_norms(step: Callable[[], None], params: list[nn.Parameter]) -> Callable[[], None]:
+    grads = [p.grad for p in params]  # (built beforehand, as the kernel's lists)
+
+    def run() -> None:
+        torch._foreach_norm(grads)
+        step()
 
     return run
 
@@ -193,23 +215,26 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
       beforehand (the floor): the Python of bucketing and checks, plus the norm kernel (on CPU
       one ``vector_norm`` call per tensor);
     * ``"over_kernel_no_norms"``: ``record_norms=False``, over the bare kernel: the Python
-      alone."""
+      alone;
+    * ``"over_kernels"``: norms recorded, over the bare kernel and the norm kernel
+      (``torch._foreach_norm``) on lists built beforehand: the Python alone with norms."""
     import time
 
     from leanprop.optim.kernels import DirectKernels
 
-    sets = [[nn.Parameter(torch.randn(8)) for _ in range(tensors)] for _ in range(4)]
+    sets = [[nn.Parameter(torch.randn(8)) for _ in range(tensors)] for _ in range(5)]
     opts = {"lr": 1e-3, "momentum": 0.9, "foreach": True}
     ours = leanprop.InBackward(sets[0], torch.optim.SGD, record_norms=True, **opts)
     bare = leanprop.InBackward(sets[3], torch.optim.SGD, record_norms=False, **opts)
     plain = torch.optim.SGD(sets[1], **opts)
     floor = torch.optim.SGD(sets[2], **opts)
+    floor_norms = torch.optim.SGD(sets[4], **opts)
     steps = {
         "ours": lambda: ours.step_bucket(sets[0]),
         "no_norms": lambda: bare.step_bucket(sets[3]),
         "step": _then_free(plain.step, sets[1]),
     }
-    times: dict[str, list[float]] = {k: [] for k in (*steps, "kernel")}
+    times: dict[str, list[float]] = {k: [] for k in (*steps, "kernel", "kernels")}
     try:
         for i in range(rounds + 1):
             for ps in sets:
@@ -217,9 +242,13 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
                     p.grad = torch.ones_like(p)
             if i == 0:  # state created by a first step of each
                 floor.step()
+                floor_norms.step()
             # (the floor's lists built now, untimed: the kernel reads this round's gradients;
             # then the gradients freed, as the ordinary loop's zero_grad() and a bucket step do)
             steps["kernel"] = _then_free(DirectKernels(floor).bare_call(sets[2]), sets[2])
+            steps["kernels"] = _then_free(
+                _with_norms(DirectKernels(floor_norms).bare_call(sets[4]), sets[4]), sets[4]
+            )
             order = list(steps.items())
             for name, fn in order if i % 2 else order[::-1]:  # (no side always first)
                 with torch.no_grad():
@@ -238,6 +267,7 @@ def bucket_overhead_us(tensors: int = 10, rounds: int = 1000) -> dict[str, float
         "over_step": over("ours", "step"),
         "over_kernel": over("ours", "kernel"),
         "over_kernel_no_norms": over("no_norms", "kernel"),
+        "over_kernels": over("ours", "kernels"),
     }
 
 
@@ -248,16 +278,21 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> li
     overhead = bucket_overhead_us()
     rows = []
     for size in sizes:
-        variants, models = _variants(size, device)
-        res = leanprop.compare(
-            variants, device=device, reps=reps, rtol=0.0, atol=0.0, existing=tuple(models),
-            show=False, check=False,
-        )  # fmt: skip
-        ordinary = variants["ordinary"]()
+        builders, _ = _variants(size, device)
+        # (exactness: each leanprop variant against the ordinary loop, both built afresh)
+        ordinary = builders["ordinary"]()[0]()
         exact = {
-            k: bool(torch.equal(variants[k](), ordinary))
+            k: bool(torch.equal(builders[k]()[0](), ordinary))
             for k in ("leanprop", "leanprop_norms", "leanprop_no_norms")
         }
+        gc.collect()
+        built = {k: build() for k, build in builders.items()}
+        res = leanprop.compare(
+            {k: steps for k, (steps, _) in built.items()}, device=device, reps=reps, rtol=0.0,
+            atol=0.0, show=False, check=False, existing=tuple(m for _, m in built.values()),
+        )  # fmt: skip
+        del built
+        gc.collect()
         cfg = SIZES[size]
         for r in (as_dict(r, batch=cfg["batch"], method=f"{size}: {r.name}") for r in res):
             r["median_s"] /= STEPS  # per training step
@@ -268,9 +303,11 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> li
                 r["bucket_overhead_us"] = overhead["over_kernel"]
                 r["bucket_overhead_no_norms_us"] = overhead["over_kernel_no_norms"]
                 r["bucket_over_step_us"] = overhead["over_step"]
+                r["bucket_over_kernels_us"] = overhead["over_kernels"]
                 r["extra"] = (
                     f"bucket step over the bare kernel: {overhead['over_kernel']:+.0f} us "
-                    f"({overhead['over_kernel_no_norms']:+.0f} us without norms), "
+                    f"({overhead['over_kernel_no_norms']:+.0f} us without norms; "
+                    f"{overhead['over_kernels']:+.0f} us over it and the norm kernel), "
                     f"{overhead['over_step']:+.0f} us over step()"
                 )
             rows.append(r)

@@ -16,6 +16,8 @@ from .._torch_compat import foreach_norms, foreach_scale_, grouped_by_device_and
 def grad_norms(grads: Sequence[Tensor]) -> list[Tensor]:
     """2-norm of each gradient (dense ones in a few multi-tensor kernels; sparse ones from
     their coalesced values)."""
+    if not any(g.is_sparse for g in grads):  # (the usual case: no lists to rebuild)
+        return foreach_norms(grads) if grads else []
     dense = [g for g in grads if not g.is_sparse]
     it = iter(foreach_norms(dense) if dense else [])
     return [
@@ -72,8 +74,7 @@ class SteppedNorms:
     def record(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
         self.stepped.update(map(id, params))
         if self.keep:
-            for p, norm in zip(params, grad_norms(grads), strict=True):
-                self.norms[id(p)] = norm
+            self.norms.update(zip(map(id, params), grad_norms(grads), strict=True))
 
     def read(self) -> None:
         """The norms were read (deciding by use: they are kept from now on)."""
