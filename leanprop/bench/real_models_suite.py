@@ -9,7 +9,9 @@ gradients costs at the least, whatever computes them; on CPU mostly the kernel's
 fresh pages), leanprop's ``BatchGrad`` /
 ``BatchL2Grad`` / ``Variance``, ``torch.func`` (``vmap(grad)`` with per-sample randomness)
 and Opacus' ``GradSampleModule``, where each runs. Peak memory is the exact tensor peak of one
-step (:class:`leanprop.track_memory`); time is measured in rounds, every method once per round.
+step (:class:`leanprop.track_memory`); time is measured in rounds, every method once per round
+(the order reversed every other round); each row gives the ratio of medians to ``plain`` and
+the median of the rounds' own ratios (a round the machine ran slow cancels).
 Each method runs ``WARM_UP`` steps first. leanprop's individual gradients are checked to add
 up to the batch gradient (its own sum check, on); their exactness on these model families is
 what tests/per_sample/test_models.py tests.
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 
 import leanprop
 
-from ..measure import time_interleaved, track_memory
+from ..measure import paired_ratio, time_interleaved, track_memory
 
 Problem = tuple[nn.Module, Callable[[nn.Module, int], dict], Callable[..., Tensor]]
 # steps each method runs before it is measured (leanprop's "auto" convolution algorithm tries
@@ -253,6 +255,8 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (16,), reps: int = 10) -
                     r |= {
                         "median_s": t.median, "min_s": t.min,
                         "time_ratio": t.median / base_t.median, "min_ratio": t.min / base_t.min,
+                        "paired_ratio": paired_ratio(t, base_t),
+                        "extra": f"x plain round by round (median): {paired_ratio(t, base_t):.2f}",
                         "mem_ratio": r["peak_mib"] / base_m if base_m else None,
                     }  # fmt: skip
                 rows.append(r)

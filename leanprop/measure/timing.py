@@ -49,8 +49,10 @@ def time_interleaved(
     warmup: int = 1,
     reps: int = 10,
 ) -> dict[str, Timing]:
-    """Time several callables in rounds (each round calls every one once, in order), so that
-    a change in the machine's load during the measurement affects them all alike.
+    """Time several callables in rounds (each round calls every one once, in the given order
+    and in reverse order every other round, so that none always follows the same one), so
+    that a change in the machine's load during the measurement affects them all alike; see
+    :func:`paired_ratio` for a ratio that cancels a slow round.
 
     Example:
         >>> t = time_interleaved({"a": lambda: sum(range(100)), "b": lambda: None}, reps=3)
@@ -66,11 +68,29 @@ def time_interleaved(
         for _ in range(warmup):
             fn()
     runs: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(reps):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
             synchronize(device)
             start = time.perf_counter()
             fn()
             synchronize(device)
             runs[name].append(time.perf_counter() - start)
     return {name: Timing(statistics.median(r), min(r), tuple(r)) for name, r in runs.items()}
+
+
+def paired_ratio(a: Timing, b: Timing) -> float:
+    """The median over rounds of ``a``'s time over ``b``'s in the same round (both from one
+    :func:`time_interleaved`): a round the machine ran slow slows both, and cancels.
+
+    Example:
+        >>> paired_ratio(Timing(2.0, 1.0, (1.0, 4.0, 2.0)), Timing(1.0, 0.5, (0.5, 2.0, 1.0)))
+        2.0
+    """
+    if len(a.runs) != len(b.runs) or not a.runs:
+        raise LeanpropValueError(
+            f"paired_ratio got timings of {len(a.runs)} and {len(b.runs)} rounds; pass two "
+            "timings of the same time_interleaved call."
+        )
+    pairs = zip(a.runs, b.runs, strict=True)
+    return statistics.median(x / y if y > 0 else float("nan") for x, y in pairs)
