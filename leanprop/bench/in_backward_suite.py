@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -81,11 +82,20 @@ class LM(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
-# builds a trainer: its model and a step that runs STEPS training steps each call
-Variant = Callable[[], tuple[Callable[[], Tensor], nn.Module]]
+@dataclass(frozen=True)
+class Trainer:
+    """One variant's training loop: ``steps()`` runs :data:`STEPS` training steps of
+    ``model`` and returns a summary of its parameters; ``close()`` removes what it hooked."""
+
+    steps: Callable[[], Tensor]
+    model: nn.Module
+    close: Callable[[], None] = lambda: None
 
 
-def _variants(size: str, device: str) -> tuple[dict[str, Variant], Callable[[], nn.Module]]:
+Variant = Callable[[], Trainer]  # builds a trainer
+
+
+def _variants(size: str, device: str) -> dict[str, Variant]:
     """Each variant as a builder: it makes its own model (the same initial weights) and
     optimizer, and returns the training loop's step, which runs :data:`STEPS` steps on the
     same data each call (a trainer kept between calls: steady state, as a long training run;
@@ -110,7 +120,7 @@ def _variants(size: str, device: str) -> tuple[dict[str, Variant], Callable[[], 
     def summary(m: nn.Module) -> Tensor:
         return torch.stack([p.detach().double().sum() for p in m.parameters()])
 
-    def ordinary() -> tuple[Callable[[], Tensor], nn.Module]:
+    def ordinary() -> Trainer:
         m = model()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, **kernel)
 
@@ -121,9 +131,9 @@ def _variants(size: str, device: str) -> tuple[dict[str, Variant], Callable[[], 
                 opt.zero_grad(set_to_none=True)
             return summary(m)
 
-        return steps, m
+        return Trainer(steps, m)
 
-    def hooks() -> tuple[Callable[[], Tensor], nn.Module]:
+    def hooks() -> Trainer:
         m = model()
         opts = {p: torch.optim.AdamW([p], lr=1e-3, foreach=False) for p in m.parameters()}
 
@@ -131,20 +141,26 @@ def _variants(size: str, device: str) -> tuple[dict[str, Variant], Callable[[], 
             opts[p].step()
             opts[p].zero_grad(set_to_none=True)
 
-        for p in m.parameters():  # (the model is the trainer's own: its hooks go with it)
-            p.register_post_accumulate_grad_hook(hook)
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in m.parameters()]
 
         def steps() -> Tensor:
             for s in range(STEPS):
                 loss(m, s).backward()
             return summary(m)
 
-        return steps, m
+        def close() -> None:
+            for h in handles:
+                h.remove()
 
-    def torch_in_backward() -> tuple[Callable[[], Tensor], nn.Module]:
+        return Trainer(steps, m, close)
+
+    def torch_in_backward() -> Trainer:
         with warnings.catch_warnings():  # (the package's import scripts a function with jit)
             warnings.simplefilter("ignore", DeprecationWarning)
             from torch.distributed.optim import _apply_optimizer_in_backward
+            from torch.distributed.optim.apply_optimizer_in_backward import (
+                param_to_optim_hook_handle_map,
+            )
 
         m = model()
         params, options = list(m.parameters()), {"lr": 1e-3, **kernel}
@@ -155,9 +171,16 @@ def _variants(size: str, device: str) -> tuple[dict[str, Variant], Callable[[], 
                 loss(m, s).backward()
             return summary(m)
 
-        return steps, m
+        def close() -> None:  # (it has no removal API: its hooks and optimizers go here)
+            for p in params:
+                for h in param_to_optim_hook_handle_map.pop(p, []):
+                    h.remove()
+                for attr in ("_in_backward_optimizers", "_optimizer_classes", "_optimizer_kwargs"):
+                    delattr(p, attr)
 
-    def in_backward(record_norms: bool | None = None) -> tuple[Callable[[], Tensor], nn.Module]:
+        return Trainer(steps, m, close)
+
+    def in_backward(record_norms: bool | None = None) -> Trainer:
         m = model()
         opt = leanprop.InBackward(
             m.parameters(), torch.optim.AdamW, bucket_mb=BUCKET_MB[size], lr=1e-3,
@@ -170,7 +193,7 @@ def _variants(size: str, device: str) -> tuple[dict[str, Variant], Callable[[], 
                 opt.step()
             return summary(m)
 
-        return steps, m
+        return Trainer(steps, m, opt.remove)
 
     return {
         "ordinary": ordinary,
@@ -179,7 +202,16 @@ def _variants(size: str, device: str) -> tuple[dict[str, Variant], Callable[[], 
         "leanprop": in_backward,
         "leanprop_norms": lambda: in_backward(record_norms=True),
         "leanprop_no_norms": lambda: in_backward(record_norms=False),
-    }, model
+    }
+
+
+def _run_once(build: Variant) -> Tensor:
+    """A fresh trainer's summary after :data:`STEPS` steps (its hooks removed after)."""
+    trainer = build()
+    try:
+        return trainer.steps()
+    finally:
+        trainer.close()
 
 
 def _then_free(step: Callable[[], None], params: list[nn.Parameter]) -> Callable[[], None]:
@@ -278,20 +310,23 @@ def run(device: str = "cpu", batches: tuple[int, ...] = (), reps: int = 5) -> li
     overhead = bucket_overhead_us()
     rows = []
     for size in sizes:
-        builders, _ = _variants(size, device)
+        builders = _variants(size, device)
         # (exactness: each leanprop variant against the ordinary loop, both built afresh)
-        ordinary = builders["ordinary"]()[0]()
-        exact = {
-            k: bool(torch.equal(builders[k]()[0](), ordinary))
-            for k in ("leanprop", "leanprop_norms", "leanprop_no_norms")
-        }
-        gc.collect()
-        built = {k: build() for k, build in builders.items()}
-        res = leanprop.compare(
-            {k: steps for k, (steps, _) in built.items()}, device=device, reps=reps, rtol=0.0,
-            atol=0.0, show=False, check=False, existing=tuple(m for _, m in built.values()),
-        )  # fmt: skip
-        del built
+        exact = {}
+        ordinary = _run_once(builders["ordinary"])
+        for k in ("leanprop", "leanprop_norms", "leanprop_no_norms"):
+            exact[k] = bool(torch.equal(_run_once(builders[k]), ordinary))
+        trainers = {k: build() for k, build in builders.items()}
+        try:
+            res = leanprop.compare(
+                {k: t.steps for k, t in trainers.items()}, device=device, reps=reps, rtol=0.0,
+                atol=0.0, show=False, check=False,
+                existing=tuple(t.model for t in trainers.values()),
+            )  # fmt: skip
+        finally:
+            for t in trainers.values():
+                t.close()
+        del trainers
         gc.collect()
         cfg = SIZES[size]
         for r in (as_dict(r, batch=cfg["batch"], method=f"{size}: {r.name}") for r in res):

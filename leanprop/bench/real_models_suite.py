@@ -10,7 +10,7 @@ fresh pages), leanprop's ``BatchGrad`` /
 ``BatchL2Grad`` / ``Variance``, ``torch.func`` (``vmap(grad)`` with per-sample randomness)
 and Opacus' ``GradSampleModule``, where each runs. Peak memory is the exact tensor peak of one
 step (:class:`leanprop.track_memory`); time is measured in rounds, every method once per round
-(the order reversed every other round); each row gives the ratio of medians to ``plain`` and
+(the order rotated by one each round); each row gives the ratio of medians to ``plain`` and
 the median of the rounds' own ratios (a round the machine ran slow cancels).
 Each method runs ``WARM_UP`` steps first. leanprop's individual gradients are checked to add
 up to the batch gradient (its own sum check, on); their exactness on these model families is

@@ -50,9 +50,9 @@ def time_interleaved(
     reps: int = 10,
 ) -> dict[str, Timing]:
     """Time several callables in rounds (each round calls every one once, in the given order
-    and in reverse order every other round, so that none always follows the same one), so
-    that a change in the machine's load during the measurement affects them all alike; see
-    :func:`paired_ratio` for a ratio that cancels a slow round.
+    rotated by one more each round, so that none always follows the same one, nor itself),
+    so that a change in the machine's load during the measurement affects them all alike;
+    see :func:`paired_ratio` for a ratio that cancels a slow round.
 
     Example:
         >>> t = time_interleaved({"a": lambda: sum(range(100)), "b": lambda: None}, reps=3)
@@ -70,7 +70,8 @@ def time_interleaved(
     runs: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns.items())
     for r in range(reps):
-        for name, fn in order if r % 2 == 0 else order[::-1]:
+        turn = r % len(order)
+        for name, fn in order[turn:] + order[:turn]:
             synchronize(device)
             start = time.perf_counter()
             fn()

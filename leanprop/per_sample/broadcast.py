@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .batch import BatchDim, BatchTracker, Lookup
+from .batch import BatchDim, BatchTracker, Lookup, ThroughCopies
 from .ops import Contribute, hand_back
 
 # ops that broadcast their tensor operands elementwise (or concatenate them): a batch-free
@@ -40,10 +40,11 @@ class BroadcastCapture(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, w: Tensor, shape: tuple[int, ...], bd: BatchDim, n: int,
                 params: tuple[nn.Parameter, ...], contribute: Contribute,
-                lookup: Lookup | None, root: tuple[Tensor]) -> Tensor:  # fmt: skip
-        """``root``: ``(tensor,)`` from which ``w``'s parameters are reached (``w``, or what a
-        reentrant checkpoint's recomputation detached ``w`` from; in a tuple, so that autograd
-        does not take it for an input)."""
+                lookup: Lookup | None, root: tuple[Tensor | ThroughCopies]) -> Tensor:  # fmt: skip
+        """``root``: ``(where,)``, where the product to ``w``'s parameters starts
+        (``BatchTracker.vjp_root``: ``w``, what a reentrant checkpoint's recomputation detached
+        ``w`` from, or a :class:`ThroughCopies` for a tensor computed from such copies; in a
+        tuple, so that autograd does not take it for an input)."""
         ctx.w, ctx.bd, ctx.n, ctx.params, ctx.contribute = w, bd, n, params, contribute
         ctx.lookup, ctx.root = lookup, root[0]
         return w.expand(shape)

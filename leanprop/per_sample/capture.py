@@ -62,6 +62,7 @@ from .batch import (
     BatchTracker,
     Lost,
     ThroughCopies,
+    batch_norm_training,
     how_to_keep,
     in_place,
     op_name,
@@ -240,14 +241,14 @@ class _OwnWork:
     def __enter__(self) -> None:
         capture = self._capture
         self._before, capture._computing_here = capture._computing_here, True
-        ops.WORKING.depth = getattr(ops.WORKING, "depth", 0) + 1
+        ops.WORKING.enter()
         self._popped = pop_innermost_mode(capture._intercept)
 
     def __exit__(self, *exc: object) -> None:
         if self._popped is not None:
             push_mode(self._popped)
         self._capture._computing_here = self._before
-        ops.WORKING.depth -= 1
+        ops.WORKING.leave()
 
 
 _SELECTIVE_RECOMPUTED = (
@@ -260,40 +261,45 @@ _SELECTIVE_RECOMPUTED = (
 )
 
 
+# the contexts between their entry and exit (a model pass puts back what each one followed)
+_ENTERED: weakref.WeakSet[PerSample] = weakref.WeakSet()
+
+
 class _ModelPass:
     """:meth:`PerSample.model_pass`'s context: inside own work, a backward of ours through the
     model's graph (a parameter-derived tensor's contributions handed back to its parameters).
     A non-reentrant checkpoint recomputes its block there, in a graph task of its own: that
     recomputation is the model's forward replayed, followed by the op interception as the
     forward was (else it saves other tensors than the forward: the checkpoint refuses them,
-    or, where their shapes agree, hands that backward the wrong ones)."""
+    or, where their shapes agree, hands that backward the wrong ones), by every context on
+    the model. Where it stops half-way (an attempt under vmap, see ``ops._rows_grad``), what
+    each context holds while a module runs is put back."""
 
-    __slots__ = ("_capture", "_in_rule", "_pushed", "_running")
+    __slots__ = ("_capture", "_held", "_pushed")
 
     def __init__(self, capture: PerSample) -> None:
         self._capture = capture
 
     def __enter__(self) -> None:
         capture = self._capture
-        # (what the model's forward holds while a module runs: put back where a recomputation
-        # stopped half-way, an attempt under vmap, see ops._rows_grad)
-        self._in_rule = capture._in_rule.copy()
-        self._running = [(s, s.running, s.fused) for s in capture._sites]
-        ops.MODEL_PASSES.depth = getattr(ops.MODEL_PASSES, "depth", 0) + 1
+        self._held = [
+            (c, c._in_rule.copy(), [(s, s.running, s.fused) for s in c._sites]) for c in _ENTERED
+        ]
+        ops.MODEL_PASSES.enter()
         mode = capture._intercept  # (taken off by own work where it was innermost only)
         self._pushed = mode is not None and all(m is not mode for m in function_modes())
         if self._pushed:
             push_mode(mode)
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        capture = self._capture
         if self._pushed:
-            pop_innermost_mode(capture._intercept)
-        ops.MODEL_PASSES.depth -= 1
+            pop_innermost_mode(self._capture._intercept)
+        ops.MODEL_PASSES.leave()
         if kind is not None:
-            capture._in_rule = self._in_rule
-            for site, running, fused in self._running:
-                site.running, site.fused = running, fused
+            for context, in_rule, sites in self._held:
+                context._in_rule = in_rule
+                for site, running, fused in sites:
+                    site.running, site.fused = running, fused
 
 
 class PerSample:
@@ -502,8 +508,9 @@ class PerSample:
 
     def raise_pending_refusal(self) -> None:
         """Raise what the recorded forward's backward would refuse before computing anything
-        (BatchNorm in training mode, with no quantities asked): for curvature computed
-        without the engine's per-sample passes."""
+        (noted with no quantities asked: BatchNorm in training mode, a tensor from parameters
+        through a reentrant checkpoint's output): for curvature computed without the
+        engine's per-sample passes."""
         if self._cycle.pending_refusal is not None:
             raise UnsupportedModelError(self._cycle.pending_refusal)
 
@@ -616,6 +623,7 @@ class PerSample:
                 self._intercept = Intercept(self)
                 self._intercept.__enter__()
             self._active = True
+            _ENTERED.add(self)
         except BaseException:
             self._teardown()
             raise
@@ -626,6 +634,7 @@ class PerSample:
 
     def _teardown(self) -> None:
         self._active = False
+        _ENTERED.discard(self)
         misplaced = False
         if self._intercept is not None:
             # leaving pops the innermost mode: only ours may be popped
@@ -1123,7 +1132,7 @@ class PerSample:
         standardised by it, nor a teacher's forward under ``torch.no_grad()``, nor instance
         normalisation as ``[1, N*C, ...]``)."""
         x = args[0] if args else kwargs.get("input")
-        training = kwargs.get("training", args[5] if len(args) > 5 else False)
+        training = batch_norm_training(args, kwargs)
         info = self._tracker.info(x)
         channels = isinstance(info, BatchDim) and info.dim == 1
         return bool(training) and torch.is_grad_enabled() and info is not None and not channels
@@ -1566,6 +1575,9 @@ class PerSample:
                 self._cycle.clear_attrs()
             for state in self._states.values():  # (they may hold graphs: not kept)
                 state.autograd_grads = []
+            # a backward all the same: the next forward starts anew, as after one that
+            # computed quantities (what this forward's refusal waited for goes with it)
+            self._cycle.backward_done = True
         self._cycle.differentiating = False
 
     def _on_param_grad(self, state: ParamState, grad: Tensor | None) -> None:

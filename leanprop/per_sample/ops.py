@@ -49,25 +49,38 @@ from .op_rules import closed_form, closed_norms, linear_form, linear_input_grad,
 from .pytree import flatten, unflatten
 from .stats import sample_sum
 
-# how many per_sample contexts run their own per-sample work on this thread (see
+
+class Nesting(threading.local):
+    """How many blocks of one kind run on this thread (entered and left in pairs)."""
+
+    depth = 0
+
+    def enter(self) -> None:
+        self.depth += 1
+
+    def leave(self) -> None:
+        self.depth -= 1
+
+
+# per_sample contexts running their own per-sample work on this thread (see
 # PerSample.own_work): backward passes run by that work are not the model's backward
-WORKING = threading.local()
+WORKING = Nesting()
 
 
 def working() -> bool:
     """Whether some context runs its own per-sample work on this thread."""
-    return getattr(WORKING, "depth", 0) > 0
+    return WORKING.depth > 0
 
 
-# how many backward passes of ours through the model's graph run on this thread (see
+# backward passes of ours through the model's graph on this thread (see
 # PerSample.model_pass): a block a checkpoint recomputes there is the model's, for every
 # context
-MODEL_PASSES = threading.local()
+MODEL_PASSES = Nesting()
 
 
 def in_model_pass() -> bool:
     """Whether some context runs a backward of its own through the model's graph here."""
-    return getattr(MODEL_PASSES, "depth", 0) > 0
+    return MODEL_PASSES.depth > 0
 
 
 class Contribute:
@@ -136,7 +149,9 @@ class Contribute:
         self, batch: dict[nn.Parameter, Tensor], compute_dtype: torch.dtype | None = None,
         summed: dict[nn.Parameter, Tensor] | None = None,
     ) -> None:  # fmt: skip
-        """``compute_dtype``: the autocast dtype the op ran in, if any (for the sum check);
+        """``compute_dtype``: the precision the contributions were computed in, where lower
+        than their own dtype (the autocast dtype the op ran in; a parameter's use in a lower
+        precision, ``weight.float()`` in a float64 model): the sum check's tolerance;
         ``summed``: a parameter's sum of ``batch``, where the op hands it to autograd as the
         parameter's gradient."""
         self.sink(batch, compute_dtype, self, summed or {})
@@ -645,14 +660,14 @@ def _rows_grad(
 
 
 def _vmap_may_be_why(e: RuntimeError) -> bool:
-    """Whether a batched backward's error may be vmap's (retried one row at a time): not a
-    refusal of ours inside it (a recomputation's), running out of memory, or a checkpoint's
-    refusal of what its recomputation saved (the same one row at a time)."""
+    """Whether a batched backward's error may go away one row at a time (vmap's, or running
+    out of memory for all rows at once): not a refusal of ours inside it (a recomputation's),
+    nor a checkpoint's refusal of what its recomputation saved (the same for each row)."""
     from torch.utils.checkpoint import CheckpointError
 
     from ..errors import LeanpropError
 
-    return not isinstance(e, (LeanpropError, torch.OutOfMemoryError, CheckpointError))
+    return not isinstance(e, (LeanpropError, CheckpointError))
 
 
 def _no_batch_error(op: OpSpec, o: Tensor) -> Exception:
@@ -681,7 +696,8 @@ def run(
     to the parameters it stands for (itself, or those it derives from); ``follow(out)`` tracks
     the batch into the outputs, ``batch_of`` then tells where it is in each. ``roots``: for
     a captured tensor that does not lead to its parameters itself (a reentrant checkpoint's
-    detached input), the tensor that does."""
+    detached input, or a tensor computed from such inputs), where the product to them
+    starts (``BatchTracker.vjp_root``: the tensor that does, or a :class:`ThroughCopies`)."""
     leaves, spec = flatten((args, kwargs))
     tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
     tensors = [leaves[i] for i in tensor_at]

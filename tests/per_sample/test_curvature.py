@@ -1391,6 +1391,23 @@ def test_batched_columns_refuse_batchnorm_in_training_mode():
         leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
 
 
+def test_a_refusal_for_one_forward_does_not_reach_the_next():
+    """A forward with BatchNorm in training mode, in a context with no quantities asked,
+    notes its refusal for a backward that computes some; its plain backward computed none,
+    yet the refusal stayed for every later forward: curvature of an eval-mode forward after
+    it was refused (review)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    with leanprop.per_sample(model) as ctx:
+        nn.functional.cross_entropy(model(x), y).backward()  # a plain training step
+        model.eval()
+        leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
+    ref = ggn_blocks(model, x, nn.CrossEntropyLoss(), y)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact.flatten(), ref[k][0].diagonal(),
+                                   rtol=1e-10, atol=1e-12)  # fmt: skip
+
+
 class _Between(nn.Module):
     """Two linear layers (the first to ``width`` units, the second from 5) with ``between``
     applied to the first one's output."""

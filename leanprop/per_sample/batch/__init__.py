@@ -28,7 +28,7 @@ the samples) and ``tracker.py`` (the state of one forward, updated op by op).
 """
 
 from .infos import BatchDim, Lost, how_to_keep, packed_data, to_front
-from .rules import in_place, op_name, tensors_in
+from .rules import batch_norm_training, in_place, op_name, tensors_in
 from .tracker import BatchTracker, Lookup, ThroughCopies
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "Lookup",
     "Lost",
     "ThroughCopies",
+    "batch_norm_training",
     "how_to_keep",
     "in_place",
     "op_name",

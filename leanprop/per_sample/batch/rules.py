@@ -817,10 +817,16 @@ def _chain_result(args: Sequence[Any], which: int, nd: int, bd: BatchDim, od: in
     return Combined("a product of matrices sums over the batch dimension")
 
 
+def batch_norm_training(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The ``training`` argument of a ``batch_norm`` call (torch's or ``F``'s: sixth in
+    both; False where not given)."""
+    return kwargs.get("training", args[5] if len(args) > 5 else False)
+
+
 def _eval_mode(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """Whether a ``batch_norm`` call (torch's or ``F``'s: ``training`` sixth in both) uses
-    its running statistics only, without updating them."""
-    training = kwargs.get("training", args[5] if len(args) > 5 else False)
+    """Whether a ``batch_norm`` call uses its running statistics only, without updating
+    them."""
+    training = batch_norm_training(args, kwargs)
     return isinstance(training, bool) and not training
 
 
