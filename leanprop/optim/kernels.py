@@ -18,6 +18,7 @@ parameter whose state is not created yet, sparse gradients, a tensor ``lr``,
 from __future__ import annotations
 
 import inspect
+import itertools
 import operator as op
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ def _accepts(fn: Callable[..., Any], names: Sequence[str]) -> bool:
 
 
 _EXP_AVG, _EXP_AVG_SQ = op.itemgetter("exp_avg"), op.itemgetter("exp_avg_sq")
+_MOMENTUM_BUFFER = op.itemgetter("momentum_buffer")
 _MAX_EXP_AVG_SQ, _STEP = op.itemgetter("max_exp_avg_sq"), op.itemgetter("step")
 
 
@@ -74,8 +76,8 @@ def _sgd_args(group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
               states: list[dict[str, Any]]) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
     """What ``SGD.step`` passes to ``torch.optim.sgd.sgd`` for these parameters (their
     momentum buffers exist: the kernel updates them in place)."""
-    buffers = [s["momentum_buffer"] for s in states] if group["momentum"] != 0 else []
-    if any(b is None for b in buffers):
+    buffers = list(map(_MOMENTUM_BUFFER, states)) if group["momentum"] != 0 else []
+    if any(map(op.is_, buffers, itertools.repeat(None))):
         raise KeyError("momentum_buffer")
     kwargs = dict(
         weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
@@ -218,17 +220,18 @@ class DirectKernels:
         if group["differentiable"] or group.get("capturable") or isinstance(group["lr"], Tensor):
             raise _NotSame
         grads = list(map(_GRAD, call.params))
-        for g in grads:
-            if g is None or g.is_sparse:
+        try:  # (None has no is_sparse)
+            if any(map(_IS_SPARSE, grads)):
                 raise _NotSame
+        except AttributeError:
+            raise _NotSame from None
         # (a parameter without state stands in with {}: a kernel that needs it finds none)
-        state = opt.state.get
-        states = [state(p, _NO_STATE) for p in call.params]
+        states = list(map(opt.state.get, call.params, itertools.repeat(_NO_STATE)))
         return kernel.args(group, call.params, grads, states)
 
 
 _NO_STATE: dict[str, Any] = {}
-_GRAD = op.attrgetter("grad")
+_GRAD, _IS_SPARSE = op.attrgetter("grad"), op.attrgetter("is_sparse")
 
 
 class _NotSame(Exception):
