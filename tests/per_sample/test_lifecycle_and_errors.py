@@ -2222,3 +2222,23 @@ def test_the_module_scale_does_not_hide_an_escape_in_float32():
         leanprop.per_sample(model, BatchGrad()),
     ):
         F.cross_entropy(model(x), y, reduction="sum").backward()
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "unchecked"])
+def test_a_penalty_backward_between_two_forwards_keeps_the_first(check):
+    """A backward that reaches parameters but no samples (a penalty on a weight alone) between
+    two forwards, then one backward through both: refused (two forwards' samples in one
+    backward). A first fix for a refusal that outlived its forward ended the first forward at
+    that penalty: the joint backward then took the second forward's samples alone, silently
+    wrong with check=False (review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    xa, xb = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    with (
+        pytest.raises(UnsupportedModelError, match="two forward passes"),
+        leanprop.per_sample(model, leanprop.BatchGrad(), check=check),
+    ):
+        la = model(xa).square().sum()
+        model[0].weight.square().sum().backward()
+        lb = model(xb).square().sum()
+        (la + lb).backward()
