@@ -1575,12 +1575,6 @@ class PerSample:
                 self._cycle.clear_attrs()
             for state in self._states.values():  # (they may hold graphs: not kept)
                 state.autograd_grads = []
-            if not self._kinds:
-                # (none asked: the forward's backward, after which the next forward starts
-                # anew, as after one that computed quantities; what this forward's refusal
-                # waited for goes with it. With quantities asked, a backward that reached
-                # none through the batch, a penalty on a weight, leaves the forward alone)
-                self._cycle.backward_done = True
         self._cycle.differentiating = False
 
     def _on_param_grad(self, state: ParamState, grad: Tensor | None) -> None:

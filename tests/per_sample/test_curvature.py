@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import leanprop
 from leanprop import LeanpropValueError, UnsupportedModelError
 from leanprop.per_sample.curvature.loss_hessian import sqrt_hessian
-from leanprop.testing import ggn_blocks, hessian_blocks
+from leanprop.testing import ggn_blocks, hessian_blocks, individual_gradients_of_losses
 from tests.cases import CASES, build
 from tests.helpers import assert_same_derivatives, kfra_oracle, positive_curvature_blocks
 
@@ -1391,21 +1391,51 @@ def test_batched_columns_refuse_batchnorm_in_training_mode():
         leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
 
 
-def test_a_refusal_for_one_forward_does_not_reach_the_next():
-    """A forward with BatchNorm in training mode, in a context with no quantities asked,
-    notes its refusal for a backward that computes some; its plain backward computed none,
-    yet the refusal stayed for every later forward: curvature of an eval-mode forward after
-    it was refused (review)."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
-    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+@pytest.mark.parametrize("between", ["backward", "autograd.grad"])
+def test_curvature_of_a_forward_after_a_plain_backward_and_another_forward(between):
+    """A context with no quantities asked: a forward, a plain backward through it (graph
+    retained), another forward, then curvature of the first one's output. A first fix for a
+    refusal outliving its forward ended the first forward at that backward: ggn then wrote
+    nothing, silently (review). Exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x1, x2 = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    y1, loss_fn = torch.randn(5, 2, dtype=torch.float64), nn.MSELoss(reduction="sum")
     with leanprop.per_sample(model) as ctx:
-        nn.functional.cross_entropy(model(x), y).backward()  # a plain training step
-        model.eval()
-        leanprop.ggn(ctx, model(x), nn.CrossEntropyLoss(), y, leanprop.DiagGGNExact())
-    ref = ggn_blocks(model, x, nn.CrossEntropyLoss(), y)
+        out1 = model(x1)
+        if between == "backward":
+            loss_fn(out1, y1).backward(retain_graph=True)
+        else:
+            torch.autograd.grad(loss_fn(out1, y1), list(model.parameters()), retain_graph=True)
+        model(x2)
+        leanprop.ggn(ctx, out1, loss_fn, y1, leanprop.DiagGGNExact())
+    ref = ggn_blocks(model, x1, loss_fn, y1)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_exact.flatten(), ref[k][0].diagonal(),
                                    rtol=1e-10, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "unchecked"])
+def test_a_hessian_product_between_two_forwards_keeps_the_first(check):
+    """``ggn(ctx, out1, HMP())`` between two forwards of the same samples, then one backward
+    through both: the product's own pass (no quantities asked while it runs) ended the first
+    forward in a first fix for a refusal outliving its forward, and the backward then took
+    the second forward's samples alone (silently wrong with check=False, review). Exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y1, y2 = torch.randn(5, 2, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction="sum")
+    with leanprop.per_sample(model, leanprop.BatchGrad(), check=check) as ctx:
+        out1 = model(x)
+        leanprop.ggn(ctx, out1, loss_fn, y1, leanprop.HMP())
+        out2 = model(x)
+        (loss_fn(out1, y1) + loss_fn(out2, y2)).backward()
+    params = dict(model.named_parameters())
+    losses = ((model(x) - y1) ** 2).sum(1) + ((model(x) - y2) ** 2).sum(1)
+    expected = individual_gradients_of_losses(losses, params)
+    for k, p in params.items():
+        torch.testing.assert_close(p.grad_batch, expected[k], rtol=1e-10, atol=1e-12, msg=k)
 
 
 class _Between(nn.Module):

@@ -2230,7 +2230,7 @@ def test_a_penalty_backward_between_two_forwards_keeps_the_first(check):
     two forwards, then one backward through both: refused (two forwards' samples in one
     backward). A first fix for a refusal that outlived its forward ended the first forward at
     that penalty: the joint backward then took the second forward's samples alone, silently
-    wrong with check=False (review)."""
+    wrong with check=False (review; never released)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     xa, xb = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
