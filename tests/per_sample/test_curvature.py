@@ -1415,6 +1415,23 @@ def test_curvature_of_a_forward_after_a_plain_backward_and_another_forward(betwe
                                    rtol=1e-10, atol=1e-12)  # fmt: skip
 
 
+def test_curvature_of_a_forward_whose_records_were_dropped_is_refused():
+    """A forward, its backward with quantities (graph retained), a second forward (which
+    starts a new cycle and drops the first one's records), then curvature of the first
+    output: the passes reached no recorded use and ggn wrote nothing, without a word
+    (review). A clear error now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x1, x2 = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    y1, loss_fn = torch.randn(5, 2, dtype=torch.float64), nn.MSELoss(reduction="sum")
+    with leanprop.per_sample(model, leanprop.BatchGrad()) as ctx:
+        out1 = model(x1)
+        loss_fn(out1, y1).backward(retain_graph=True)
+        model(x2)
+        with pytest.raises(UnsupportedModelError, match="records of the forward"):
+            leanprop.ggn(ctx, out1, loss_fn, y1, leanprop.DiagGGNExact())
+
+
 @pytest.mark.parametrize("check", [True, False], ids=["check", "unchecked"])
 def test_a_hessian_product_between_two_forwards_keeps_the_first(check):
     """``ggn(ctx, out1, HMP())`` between two forwards of the same samples, then one backward

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from ..._torch_compat import is_checkpoint_error, through_reentrant_checkpoint
+from ..._torch_compat import graph_nodes, is_checkpoint_error, through_reentrant_checkpoint
 from ...errors import LeanpropValueError, UnsupportedModelError
 from ..capture import PerSample
 from ..quantities import ALL_QUANTITIES, BatchGrad, SumGradSquared, subsample
@@ -292,12 +292,31 @@ def compute_ggn(
                     setattr(p, a, attrs[a])
                 elif hasattr(p, a):
                     delattr(p, a)
+    if not any(results) and _depends_on(output, params):
+        raise UnsupportedModelError(_NOTHING_FOUND)
     for p, res in zip(params, results, strict=True):
         for attr in asked:  # (a parameter the output does not depend on: none, not stale)
             if attr in res:
                 setattr(p, attr, res[attr])
             elif hasattr(p, attr):
                 delattr(p, attr)
+
+
+_NOTHING_FOUND = (
+    "leanprop.ggn: the output depends on the context's parameters, but the passes reached "
+    "none of their uses: the records of the forward that produced it were dropped (a later "
+    "forward started a new cycle after a backward through it), or it was computed outside "
+    "the block. Call ggn right after the forward of the output, before the next forward."
+)
+
+
+def _depends_on(output: Tensor, params: list[nn.Parameter]) -> bool:
+    """Whether ``output``'s graph reaches the gradient accumulator of one of ``params``."""
+    ids = {id(p) for p in params}
+    with torch.no_grad():  # (reading the graph only)
+        return any(
+            id(getattr(node, "variable", None)) in ids for node in graph_nodes([output.grad_fn])
+        )
 
 
 def _output_batch_dim(contexts: Sequence[PerSample], output: Tensor) -> int:
