@@ -100,7 +100,8 @@ def layer_norm_batch_grads(
     )  # (mixed dtypes: torch keeps the statistics in float32, the kernel wants them so)
     # (torch's CPU kernel normalises without a weight by a path 2-3x slower than with one;
     # a weight of ones gives the same values)
-    ones = x.new_ones(shape) if x.device.type == "cpu" else None
+    wanted = "weight" in names or INPUT in names
+    ones = x.new_ones(shape) if wanted and x.device.type == "cpu" else None
     if INPUT in names and not torch.is_grad_enabled() and same:
         x_hat, mean, rstd = torch.native_layer_norm(x, shape, ones, None, module.eps)
         stats = mean, rstd
