@@ -149,6 +149,35 @@ def test_transformer_encoder_layer_sequence_first_with_padding_mask(n, t):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(("n", "t"), [(4, 4), (4, 6)])
+def test_multihead_attention_with_a_mask_per_sample_and_head(n, t):
+    """``nn.MultiheadAttention`` with a 3-D ``attn_mask`` ``[N*H, T, T]`` (each sample's
+    padding repeated for its heads): refused with a clear error as an input of unknown
+    batch, exact with ``batch_dims={"attn_mask": None}`` (constant data: no parameter's
+    gradient goes through it), T == N too."""
+    torch.manual_seed(0)
+    heads = 2
+    mha = nn.MultiheadAttention(8, heads, batch_first=True).double()
+    x = torch.randn(n, t, 8, dtype=torch.float64)
+    lengths = torch.tensor([t, t - 1, t - 2, t])[:n]
+    pad = torch.arange(t)[None, :] >= lengths[:, None]  # [N, T]
+    mask = pad[:, None, :].expand(n, t, t).repeat_interleave(heads, 0)  # [N*H, T, T]
+
+    def loss(s: slice) -> torch.Tensor:
+        m = mask.view(n, heads, t, t)[s].flatten(0, 1)
+        return mha(x[s], x[s], x[s], attn_mask=m, need_weights=False)[0].square().sum()
+
+    with (
+        pytest.raises(BatchError, match="batch_dims="),
+        leanprop.per_sample(mha, BatchGrad()),
+    ):
+        loss(slice(None)).backward()
+    check(
+        mha, lambda: loss(slice(None)), lambda i: loss(slice(i, i + 1)), n,
+        batch_dims={"attn_mask": None},
+    )  # fmt: skip
+
+
 def test_batch_first_mask_taken_as_sequence_first_is_refused_not_wrong():
     """T == N: a [N, T] mask marked at dim 1 fits by size; leanprop must not use it."""
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0).double()
