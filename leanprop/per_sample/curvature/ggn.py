@@ -158,7 +158,9 @@ def ggn(
         UnsupportedModelError: ``DiagHessian`` of a model whose Hessian has terms besides the
             GGN and the curved activations' (refused before any pass where the graph shows
             them, during the passes for an activation inside a module hooked as a whole);
-            curvature through ``torch.utils.checkpoint``.
+            curvature through ``torch.utils.checkpoint``; an output whose forward's records
+            are gone (a later forward after a backward through it), or what the recorded
+            forward would refuse (BatchNorm in training mode).
     """
     by_mc = validate_curvature(quantities)
     if not isinstance(context, PerSample) or not context.active:
