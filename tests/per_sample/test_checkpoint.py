@@ -818,6 +818,42 @@ def test_an_input_from_parameters_changed_in_nested_reentrant_checkpoints():
     assert_grad_batch_is_the_loops(Model().double(), torch.randn(4, 4, 4, dtype=torch.float64))
 
 
+class _ReturnsFromReentrant(nn.Module):
+    """A table from parameters that reaches the batch after a reentrant checkpoint returned it
+    (``use``: how it meets the batch; see the tests below)."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+        self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.table = nn.Parameter(torch.linspace(-1, 1, 20).view(5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use == "passed":
+            h, bias = checkpoint(self._through, self.inp(x), self.table * 2, use_reentrant=True)
+        else:
+            h, bias = checkpoint(self._first, self.inp(x), use_reentrant=True)
+        if self.use == "in_place":
+            bias = bias.mul_(2)
+        elif self.use == "assigned":
+            buffer = torch.zeros(5, 4, dtype=x.dtype)
+            buffer[:] = bias
+            bias = buffer
+        if self.use in ("outside", "in_place", "assigned"):
+            return self.head(h * bias)
+        return self.head(checkpoint(self._next, h, bias, use_reentrant=True))
+
+    def _first(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self.table * 2
+        return torch.tanh(h + bias), bias
+
+    def _through(self, h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.tanh(h + bias), bias
+
+    def _next(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h * (bias + 1 if self.use == "changed_in_next_block" else bias))
+
+
 @pytest.mark.parametrize("check", [True, False], ids=["check", "unchecked"])
 @pytest.mark.parametrize(
     "use", ["next_block", "changed_in_next_block", "outside", "in_place", "assigned", "passed"]
@@ -830,39 +866,8 @@ def test_a_tensor_from_parameters_returned_by_a_reentrant_checkpoint(use, check)
     meets the batch later (changed in place or assigned into a buffer first: missed at
     first, review)."""
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
-            self.table = nn.Parameter(torch.linspace(-1, 1, 20).view(5, 4))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if use == "passed":
-                h, bias = checkpoint(self._through, self.inp(x), self.table * 2, use_reentrant=True)
-            else:
-                h, bias = checkpoint(self._first, self.inp(x), use_reentrant=True)
-            if use == "in_place":
-                bias = bias.mul_(2)
-            elif use == "assigned":
-                buffer = torch.zeros(5, 4, dtype=x.dtype)
-                buffer[:] = bias
-                bias = buffer
-            if use in ("outside", "in_place", "assigned"):
-                return self.head(h * bias)
-            return self.head(checkpoint(self._next, h, bias, use_reentrant=True))
-
-        def _first(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            bias = self.table * 2
-            return torch.tanh(h + bias), bias
-
-        def _through(self, h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return torch.tanh(h + bias), bias
-
-        def _next(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-            return torch.tanh(h * (bias + 1 if use == "changed_in_next_block" else bias))
-
     torch.manual_seed(0)
-    model = Model().double()
+    model = _ReturnsFromReentrant(use).double()
     x = torch.randn(5, 5, 4, dtype=torch.float64)  # T == N
     with (
         pytest.raises(
@@ -876,34 +881,14 @@ def test_a_tensor_from_parameters_returned_by_a_reentrant_checkpoint(use, check)
     assert model.inp.weight.grad_batch.shape == (5, 4, 4)
 
 
-@pytest.mark.parametrize("meets", ["in_the_forward", "in_the_recomputation"])
-def test_a_tensor_from_parameters_returned_by_a_reentrant_checkpoint_without_quantities(meets):
+@pytest.mark.parametrize("use", ["outside", "next_block"], ids=["in_the_forward", "recomputed"])
+def test_a_tensor_from_parameters_returned_by_a_reentrant_checkpoint_without_quantities(use):
     """The refusal above is about per-sample quantities: a context with none asked (opened
     for curvature, or around a plain training step) was refused in the forward as well, a
     false refusal (review); also where the tensor meets the batch in the second block's
     recomputation. Its gradients are the plain run's now."""
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
-            self.table = nn.Parameter(torch.linspace(-1, 1, 20).view(5, 4))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h, bias = checkpoint(self._first, self.inp(x), use_reentrant=True)
-            if meets == "in_the_forward":
-                return self.head(torch.tanh(h * bias))
-            return self.head(checkpoint(self._next, h, bias, use_reentrant=True))
-
-        def _first(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            bias = self.table * 2
-            return torch.tanh(h + bias), bias
-
-        def _next(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-            return torch.tanh(h * bias)
-
     torch.manual_seed(0)
-    model = Model().double()
+    model = _ReturnsFromReentrant(use).double()
     x = torch.randn(5, 5, 4, dtype=torch.float64)  # T == N
     model(x).square().sum().backward()
     expected = {k: p.grad.clone() for k, p in model.named_parameters()}

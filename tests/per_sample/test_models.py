@@ -506,6 +506,12 @@ def test_a_parameter_used_in_float32_inside_a_float64_model():
         torch.nn.Linear(8, 8), _GemmaRMSNorm(8), torch.nn.Linear(8, 3)
     ).double()
     x = torch.randn(4, 4, 8, dtype=torch.float64)  # T == N
+    _assert_quantities_are_the_losses(model, x, 1e-5, 1e-7)
+
+
+def _assert_quantities_are_the_losses(model, x, rtol: float, atol: float) -> None:
+    """BatchGrad and BatchL2Grad of ``model(x).square().sum()`` against each sample's own
+    loss's gradients (float32-rounded uses: the given tolerances)."""
     params = dict(model.named_parameters())
     with leanprop.per_sample(model, BatchGrad(), BatchL2Grad()):
         losses = model(x).square().sum((1, 2))
@@ -514,7 +520,7 @@ def test_a_parameter_used_in_float32_inside_a_float64_model():
     for k, p in params.items():
         ref = quantities_from_individual(expected[k])
         for attr in ("grad_batch", "batch_l2"):
-            assert_close(getattr(p, attr), ref[attr], f"{k}.{attr}", 1e-5, 1e-7)
+            assert_close(getattr(p, attr), ref[attr], f"{k}.{attr}", rtol, atol)
 
 
 class _MixedPrecisionBias(torch.nn.Module):
@@ -540,12 +546,4 @@ def test_a_float64_parameter_used_in_float32_with_a_float32_one():
     torch.manual_seed(0)
     model = _MixedPrecisionBias()
     x = torch.randn(5, 5, 4, dtype=torch.float64)  # T == N
-    params = dict(model.named_parameters())
-    with leanprop.per_sample(model, BatchGrad(), BatchL2Grad()):
-        losses = model(x).square().sum((1, 2))
-        losses.sum().backward(retain_graph=True)
-    expected = individual_gradients_of_losses(losses, params)
-    for k, p in params.items():
-        ref = quantities_from_individual(expected[k])
-        for attr in ("grad_batch", "batch_l2"):
-            assert_close(getattr(p, attr), ref[attr], f"{k}.{attr}", 1e-5, 1e-6)
+    _assert_quantities_are_the_losses(model, x, 1e-5, 1e-6)
